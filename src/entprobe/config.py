@@ -1,0 +1,278 @@
+"""Structured configs: the schema of every Hydra group and its validation.
+
+Each dataclass is registered in Hydra's ConfigStore as ``<group>/schema``; the YAML files under
+``conf/`` list it first in their defaults, so OmegaConf rejects unknown keys, wrong types and
+values outside an Enum's choices before any model is loaded. ``validate(cfg)`` adds the range
+checks a type cannot express (B >= 2, G >= 2, lr > 0, ...).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+class WeightingMode(str, Enum):
+    sequence = "sequence"
+    dr_grpo = "dr_grpo"
+    per_token_avg = "per_token_avg"
+
+
+class AdvantageMode(str, Enum):
+    dr_grpo = "dr_grpo"
+    grpo = "grpo"
+
+
+class ProbeMode(str, Enum):
+    two_batch = "two_batch"
+    single_batch = "single_batch"
+
+
+class ProjectionMode(str, Enum):
+    fused = "fused"  # per-unit dots on the device during accumulation + one forward-mode pass
+    backward = "backward"  # seed 000 literal: per-unit backward, grads moved to the buffers
+
+
+class Preconditioner(str, Enum):
+    adam = "adam"
+    identity = "identity"
+
+
+class ISMode(str, Enum):
+    snis = "snis"
+    clip = "clip"
+    psis = "psis"
+
+
+class TrainingLoss(str, Enum):
+    rl = "rl"
+    nll = "nll"
+
+
+class StepMode(str, Enum):
+    optimizer = "optimizer"
+    preconditioned_sgd = "preconditioned_sgd"
+
+
+class ChatTemplate(str, Enum):
+    auto = "auto"  # apply the tokenizer's chat template when it has one
+    always = "always"
+    never = "never"
+
+
+class ModelSource(str, Enum):
+    builtin = "builtin"
+    hf = "hf"
+    gguf = "gguf"
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+@dataclass
+class BatchConfig:
+    B_E: int = 8
+    B_U: int = 8
+    G: int = 4
+    seed_E: int = 1
+    seed_U: int = 2
+    advantage: AdvantageMode = AdvantageMode.dr_grpo
+    adv_eps: float = 1e-6
+    save: Optional[str] = None
+    load: Optional[str] = None
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 4
+    gen_microbatch_prompts: int = 16
+
+
+@dataclass
+class ProbeConfig:
+    mode: ProbeMode = ProbeMode.two_batch
+    mb_size_prompts: int = 2
+    weighting_mode: WeightingMode = WeightingMode.dr_grpo
+    buffers_device: str = "cpu"
+    buffers_dtype: DType = DType.float32
+    variance_enabled: bool = True
+    projection: ProjectionMode = ProjectionMode.fused
+    save_buffers: bool = False
+    top_k_params: int = 10
+    block_size: int = 0
+    num_blocks: int = 0
+    pairs_per_block: int = 0
+    cross_fit: bool = False
+    top_units: int = 5
+    ddp_allreduce: bool = True
+
+
+@dataclass
+class ImportanceConfig:
+    enabled: bool = True
+    is_mode: ISMode = ISMode.snis
+    clip_c: float = 10.0
+    training_loss: TrainingLoss = TrainingLoss.rl
+    step_mode: StepMode = StepMode.optimizer
+    reuse_probe_gradient: bool = True
+    snapshot_device: str = "cpu"
+    importance_microbatch_size: int = 1
+    rl_grad_accum: int = 1
+    max_grad_norm: Optional[float] = None
+    report_per_token: bool = False
+    ess_threshold: float = 0.3
+    resample_on_low_ess: bool = True
+    update_clip_eps: float = 0.2
+    update_clip_eps_high: float = 0.28
+    split_step: bool = True
+
+
+@dataclass
+class OptimizerConfig:
+    state_path: Optional[str] = None
+    preconditioner: Preconditioner = Preconditioner.adam
+    lr: Optional[float] = None
+    betas: Optional[list[float]] = None
+    eps: Optional[float] = None
+    weight_decay: Optional[float] = None
+    step: Optional[int] = None
+
+
+@dataclass
+class DDPConfig:
+    backend: str = "auto"
+    find_unused_parameters: bool = True
+    timeout_s: int = 1800
+
+
+@dataclass
+class ModelConfig:
+    source: ModelSource = ModelSource.builtin
+    path: Optional[str] = None
+    gguf_file: Optional[str] = None
+    gguf_package: Optional[str] = None
+    tokenizer_path: Optional[str] = None
+    dtype: DType = DType.float32
+    device: str = "auto"
+    autocast_bf16: bool = True
+    attn_implementation: str = "eager"
+    trust_remote_code: bool = False
+    cache_dir: Optional[str] = None
+    builtin_seed: int = 0
+
+
+@dataclass
+class TaskConfig:
+    _target_: str = "entprobe.tasks.arithmetic.ArithmeticTask"
+    path: Optional[str] = None
+    reward: str = "numeric"
+    num_prompts: int = 512
+    max_operand: int = 9
+    seed: int = 0
+    chat_template: ChatTemplate = ChatTemplate.auto
+    system_prompt: Optional[str] = None
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"
+    project: str = "entprobe"
+    entity: Optional[str] = None
+    name: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    progress: bool = True
+    console_table: bool = True
+    results_file: str = "results.json"
+
+
+@dataclass
+class EntprobeConfig:
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    probe_rework: ProbeConfig = field(default_factory=ProbeConfig)
+    importance: ImportanceConfig = field(default_factory=ImportanceConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run_dir: str = "."
+    seed: int = 0
+
+
+GROUPS = {
+    "batch": BatchConfig,
+    "sampling": SamplingConfig,
+    "probe_rework": ProbeConfig,
+    "importance": ImportanceConfig,
+    "optimizer": OptimizerConfig,
+    "ddp": DDPConfig,
+    "model": ModelConfig,
+    "task": TaskConfig,
+    "logging": LoggingConfig,
+}
+
+
+def register_configs() -> None:
+    """Register the root schema and one ``schema`` node per group in Hydra's ConfigStore."""
+    cs = ConfigStore.instance()
+    cs.store(name="entprobe_schema", node=EntprobeConfig)
+    for group, node in GROUPS.items():
+        cs.store(group=group, name="schema", node=node)
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the key and what to change."""
+
+
+def _require(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def validate(cfg: Any) -> None:
+    """Range checks a type cannot express. ``cfg`` is an EntprobeConfig or a DictConfig of one."""
+    b, s, p, i = cfg.batch, cfg.sampling, cfg.probe_rework, cfg.importance
+    _require(b.G >= 2, "batch.G", f"is {b.G}; need >= 2 responses per prompt for the "
+             "leave-one-out baseline and group advantages")
+    if p.mode == ProbeMode.two_batch:
+        _require(b.B_E >= 2, "batch.B_E", f"is {b.B_E}; need >= 2 prompts for a variance")
+        _require(b.B_U >= 2, "batch.B_U", f"is {b.B_U}; need >= 2 prompts for a variance")
+    else:
+        _require(b.B_U >= 2, "batch.B_U", f"is {b.B_U}; single_batch mode uses B_U prompts, need >= 2")
+    _require(s.temperature > 0, "sampling.temperature", "must be > 0")
+    _require(s.top_k >= 0, "sampling.top_k", "must be >= 0 (0 disables top-k)")
+    _require(0 < s.top_p <= 1, "sampling.top_p", "must be in (0, 1]")
+    _require(s.max_new_tokens >= 1, "sampling.max_new_tokens", "must be >= 1")
+    _require(s.gen_microbatch_prompts >= 1, "sampling.gen_microbatch_prompts", "must be >= 1")
+    _require(p.mb_size_prompts >= 1, "probe_rework.mb_size_prompts", "must be >= 1")
+    _require(p.buffers_device in ("cpu", "model") or p.buffers_device.startswith("cuda"),
+             "probe_rework.buffers_device", f"is {p.buffers_device!r}; use cpu, model or cuda[:N]")
+    _require(p.block_size >= 0 and p.num_blocks >= 0 and p.pairs_per_block >= 0,
+             "probe_rework.block_size/num_blocks/pairs_per_block", "must be >= 0")
+    _require(not (p.block_size and p.num_blocks), "probe_rework.block_size",
+             "set block_size or num_blocks, not both")
+    _require(i.clip_c > 0, "importance.clip_c", "must be > 0")
+    _require(0 <= i.ess_threshold <= 1, "importance.ess_threshold", "is a fraction ESS/N in [0, 1]")
+    _require(i.importance_microbatch_size >= 1, "importance.importance_microbatch_size", "must be >= 1")
+    _require(i.rl_grad_accum >= 1, "importance.rl_grad_accum", "must be >= 1")
+    _require(i.snapshot_device in ("cpu", "gpu", "model"), "importance.snapshot_device",
+             f"is {i.snapshot_device!r}; use cpu or gpu")
+    o = cfg.optimizer
+    _require(o.lr is None or o.lr > 0, "optimizer.lr", "must be > 0")
+    _require(o.betas is None or len(o.betas) == 2, "optimizer.betas", "must be [beta1, beta2]")
+    _require(cfg.logging.wandb.mode in ("disabled", "offline", "online"), "logging.wandb.mode",
+             f"is {cfg.logging.wandb.mode!r}; use disabled, offline or online")

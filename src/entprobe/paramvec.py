@@ -1,0 +1,95 @@
+"""Parameter-sized buffers: lists of tensors aligned with the trainable parameters.
+
+Dots accumulate in float64 on the buffers' device, and only the final scalar moves to the host.
+P (Adam's diagonal preconditioner) is a buffer of the same layout; ``None`` means identity.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+Buffer = list[torch.Tensor]
+
+
+def trainable(model) -> tuple[list[str], list[torch.nn.Parameter]]:
+    """Names and parameters with requires_grad, in ``model.named_parameters()`` order."""
+    pairs = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not pairs:
+        raise ValueError("the model has no trainable parameters (all requires_grad=False)")
+    return [n for n, _ in pairs], [p for _, p in pairs]
+
+
+def resolve_device(spec: str, params: Sequence[torch.Tensor]) -> torch.device:
+    """``model`` -> the parameters' device; anything else is a torch device string."""
+    return params[0].device if spec == "model" else torch.device(spec)
+
+
+def zeros(params: Sequence[torch.Tensor], device, dtype=torch.float32) -> Buffer:
+    return [torch.zeros(p.shape, device=device, dtype=dtype) for p in params]
+
+
+def clone(buf: Buffer, device=None, dtype=None) -> Buffer:
+    return [b.detach().to(device=device or b.device, dtype=dtype or b.dtype, copy=True) for b in buf]
+
+
+def grads(params: Sequence[torch.Tensor]) -> Buffer:
+    """Current ``.grad`` of each parameter (zeros where a parameter got none)."""
+    return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+
+
+def add_grads_(buf: Buffer, params: Sequence[torch.Tensor], scale: float = 1.0) -> None:
+    """``buf += scale * grad`` for every parameter that has a gradient (cast to buf's device/dtype)."""
+    for b, p in zip(buf, params):
+        if p.grad is not None:
+            b.add_(p.grad.detach().to(b.device, b.dtype), alpha=scale)
+
+
+def scale_(buf: Buffer, s: float) -> Buffer:
+    for b in buf:
+        b.mul_(s)
+    return buf
+
+
+def dot(a: Buffer, b: Buffer, P: Buffer | None = None) -> float:
+    """``sum_i a_i * P_i * b_i`` over all parameters (P None: identity), accumulated in float64."""
+    total = None
+    for i, (x, y) in enumerate(zip(a, b)):
+        y = y.to(x.device, non_blocking=True)
+        if P is not None:
+            y = y * P[i].to(x.device)
+        term = torch.dot(x.reshape(-1).double(), y.reshape(-1).double())
+        total = term if total is None else total + term.to(total.device)
+    return float(total) if total is not None else 0.0
+
+
+def dot_each(a: Buffer, b: Buffer, P: Buffer | None = None) -> list[float]:
+    """Per-parameter terms of ``dot(a, b, P)`` (for the attribution table)."""
+    out = []
+    for i, (x, y) in enumerate(zip(a, b)):
+        y = y.to(x.device)
+        if P is not None:
+            y = y * P[i].to(x.device)
+        out.append(float(torch.dot(x.reshape(-1).double(), y.reshape(-1).double())))
+    return out
+
+
+def mul(a: Buffer, P: Buffer | None, device=None) -> Buffer:
+    """Elementwise ``P * a`` (a copy), optionally moved to ``device``."""
+    if P is None:
+        return clone(a, device)
+    return [(x.to(device or x.device) * p.to(device or x.device)) for x, p in zip(a, P)]
+
+
+def norm(a: Buffer) -> float:
+    return sum(float(x.double().pow(2).sum()) for x in a) ** 0.5
+
+
+def adam_preconditioner(exp_avg_sq: Buffer, step: int, beta2: float, eps: float,
+                        device=None, dtype=torch.float32) -> Buffer:
+    """``P = 1 / (sqrt(v_hat) + eps)`` with ``v_hat = exp_avg_sq / (1 - beta2**step)``."""
+    if step < 1:
+        raise ValueError(f"Adam state has step={step}; the preconditioner needs step >= 1")
+    bc = 1.0 - beta2 ** step
+    return [(1.0 / ((v.to(device=device, dtype=torch.float64) / bc).sqrt() + eps)).to(dtype)
+            for v in exp_avg_sq]

@@ -1,0 +1,239 @@
+"""Sample the E and U batches: B prompts x G responses from pi_theta, with rewards and advantages.
+
+Layout of a ``RolloutBatch`` (all tensors on CPU, indexed [B, G, T]): columns [0, P) hold the
+left-padded prompt, columns [P, T) the response, right-padded after EOS. ``response_mask`` is 1 on
+generated tokens (EOS counts), ``attention_mask`` on every real token.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+from entprobe.logprobs import position_ids_from_mask
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: torch.Tensor  # [B, G, T] long
+    attention_mask: torch.Tensor  # [B, G, T] long
+    response_mask: torch.Tensor  # [B, G, T] long, 1 on generated tokens (EOS included)
+    sampler_logprobs: torch.Tensor  # [B, G, T] fp32 log_softmax(logits/temp)[token], 0 off response
+    rewards: torch.Tensor  # [B, G] fp32
+    advantages: torch.Tensor  # [B, G] fp32
+    prompt_index: torch.Tensor  # [B] long, index into task.prompts
+    temperature: float = 1.0
+
+    @property
+    def B(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def G(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def gen_lengths(self) -> torch.Tensor:  # [B, G] generated tokens per response (EOS counts)
+        return self.response_mask.sum(-1)
+
+    @property
+    def Lmax(self) -> torch.Tensor:  # [B] longest response of each prompt's group
+        return self.gen_lengths.amax(-1)
+
+    @property
+    def S_sampler(self) -> torch.Tensor:  # [B, G] sequence log-prob recorded while sampling
+        return self.sampler_logprobs.sum(-1)
+
+    def select(self, idx) -> "RolloutBatch":
+        """The prompts ``idx`` (a slice, list or tensor) as a new batch; units stay whole."""
+        if isinstance(idx, int):
+            idx = slice(idx, idx + 1)
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k, v in kw.items():
+            if isinstance(v, torch.Tensor):
+                kw[k] = v[idx]
+        return RolloutBatch(**kw)
+
+    def microbatches(self, size: int):
+        """Yield (start, sub-batch) over consecutive groups of ``size`` prompts."""
+        for s in range(0, self.B, size):
+            yield s, self.select(slice(s, min(s + size, self.B)))
+
+    def flat(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids, attention_mask, response_mask) as [B*G, T] tensors on ``device``."""
+        T = self.input_ids.shape[-1]
+        return tuple(t.reshape(-1, T).to(device, non_blocking=True)
+                     for t in (self.input_ids, self.attention_mask, self.response_mask))
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        torch.save(asdict(self), tmp)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RolloutBatch":
+        data = torch.load(path, map_location="cpu", weights_only=True)
+        return cls(**data)
+
+    def stats(self, prefix: str) -> dict[str, float]:
+        """Reward mean/std, fraction of groups with zero reward variance, mean generated length."""
+        r = self.rewards
+        return {
+            f"{prefix}/reward_mean": r.mean().item(),
+            f"{prefix}/reward_std": r.std().item() if r.numel() > 1 else 0.0,
+            f"{prefix}/frac_zero_var_groups": (r.std(-1) == 0).float().mean().item(),
+            f"{prefix}/mean_gen_length": self.gen_lengths.float().mean().item(),
+        }
+
+
+def group_advantages(rewards: torch.Tensor, mode: str, eps: float = 1e-6) -> torch.Tensor:
+    """``dr_grpo``: A = r - mean_g r. ``grpo``: A = (r - mean_g r) / (std_g r + eps) (unbiased std)."""
+    centred = rewards - rewards.mean(-1, keepdim=True)
+    if str(mode) in ("grpo", "AdvantageMode.grpo"):
+        return centred / (rewards.std(-1, keepdim=True) + eps)
+    return centred
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then nucleus (top-p) truncation; removed entries set to -inf."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the token that crosses top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+    return logits
+
+
+def encode_prompts(tokenizer, texts: list[str], chat_template: str, system_prompt=None) -> list[list[int]]:
+    """Token ids of each prompt: through the chat template when asked/available, else BOS + text."""
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    use = chat_template == "always" or (chat_template == "auto" and has_template)
+    if chat_template == "always" and not has_template:
+        raise ValueError("task.chat_template=always but the tokenizer has no chat template")
+    out = []
+    for text in texts:
+        if use:
+            msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
+                   [{"role": "user", "content": text}]
+            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            out.append(list(ids))
+        else:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            bos = tokenizer.bos_token_id
+            out.append(([bos] if bos is not None else []) + list(ids))
+    return out
+
+
+@torch.no_grad()
+def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eos_id: int,
+             pad_id: int, temperature: float, top_k: int, top_p: float,
+             generator: torch.Generator, device) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
+    """Sample G responses per prompt with a KV cache; returns per-row prompt ids, response ids,
+    and per-token ``log_softmax(logits / temperature)`` of each sampled token (rows = prompt-major)."""
+    rows = [p for p in prompt_ids for _ in range(G)]
+    N, P = len(rows), max(len(p) for p in rows)
+    ids = torch.full((N, P), pad_id, dtype=torch.long)
+    mask = torch.zeros((N, P), dtype=torch.long)
+    for i, p in enumerate(rows):
+        ids[i, P - len(p):] = torch.tensor(p)
+        mask[i, P - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                use_cache=True)
+    past, logits = out.past_key_values, out.logits[:, -1].float()
+    done = torch.zeros(N, dtype=torch.bool, device=device)
+    toks, lps = [], []
+    for _ in range(max_new_tokens):
+        logp = (logits / temperature).log_softmax(-1)
+        probs = filter_logits(logp, top_k, top_p).softmax(-1)
+        nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
+        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        toks.append(torch.where(done, -1, nxt))
+        lps.append(logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1))
+        done = done | (nxt == eos_id)
+        if done.all():
+            break
+        mask = torch.cat([mask, (toks[-1] >= 0).long().unsqueeze(-1)], dim=1)
+        out = model(input_ids=nxt.unsqueeze(-1), attention_mask=mask,
+                    position_ids=(mask.sum(-1, keepdim=True) - 1), past_key_values=past, use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1].float()
+    tok = torch.stack(toks, 1).cpu()
+    lp = torch.stack(lps, 1).cpu()
+    responses, logprobs = [], []
+    for i in range(N):
+        keep = tok[i] >= 0
+        responses.append(tok[i][keep].tolist())
+        logprobs.append(lp[i][keep].tolist())
+    return rows, responses, logprobs
+
+
+def assemble(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]],
+             G: int, pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Pack rows into [B, G, T] tensors: prompts left-padded to P, responses right-padded."""
+    N = len(prompts)
+    P, R = max(len(p) for p in prompts), max(1, max(len(r) for r in responses))
+    T = P + R
+    ids = torch.full((N, T), pad_id, dtype=torch.long)
+    att = torch.zeros((N, T), dtype=torch.long)
+    resp = torch.zeros((N, T), dtype=torch.long)
+    lp = torch.zeros((N, T), dtype=torch.float32)
+    for i, (p, r, l) in enumerate(zip(prompts, responses, logprobs)):
+        ids[i, P - len(p):P] = torch.tensor(p)
+        att[i, P - len(p):P + len(r)] = 1
+        if r:
+            ids[i, P:P + len(r)] = torch.tensor(r)
+            resp[i, P:P + len(r)] = 1
+            lp[i, P:P + len(r)] = torch.tensor(l)
+    return tuple(t.view(N // G, G, T) for t in (ids, att, resp, lp))
+
+
+def sample_batch(model, tokenizer, task, prompt_index: torch.Tensor, G: int, sampling, seed: int,
+                 advantage: str, adv_eps: float, chat_template: str = "auto",
+                 system_prompt: str | None = None, progress=None) -> RolloutBatch:
+    """Sample G responses for each prompt in ``prompt_index`` (reproducible from ``seed``)."""
+    if sampling.top_k or sampling.top_p < 1.0:
+        warnings.warn("truncated sampling (top_k/top_p) draws from a distribution other than "
+                      "pi_theta: every entropy estimator is biased. Use top_k=0, top_p=1 for "
+                      "trustworthy numbers.", stacklevel=2)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    gen = torch.Generator().manual_seed(int(seed))
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    pad = eos if pad is None else pad
+    all_p, all_r, all_l = [], [], []
+    idx = prompt_index.tolist()
+    chunk = sampling.gen_microbatch_prompts
+    for s in range(0, len(idx), chunk):
+        texts = [task.prompts[i].text for i in idx[s:s + chunk]]
+        ids = encode_prompts(tokenizer, texts, str(getattr(chat_template, "value", chat_template)), system_prompt)
+        p, r, l = generate(model, ids, G, sampling.max_new_tokens, eos, pad, sampling.temperature,
+                           sampling.top_k, sampling.top_p, gen, device)
+        all_p += p; all_r += r; all_l += l
+        if progress is not None:
+            progress(len(texts))
+    model.train(was_training)
+    ids, att, resp, lp = assemble(all_p, all_r, all_l, G, pad)
+    rewards = torch.tensor([
+        task.reward(tokenizer.decode(r, skip_special_tokens=True), task.prompts[idx[i // G]])
+        for i, r in enumerate(all_r)], dtype=torch.float32).view(len(idx), G)
+    adv = group_advantages(rewards, advantage, adv_eps)
+    return RolloutBatch(ids, att, resp, lp, rewards, adv, prompt_index.clone(), float(sampling.temperature))
+
+
+def draw_prompt_indices(num_prompts: int, B: int, seed: int) -> torch.Tensor:
+    """B distinct prompt indices drawn uniformly (with replacement once B exceeds the pool)."""
+    gen = torch.Generator().manual_seed(int(seed) + 7919)
+    if B <= num_prompts:
+        return torch.randperm(num_prompts, generator=gen)[:B]
+    return torch.randint(num_prompts, (B,), generator=gen)
