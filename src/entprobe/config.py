@@ -1,8 +1,8 @@
 """Structured configs: the schema of every Hydra group and its validation.
 
-Each dataclass is registered in Hydra's ConfigStore as ``<group>/schema``; the YAML files under
-``conf/`` list it first in their defaults, so OmegaConf rejects unknown keys, wrong types and
-values outside an Enum's choices before any model is loaded. ``validate(cfg)`` adds the range
+The root dataclass is registered in Hydra's ConfigStore as ``entprobe_schema`` and listed first in
+``conf/config.yaml``, so composition rejects unknown keys, wrong types and values outside an
+Enum's choices before any model is loaded. ``validate(cfg)`` adds the range
 checks a type cannot express (B >= 2, G >= 2, lr > 0, ...).
 """
 from __future__ import annotations
@@ -227,11 +227,8 @@ GROUPS = {
 
 
 def register_configs() -> None:
-    """Register the root schema and one ``schema`` node per group in Hydra's ConfigStore."""
-    cs = ConfigStore.instance()
-    cs.store(name="entprobe_schema", node=EntprobeConfig)
-    for group, node in GROUPS.items():
-        cs.store(group=group, name="schema", node=node)
+    """Register the root schema; config.yaml lists it first, so every group is typed by it."""
+    ConfigStore.instance().store(name="entprobe_schema", node=EntprobeConfig)
 
 
 class ConfigError(ValueError):

@@ -206,3 +206,17 @@ def token_ratio_stats(new_logp: torch.Tensor, old_logp: torch.Tensor, mask: torc
     return {"frac_old_logprobs_valid": frac_valid,
             "mean_importance_ratio": float(ratio.mean()) if ratio.numel() else float("nan"),
             "clip_fraction": float(clipped.double().mean()) if ratio.numel() else float("nan")}
+
+
+def group_covariance(S_w: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """``Cov_g(S_w, A)`` per prompt [n], unbiased (divides by G - 1)."""
+    G = S_w.shape[-1]
+    ds = S_w.double() - S_w.double().mean(-1, keepdim=True)
+    da = A.double() - A.double().mean(-1, keepdim=True)
+    return (ds * da).sum(-1) / (G - 1)
+
+
+def delta_h_cov(lr: float, S_w: torch.Tensor, A: torch.Tensor) -> float:
+    """Cui et al. 2025 (Thm. 2, natural PG) baseline at sequence level:
+    ``deltaH_cov = -lr * mean_n Cov_g(S_w[n, g], A[n, g])`` over the U batch."""
+    return -lr * float(group_covariance(S_w, A).mean())

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install entprobe with its test extras.
+# torch is installed only when the venv has none: ENTPROBE_TORCH (default 2.13.0, the CPU build on
+# this project's machines). On a GPU machine, install your CUDA build of torch into .venv first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/python -m pip install -q "torch==${ENTPROBE_TORCH:-2.13.0}" 2>&1 | grep -v "is ignored" || true
+fi
+.venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v "is ignored" || true
+.venv/bin/python -c "import entprobe, torch; print('entprobe ready, torch', torch.__version__)"

@@ -1,0 +1,115 @@
+"""The two-batch probe, top to bottom: Y over U -> X over E -> variance -> ground truth.
+
+Order matters for cost: U is accumulated first so that ``P Ybar`` is known during the E pass,
+which then projects each unit as it accumulates (variance on the E side for free); ``S_orig``
+for the ground truth comes out of the same E pass, and the update step reuses ``-Ybar_raw``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from entprobe import distributed as D
+from entprobe import estimators as est
+from entprobe import paramvec as pv
+from entprobe.attribution import summarize, write_csv
+from entprobe.rollout import RolloutBatch
+from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
+from entprobe.stages.context import ProbeContext
+from entprobe.stages.ground_truth import StepInputs, run_ground_truth
+from entprobe.stages.variance import project_backward, project_jvp
+
+
+@dataclass
+class Geometry:
+    optimizer: torch.optim.Optimizer
+    lr: float
+    P: pv.Buffer | None  # Adam preconditioner on the buffers' device, None = identity
+
+
+def global_mean(buf: pv.Buffer, B_local: int) -> tuple[pv.Buffer, int]:
+    """All-reduce a sum buffer once per tensor and divide by the global unit count."""
+    D.reduce_sum_(buf)
+    B = int(D.reduce_scalars(B_local)[0])
+    return pv.scale_(buf, 1.0 / B), B
+
+
+def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry, pcfg, icfg,
+                  run_dir: Path, resample: Callable[[], RolloutBatch] | None = None) -> dict:
+    res: dict = {}
+    with ctx.phase("accumulate_Y_U"):
+        accY = accumulate(ctx, U, y_loss_of(ctx), "Y over U")
+        Ybar, B_U = global_mean(accY.sum_buf, accY.B)
+    fused = pcfg.variance_enabled and pcfg.projection.value == "fused"
+    PY_dev = pv.mul(Ybar, geo.P, device=ctx.device) if fused else None
+    with ctx.phase("accumulate_X_E"):
+        accX = accumulate(ctx, E, x_loss_of(ctx), "X over E", direction=PY_dev, with_entropy=True)
+        Xbar, B_E = global_mean(accX.sum_buf, accX.B)
+    del PY_dev
+    bars_dot = pv.dot(Xbar, Ybar, geo.P)
+    PY = pv.mul(Ybar, geo.P)
+    nX, nPY = pv.norm(Xbar), pv.norm(PY)
+    res.update({"B_E": B_E, "B_U": B_U, "G": E.G, "lr": geo.lr, "bars_dot": bars_dot,
+                "deltaH1": est.delta_h1(geo.lr, bars_dot), "norm_Xbar": nX, "norm_PYbar": nPY,
+                "cos_Xbar_PYbar": bars_dot / (nX * nPY) if nX * nPY > 0 else float("nan")})
+    S_U = D.gather_units(accY.S)
+    Sw_U = est.weighted_S(S_U, D.gather_units(U.gen_lengths), D.gather_units(U.Lmax), ctx.weighting_mode)
+    res["deltaH_cov"] = est.delta_h_cov(geo.lr, Sw_U, D.gather_units(U.advantages))
+    S_E = D.gather_units(accX.S)
+    res["H_orig"] = float(-est.weighted_S(S_E, D.gather_units(E.gen_lengths), D.gather_units(E.Lmax),
+                                          ctx.weighting_mode).double().mean())
+
+    if pcfg.variance_enabled:
+        with ctx.phase("variance"):
+            if fused:
+                a = accX.proj
+                b = project_jvp(ctx, U, pv.mul(Xbar, geo.P, device=ctx.device), "Y", "b_u over U")
+            else:
+                a = project_backward(ctx, E, PY, "X", "a_u over E")
+                b = project_backward(ctx, U, pv.mul(Xbar, geo.P), "Y", "b_u over U")
+            a, b = D.gather_units(a), D.gather_units(b)
+            v = est.two_batch_variance(a, b, geo.lr, bars_dot)
+        res.update({"V_X": v.V_X, "V_Y": v.V_Y, "SE_deltaH1": v.SE, "SE_jackknife": v.SE_jackknife,
+                    "frac_var": v.frac_var, "ci95_low": v.ci95_low, "ci95_high": v.ci95_high,
+                    "projection": pcfg.projection.value})
+
+    names = ctx.names
+    flat, rows = summarize(names, pv.dot_each(Xbar, Ybar, geo.P), pcfg.top_k_params)
+    res.update(flat)
+    if D.is_main():
+        write_csv(rows, run_dir / "attribution.csv")
+        if pcfg.save_buffers:
+            save_buffers(run_dir / "buffers.safetensors", names, Xbar, Ybar, geo.P)
+
+    if icfg.enabled:
+        inp = StepInputs(geo.optimizer, geo.lr, Xbar, Ybar, geo.P, B_U, accX.S, accY.token_logp,
+                         accX.entropy)
+        res.update(run_ground_truth(ctx, E, U, inp, icfg, resample=resample))
+        d1 = res["deltaH1"]
+        res["ratio_deltaH1_to_true"] = d1 / res["deltaH_true"] if res["deltaH_true"] else float("nan")
+        if "SE_deltaH1" in res and res["SE_deltaH1"] > 0:
+            res["z_true_vs_deltaH1"] = (res["deltaH_true"] - d1) / res["SE_deltaH1"]
+    return res
+
+
+def save_buffers(path: Path, names: list[str], Xbar, Ybar, P) -> None:
+    """Xbar, raw Ybar and P as safetensors keyed ``Xbar/<param>``, ``Ybar_raw/<param>``, ``P/<param>``."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for n, x, y, *p in zip(names, Xbar, Ybar, *([P] if P is not None else [])):
+        tensors[f"Xbar/{n}"] = x.detach().float().cpu().contiguous()
+        tensors[f"Ybar_raw/{n}"] = y.detach().float().cpu().contiguous()
+        if p:
+            tensors[f"P/{n}"] = p[0].detach().float().cpu().contiguous()
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)
+
+
+def is_finite_number(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
