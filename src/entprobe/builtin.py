@@ -13,9 +13,9 @@ PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 CHARS = list("0123456789+-*= ")
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
+def build_char_tokenizer(chars: list[str] | None = None) -> PreTrainedTokenizerFast:
     """A WordLevel tokenizer that splits text into single characters; ids 0/1/2 = pad/bos/eos."""
-    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS] + CHARS)}
+    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS] + list(chars or CHARS))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()

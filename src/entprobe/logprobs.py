@@ -35,7 +35,8 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    ) -> TokenLogprobs:
     """Per-token log-probs (and optionally entropies) of the response tokens of ``input_ids``.
 
-    Shapes: input_ids, attention_mask, response_mask are [N, T]; outputs are [N, T] in fp32.
+    Shapes: input_ids, attention_mask, response_mask are [N, T]; outputs are [N, T] in fp32
+    (fp64 for an fp64 model).
     Gradients flow when called outside ``no_grad``. Only the logits from the first response
     column on are materialised in fp32 (``logits_to_keep``), which bounds memory on long prompts.
     """
@@ -55,7 +56,8 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         out = model(input_ids=input_ids, attention_mask=attention_mask,
                     position_ids=position_ids_from_mask(attention_mask), use_cache=False,
                     logits_to_keep=keep)
-    logits = out.logits[:, :-1].float() / temperature  # [N, T-first, V] predicts tokens first..T-1
+    logits = out.logits[:, :-1]  # [N, T-first, V] predicts tokens first..T-1
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # fp32 (fp64 stays)
     targets = input_ids[:, first:]  # [N, T-first]
     lse = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse

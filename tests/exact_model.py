@@ -1,0 +1,155 @@
+"""An exactly enumerable policy for testing estimators (DESIGN.md §6).
+
+Vocabulary: pad, bos, eos, 'a', 'b', 'c' (6 tokens; the policy may emit any of them). Responses
+have at most 3 generated tokens and EOS ends one early, so each prompt has 1 + 5 + 25 + 125 = 156
+possible responses. Everything
+the estimators target can then be computed exactly: H(theta), grad H, H(theta_plus), and the
+probability of every response.
+
+    setup = make_setup()
+    E = setup.sample(B=8, G=4, seed=1)              # a RolloutBatch from pi_theta
+    H = setup.exact_entropy()                      # mean over the prompt pool of -sum_t p(t) log p(t)
+    gH = setup.exact_grad_entropy()                # list aligned with setup.params
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from entprobe import paramvec as pv
+from entprobe.builtin import build_char_tokenizer, build_tiny_llama
+from entprobe.config import SamplingConfig
+from entprobe.logprobs import token_logprobs
+from entprobe.rollout import RolloutBatch, draw_prompt_indices, encode_prompts, sample_batch
+from entprobe.stages.context import ProbeContext
+from entprobe.tasks.base import Prompt
+
+CONTENT = ["a", "b", "c"]
+MAX_NEW = 3
+
+
+class ExactTask:
+    """Three prompts; reward 1 when the response starts with the prompt's last character."""
+
+    def __init__(self):
+        self.prompts = [Prompt("ab", "b"), Prompt("ba", "a"), Prompt("cc", "c")]
+
+    def reward(self, response: str, prompt: Prompt) -> float:
+        return float(response.startswith(prompt.answer))
+
+
+@dataclass
+class ExactSetup:
+    model: torch.nn.Module
+    tokenizer: object
+    task: ExactTask
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=MAX_NEW))
+
+    @property
+    def names(self):
+        return pv.trainable(self.model)[0]
+
+    @property
+    def params(self):
+        return pv.trainable(self.model)[1]
+
+    def sample(self, B: int, G: int, seed: int, advantage: str = "dr_grpo",
+               prompt_index: torch.Tensor | None = None) -> RolloutBatch:
+        """B prompts drawn uniformly from the pool (with replacement), G responses each."""
+        if prompt_index is None:
+            gen = torch.Generator().manual_seed(seed + 17)
+            prompt_index = torch.randint(len(self.task.prompts), (B,), generator=gen)
+        return sample_batch(self.model, self.tokenizer, self.task, prompt_index, G, self.sampling, seed,
+                            advantage, 1e-6, "never")
+
+    def ctx(self, weighting_mode: str = "sequence", mb_size: int = 2) -> ProbeContext:
+        names, params = pv.trainable(self.model)
+        return ProbeContext(self.model, names, params, torch.device("cpu"), None, 1.0, weighting_mode,
+                            mb_size, torch.device("cpu"), torch.float64)
+
+    # ------------------------------------------------------------------ exact enumeration
+    def all_responses(self) -> list[list[int]]:
+        eos = self.tokenizer.eos_token_id
+        ids = [i for i in range(len(self.tokenizer)) if i != eos]  # pad and bos can be sampled too
+        out = [[eos]]
+        for k in range(1, MAX_NEW):
+            out += [list(t) + [eos] for t in itertools.product(ids, repeat=k)]
+        out += [list(t) for t in itertools.product(ids, repeat=MAX_NEW)]
+        return out
+
+    def _tensors(self, prompt: str):
+        p = encode_prompts(self.tokenizer, [prompt], "never")[0]
+        resp = self.all_responses()
+        T = len(p) + MAX_NEW
+        ids = torch.zeros((len(resp), T), dtype=torch.long)
+        att = torch.zeros_like(ids)
+        rm = torch.zeros_like(ids)
+        for i, r in enumerate(resp):
+            ids[i, :len(p)] = torch.tensor(p)
+            ids[i, len(p):len(p) + len(r)] = torch.tensor(r)
+            att[i, :len(p) + len(r)] = 1
+            rm[i, len(p):len(p) + len(r)] = 1
+        return ids, att, rm
+
+    def response_logprobs(self, prompt: str) -> torch.Tensor:
+        """log pi(t | prompt) for every enumerated response [156] (differentiable)."""
+        ids, att, rm = self._tensors(prompt)
+        return token_logprobs(self.model, ids, att, rm).logp.sum(-1)
+
+    def exact_entropy(self) -> torch.Tensor:
+        """H(theta) = mean_prompts -sum_t p(t) log p(t) (sequence level, nats), differentiable."""
+        Hs = []
+        for pr in self.task.prompts:
+            S = self.response_logprobs(pr.text)
+            Hs.append(-(S.exp() * S).sum())
+        return torch.stack(Hs).mean()
+
+    def exact_grad_entropy(self) -> list[torch.Tensor]:
+        H = self.exact_entropy()
+        gs = torch.autograd.grad(H, self.params, allow_unused=True)
+        return [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(gs, self.params)]
+
+    def exact_expected_reward(self) -> torch.Tensor:
+        """J(theta) = mean_prompts sum_t p(t) r(t), differentiable."""
+        Js = []
+        for pr in self.task.prompts:
+            S = self.response_logprobs(pr.text)
+            r = torch.tensor([self.task.reward(self.tokenizer.decode(t, skip_special_tokens=True), pr)
+                              for t in self.all_responses()])
+            Js.append((S.exp() * r).sum())
+        return torch.stack(Js).mean()
+
+
+def make_setup(seed: int = 0, hidden: int = 16) -> ExactSetup:
+    """A tiny random Llama (fp64 for tight comparisons) over the 6-token vocabulary."""
+    tok = build_char_tokenizer(CONTENT)
+    model = build_tiny_llama(len(tok), seed=seed, hidden=hidden, layers=1, heads=2, max_positions=16)
+    with torch.no_grad():  # sharpen the policy a little so that entropy gradients are sizeable
+        model.lm_head.weight.mul_(4.0)
+    model.double()
+    model.train()
+    return ExactSetup(model, tok, ExactTask())
+
+
+def adamw_with_state(setup: ExactSetup, steps: int = 20, lr: float = 1e-2, weight_decay: float = 0.1,
+                     seed: int = 100) -> torch.optim.AdamW:
+    """An AdamW whose state comes from real DR-GRPO steps (momentum, second moments, step count)."""
+    from entprobe.estimators import y_loss
+
+    opt = torch.optim.AdamW(setup.params, lr=lr, weight_decay=weight_decay)
+    for s in range(steps):
+        U = setup.sample(4, 4, seed + s)
+        ids, att, rm = U.flat("cpu")
+        S = token_logprobs(setup.model, ids, att, rm).logp.sum(-1).view(U.B, U.G)
+        loss = -y_loss(S, U.advantages.double(), U.Lmax) / U.B
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return opt
+
+
+def draw_indices(n: int, B: int, seed: int) -> torch.Tensor:
+    return draw_prompt_indices(n, B, seed)
