@@ -7,6 +7,7 @@ responses. Sums over prompts are called ``sum_*``, means ``*bar``.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -176,6 +177,9 @@ def psis_weights(logw: torch.Tensor) -> tuple[torch.Tensor, float]:
     import numpy as np
     from arviz_stats.base import array_stats
 
+    if logw.numel() < 25:  # arviz fits the tail to floor(N/5) >= 5 draws: PSIS is undefined below
+        warnings.warn(f"PSIS needs >= 25 importance weights, got {logw.numel()}: psis = SNIS, k-hat = nan")
+        return snis_weights(logw), float("nan")
     lw, khat = array_stats.psislw(-logw.double().cpu().numpy(), r_eff=1.0)
     lw = torch.as_tensor(np.asarray(lw), dtype=torch.float64)
     w = (lw - lw.max()).exp()
