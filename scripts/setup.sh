@@ -6,9 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  .venv/bin/python -m pip install -q "torch==${ENTPROBE_TORCH:-2.13.0}" 2>&1 | grep -v "is ignored" || true
+  .venv/bin/python -m pip install -q "torch==${ENTPROBE_TORCH:-2.13.0}"
 fi
-.venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v "is ignored" || true
+.venv/bin/python -m pip install -q -e ".[dev]"
 .venv/bin/python -c "import entprobe, torch; print('entprobe ready, torch', torch.__version__)"
