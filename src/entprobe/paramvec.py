@@ -1,6 +1,6 @@
 """Parameter-sized buffers: lists of tensors aligned with the trainable parameters.
 
-Dots accumulate in float64 on the buffers' device, and only the final scalar moves to the host.
+Dots run per tensor in at least fp32 on the buffers' device; only the final scalar moves to the host.
 P (Adam's diagonal preconditioner) is a buffer of the same layout; ``None`` means identity.
 """
 from __future__ import annotations
@@ -51,14 +51,24 @@ def scale_(buf: Buffer, s: float) -> Buffer:
     return buf
 
 
+def _flat_pair(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both flattened in a common dtype of at least fp32 (fp64 stays fp64; bf16 is upcast),
+    one tensor at a time so no full-model copy is ever made."""
+    dt = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
+    return x.reshape(-1).to(dt), y.reshape(-1).to(dt)
+
+
 def dot(a: Buffer, b: Buffer, P: Buffer | None = None) -> float:
-    """``sum_i a_i * P_i * b_i`` over all parameters (P None: identity), accumulated in float64."""
+    """``sum_i a_i * P_i * b_i`` over all parameters (P None: identity).
+
+    Each tensor's dot runs on a's device in at least fp32; the per-tensor scalars are summed in
+    fp64 on that device, and only the final scalar moves to the host."""
     total = None
     for i, (x, y) in enumerate(zip(a, b)):
         y = y.to(x.device, non_blocking=True)
         if P is not None:
             y = y * P[i].to(x.device)
-        term = torch.dot(x.reshape(-1).double(), y.reshape(-1).double())
+        term = torch.dot(*_flat_pair(x, y)).double()
         total = term if total is None else total + term.to(total.device)
     return float(total) if total is not None else 0.0
 
@@ -70,7 +80,7 @@ def dot_each(a: Buffer, b: Buffer, P: Buffer | None = None) -> list[float]:
         y = y.to(x.device)
         if P is not None:
             y = y * P[i].to(x.device)
-        out.append(float(torch.dot(x.reshape(-1).double(), y.reshape(-1).double())))
+        out.append(float(torch.dot(*_flat_pair(x, y))))
     return out
 
 
