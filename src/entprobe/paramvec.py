@@ -92,7 +92,8 @@ def mul(a: Buffer, P: Buffer | None, device=None) -> Buffer:
 
 
 def norm(a: Buffer) -> float:
-    return sum(float(x.double().pow(2).sum()) for x in a) ** 0.5
+    return sum(float(torch.linalg.vector_norm(x.to(torch.promote_types(x.dtype, torch.float32)))) ** 2
+               for x in a) ** 0.5
 
 
 def adam_preconditioner(exp_avg_sq: Buffer, step: int, beta2: float, eps: float,
