@@ -268,6 +268,8 @@ def validate(cfg: Any) -> None:
     _require(i.rl_grad_accum >= 1, "importance.rl_grad_accum", "must be >= 1")
     _require(i.snapshot_device in ("cpu", "gpu", "model"), "importance.snapshot_device",
              f"is {i.snapshot_device!r}; use cpu or gpu")
+    _require(cfg.model.source != ModelSource.hf or bool(cfg.model.path), "model.path",
+             "is required with model=hf: the save_pretrained checkpoint folder")
     o = cfg.optimizer
     _require(o.lr is None or o.lr > 0, "optimizer.lr", "must be > 0")
     _require(o.betas is None or len(o.betas) == 2, "optimizer.betas", "must be [beta1, beta2]")
