@@ -40,7 +40,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     Gradients flow when called outside ``no_grad``. Only the logits from the first response
     column on are materialised in fp32 (``logits_to_keep``), which bounds memory on long prompts.
     """
-    if torch.is_inference_mode_enabled() and torch.is_grad_enabled():
+    if torch.is_inference_mode_enabled():  # it implies grad off, so test the mode itself
         raise RuntimeError("probe forward passes cannot run under torch.inference_mode(): "
                            "autograd needs the graph; use torch.no_grad() for evaluation only")
     N, T = input_ids.shape
