@@ -89,6 +89,19 @@ def _lr_from_folder(folder: Path | None) -> tuple[float | None, str]:
     return None, ""
 
 
+def _first_disagreement(group: dict, stored: dict, state: dict) -> str:
+    """Where a group of the model and of the checkpoint first differ in shape (or run out)."""
+    for pos, (name, p, idx) in enumerate(zip(group["names"], group["params"], stored["params"])):
+        v = state.get(idx, {}).get("exp_avg_sq")
+        if v is None or tuple(v.shape) != tuple(p.shape):
+            got = None if v is None else tuple(v.shape)
+            return f"; first bad parameter {name!r} (position {pos}): checkpoint {got} vs model {tuple(p.shape)}"
+    n = len(stored["params"])
+    if n < len(group["names"]):
+        return f"; first bad parameter {group['names'][n]!r} (position {n}): no state in the checkpoint"
+    return ""
+
+
 def load_optimizer(model, path: str, lr=None, betas=None, eps=None, weight_decay=None,
                    step=None) -> LoadedOptimizer:
     """Match the stored AdamW state to the model's trainable parameters and build a live AdamW."""
@@ -110,8 +123,9 @@ def load_optimizer(model, path: str, lr=None, betas=None, eps=None, weight_decay
         if len(g["params"]) != len(sg["params"]):
             raise OptimizerStateError(
                 f"param group {gi}: the checkpoint has {len(sg['params'])} parameters, the model's "
-                f"{'decay' if gi == 0 and len(groups) == 2 else 'trainable'} group has "
-                f"{len(g['params'])}; is this optimizer.pt from this model?")
+                f"{('decay', 'no-decay')[gi] if len(groups) == 2 else 'trainable'} group has "
+                f"{len(g['params'])}{_first_disagreement(g, sg, sd['state'])}; is this optimizer.pt "
+                "from this model?")
     # Check every state shape before touching anything.
     for g, sg in zip(groups, stored_groups):
         for name, p, idx in zip(g["names"], g["params"], sg["params"]):
