@@ -1,0 +1,126 @@
+"""Rewards, the JSONL task, user task classes through task._target_, and chat templates."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import compose_cfg
+from entprobe.builtin import build_char_tokenizer, build_tiny_llama
+from entprobe.config import SamplingConfig, TaskConfig
+from entprobe.main import run
+from entprobe.rollout import encode_prompts, sample_batch
+from entprobe.tasks import Prompt, boxed_reward, build_task, extract_boxed, numeric_reward
+from entprobe.tasks.jsonl import JsonlTask
+
+
+@pytest.mark.parametrize("response,answer,want", [
+    ("7", "7", 1.0), (" 7 is it", "7", 1.0), ("07", "7", 1.0), ("7.0", "7", 1.0), ("+4", "4", 1.0),
+    ("-3", "-3", 1.0), ("-3", "3", 0.0), ("12", "1", 0.0), ("1 2", "12", 0.0), ("3 then 7", "7", 0.0),
+    ("", "7", 0.0), ("no number", "7", 0.0), (" yes ", "yes", 1.0),
+])
+def test_numeric_reward(response, answer, want):
+    """The first number in the response, compared numerically; plain text answers by exact text."""
+    assert numeric_reward(response, answer) == want
+
+
+@pytest.mark.parametrize("response,answer,want", [
+    (r"so \boxed{\frac{1}{2}}", r"\frac{1}{2}", 1.0),  # nested braces kept whole
+    (r"\boxed{\frac{1}{2}}", r"\frac{1}{3}", 0.0),
+    (r"\boxed{3} no, \boxed{4}", "4", 1.0),  # the last box counts
+    (r"\boxed{3} no, \boxed{4}", "3", 0.0),
+    (r"\boxed{ 4.0 }", "4", 1.0),  # numeric when both parse
+    (r"\boxed{x + 1}", "x+1", 1.0),  # spaces ignored for text answers
+    (r"\boxed{4", "4", 0.0),  # unbalanced
+    ("4", "4", 0.0),  # no box at all
+])
+def test_boxed_reward(response, answer, want):
+    assert boxed_reward(response, answer) == want
+
+
+def test_extract_boxed_balances_braces():
+    assert extract_boxed(r"a \boxed{x^{2}+{y}} b") == "x^{2}+{y}"
+    assert extract_boxed(r"\boxed{a}\boxed{b{c}}") == "b{c}"
+    assert extract_boxed("nothing") is None
+
+
+def test_jsonl_task(tmp_path):
+    f = tmp_path / "t.jsonl"
+    rows = [{"prompt": "1+1=", "answer": 2}, {"prompt": r"half?", "answer": r"\frac{1}{2}"},
+            {"prompt": "2+2=", "answer": "4"}]
+    f.write_text("\n".join(json.dumps(r) for r in rows[:2]) + "\n\n" + json.dumps(rows[2]) + "\n")
+    task = build_task(OmegaConf.structured(TaskConfig(_target_="entprobe.tasks.jsonl.JsonlTask",
+                                                      path=str(f), reward="boxed")))
+    assert [p.text for p in task.prompts] == ["1+1=", "half?", "2+2="]  # the blank line is skipped
+    assert task.prompts[0].answer == "2"  # numbers become strings
+    assert task.reward(r"\boxed{\frac{1}{2}}", task.prompts[1]) == 1.0
+    assert task.reward("2", task.prompts[0]) == 0.0  # boxed reward: a bare number does not count
+    assert len(JsonlTask(str(f), num_prompts=2).prompts) == 2
+    assert JsonlTask(str(f)).reward("2 apples", task.prompts[0]) == 1.0  # numeric by default
+
+
+def test_jsonl_task_errors(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: each record needs 'prompt' and 'answer'"):
+        JsonlTask(str(f))
+    with pytest.raises(ValueError, match=r"task\.reward='exact'; choose one of \['boxed', 'numeric'\]"):
+        JsonlTask(str(f), reward="exact")
+    with pytest.raises(FileNotFoundError, match="task.path"):
+        JsonlTask(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="task.path must point"):
+        JsonlTask(None)
+
+
+class AlwaysRightTask:
+    """A user task: every response earns 1, so every group's advantages are 0."""
+
+    def __init__(self, num_prompts: int = 3):
+        self.prompts = [Prompt(t, "0") for t in ("1+2=", "33-3=", "4*4=", "9=")[:num_prompts]]
+
+    def reward(self, response: str, prompt: Prompt) -> float:
+        return 1.0
+
+
+class NoReward:
+    prompts = [Prompt("1=", "1")]
+
+
+def test_custom_task_class_through_target(tmp_path):
+    """The run uses the class's prompts and reward: rewards all 1 -> A = 0 -> Ybar = 0 -> deltaH1 = 0
+    exactly, and SE 0 (the arithmetic reward gives non-zero values: test_config, test_batch_io)."""
+    res = run(compose_cfg(tmp_path, "task._target_=test_tasks.AlwaysRightTask", "task.num_prompts=4"))
+    assert res["batch_E/reward_mean"] == 1.0 and res["batch_U/reward_mean"] == 1.0
+    assert res["bars_dot"] == 0.0 and res["deltaH1"] == 0.0 and res["SE_deltaH1"] == 0.0
+    assert len(build_task({"_target_": "test_tasks.AlwaysRightTask", "num_prompts": 2, "seed": 5}).prompts) == 2
+    with pytest.raises(TypeError, match="must provide .prompts and .reward"):
+        build_task({"_target_": "test_tasks.NoReward"})
+    with pytest.raises(ValueError, match=r"task\._target_='test_tasks\.Nope' cannot be imported"):
+        build_task({"_target_": "test_tasks.Nope"})
+
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+            "{% if add_generation_prompt %}={% endif %}")
+
+
+def test_chat_template_applied_when_the_tokenizer_has_one():
+    tok = build_char_tokenizer()
+    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"]
+    bos = tok.bos_token_id
+    assert encode_prompts(tok, ["3+4"], "auto") == [[bos] + ids("3+4")]  # no template: BOS + text
+    with pytest.raises(ValueError, match="no chat template"):
+        encode_prompts(tok, ["3+4"], "always")
+    tok.chat_template = TEMPLATE
+    assert encode_prompts(tok, ["3+4"], "auto") == [[bos] + ids("3+4 =")]
+    assert encode_prompts(tok, ["3+4"], "always", system_prompt="9") == [[bos] + ids("9 3+4 =")]
+    assert encode_prompts(tok, ["3+4"], "never", system_prompt="9") == [[bos] + ids("3+4")]
+
+    model = build_tiny_llama(len(tok), seed=0)
+    task = AlwaysRightTask()
+    s = SamplingConfig(max_new_tokens=2)
+    for mode, text in (("auto", "1+2= ="), ("never", "1+2=")):  # prompt "1+2=" in the template
+        b = sample_batch(model, tok, task, torch.tensor([0]), 2, s, 0, "dr_grpo", 1e-6, chat_template=mode)
+        P = int((b.attention_mask[0, 0] * (1 - b.response_mask[0, 0])).sum())
+        assert b.input_ids[0, 0, :P].tolist() == [bos] + ids(text), mode
