@@ -162,17 +162,24 @@ def snis_weights(logw: torch.Tensor) -> torch.Tensor:
     return w / w.sum()
 
 
+def clipped_log_weights(logw: torch.Tensor, clip_c: float) -> torch.Tensor:
+    """``log min(w, c)`` elementwise: truncated raw weights (before normalisation), never above c."""
+    return logw.double().clamp(max=math.log(clip_c))
+
+
 def clipped_weights(logw: torch.Tensor, clip_c: float) -> torch.Tensor:
-    """Self-normalised truncated weights ``min(w, c) / sum min(w, c)`` (raw w, never above c)."""
-    w = logw.double().clamp(max=math.log(clip_c)).exp()
-    return w / w.sum()
+    """Self-normalised truncated weights ``min(w, c) / sum min(w, c)``, normalised in the log domain
+    (shift by the max), so very negative log-weights do not underflow to 0/0."""
+    return snis_weights(clipped_log_weights(logw, clip_c))
 
 
 def psis_weights(logw: torch.Tensor) -> tuple[torch.Tensor, float]:
     """Pareto-smoothed self-normalised weights and k-hat (arviz-stats ``psislw``).
 
-    arviz's psislw smooths the tail of *negated* log-ratios (it was written for LOO, where the
-    ratio is 1/p(y|theta)), so it receives ``-logw``.
+    arviz-stats' ``_psislw`` negates its input before fitting the right tail (it was written for
+    LOO, where the input is the log-likelihood and the log-ratio is its negative), so it receives
+    ``-logw``; the large weights are then the ones smoothed (tests/test_importance.py checks k-hat
+    against the textbook Gaussian cases, where k = 1 - 1/sigma^2). Needs >= 25 weights.
     """
     import numpy as np
     from arviz_stats.base import array_stats
@@ -180,8 +187,13 @@ def psis_weights(logw: torch.Tensor) -> tuple[torch.Tensor, float]:
     if logw.numel() < 25:  # arviz fits the tail to floor(N/5) >= 5 draws: PSIS is undefined below
         warnings.warn(f"PSIS needs >= 25 importance weights, got {logw.numel()}: psis = SNIS, k-hat = nan")
         return snis_weights(logw), float("nan")
-    lw, khat = array_stats.psislw(-logw.double().cpu().numpy(), r_eff=1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):  # degenerate fits are handled below
+        lw, khat = array_stats.psislw(-logw.double().cpu().numpy(), r_eff=1.0)
     lw = torch.as_tensor(np.asarray(lw), dtype=torch.float64)
+    if not torch.isfinite(lw).all():  # degenerate tail fit (sigma <= 0), e.g. tied weights from
+        # repeated identical responses: arviz returns all-NaN log-weights
+        warnings.warn("PSIS tail fit failed (tied or degenerate largest weights): psis = SNIS, k-hat = nan")
+        return snis_weights(logw), float("nan")
     w = (lw - lw.max()).exp()
     return w / w.sum(), float(np.asarray(khat))
 
@@ -196,20 +208,42 @@ def ratio_estimate(num: torch.Tensor, den: torch.Tensor, wn: torch.Tensor) -> fl
     return float((wn * num.double()).sum() / (wn * den.double()).sum())
 
 
+class TokenRatioSums(NamedTuple):
+    """Additive pieces of the seed-003 token diagnostics (sum over ranks, then divide)."""
+    n_tokens: float  # response tokens
+    n_finite_old: float  # of which the old log-prob is finite (not NaN / inf)
+    sum_ratio: float  # sum of exp(new - old) after the NaN fill
+    n_clipped: float  # tokens with ratio outside [1 - eps, 1 + eps_high]
+
+
+def token_ratio_sums(new_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
+                     eps: float, eps_high: float) -> TokenRatioSums:
+    """Sums over response tokens (``mask`` 1) of the quantities behind ``token_ratio_stats``.
+
+    Old log-probs that are not finite are counted, then replaced by the new ones (ratio 1), as
+    seed 003 describes for missing sampler log-probs."""
+    m = mask.bool()
+    new, old = new_logp[m].double(), old_logp[m].double()
+    finite = torch.isfinite(old)
+    ratio = (new - torch.where(finite, old, new)).exp()
+    clipped = (ratio < 1 - eps) | (ratio > 1 + eps_high)
+    return TokenRatioSums(float(m.sum()), float(finite.sum()), float(ratio.sum()), float(clipped.sum()))
+
+
+def token_ratio_stats_from_sums(s: TokenRatioSums) -> dict[str, float]:
+    """Fractions and means from (possibly globally reduced) ``TokenRatioSums``; nan without tokens."""
+    n = s.n_tokens
+    nan = float("nan")
+    return {"frac_old_logprobs_valid": s.n_finite_old / n if n else nan,
+            "mean_importance_ratio": s.sum_ratio / n if n else nan,
+            "clip_fraction": s.n_clipped / n if n else nan}
+
+
 def token_ratio_stats(new_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
                       eps: float, eps_high: float) -> dict[str, float]:
     """Seed 003 observability over response tokens: finite fraction of old log-probs (before any
     fill), mean ratio exp(new - old), and the fraction of tokens outside [1 - eps, 1 + eps_high]."""
-    m = mask.bool()
-    old = old_logp[m]
-    finite = torch.isfinite(old)
-    frac_valid = float(finite.float().mean()) if old.numel() else 0.0
-    old = torch.where(finite, old, new_logp[m])  # the NaN fill seed 003 describes
-    ratio = (new_logp[m] - old).double().exp()
-    clipped = (ratio < 1 - eps) | (ratio > 1 + eps_high)
-    return {"frac_old_logprobs_valid": frac_valid,
-            "mean_importance_ratio": float(ratio.mean()) if ratio.numel() else float("nan"),
-            "clip_fraction": float(clipped.double().mean()) if ratio.numel() else float("nan")}
+    return token_ratio_stats_from_sums(token_ratio_sums(new_logp, old_logp, mask, eps, eps_high))
 
 
 def group_covariance(S_w: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
