@@ -27,13 +27,14 @@ SHRINK = ("batch.B_E=4", "batch.B_U=4", "batch.G=4", "logging.wandb.mode=disable
           "logging.progress=false", "logging.console_table=false")
 
 
-def compose_cfg(tmp_path: str | Path, *overrides: str) -> DictConfig:
-    """The root config composed from the package's conf/ with SHRINK, run_dir=tmp_path, then ``overrides``."""
+def compose_cfg(tmp_path: str | Path, *overrides: str, return_hydra_config: bool = False) -> DictConfig:
+    """The root config composed from the package's conf/ with SHRINK, run_dir=tmp_path, then ``overrides``
+    (``return_hydra_config``: keep the ``hydra`` node, e.g. to read ``hydra.launcher``)."""
     register_configs()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-            return compose(config_name="config",
+            return compose(config_name="config", return_hydra_config=return_hydra_config,
                            overrides=[*SHRINK, f"run_dir='{Path(tmp_path)}'", *overrides])
     finally:
         GlobalHydra.instance().clear()

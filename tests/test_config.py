@@ -122,16 +122,18 @@ def test_every_group_option_composes_onto_the_schema(tmp_path):
     assert {"batch", "sampling", "probe_rework", "importance", "optimizer", "ddp", "model", "task",
             "logging", "experiment"} <= groups
     for group, name in options:
-        cfg = compose_cfg(tmp_path, f"{group}={name}", *extra.get((group, name), []))
-        typed = OmegaConf.structured(to_typed(cfg))
+        in_hydra = group.startswith("hydra/")  # e.g. hydra/launcher: lives under the cfg's hydra node
+        cfg = compose_cfg(tmp_path, f"{group}={name}", *extra.get((group, name), []),
+                          return_hydra_config=in_hydra)
+        typed = OmegaConf.structured(to_typed(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])))
         stated = OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{name}.yaml"))
         stated.pop("defaults", None)
         if group != "experiment":  # experiments are `# @package _global_`
-            stated = {group: stated}
+            stated = {group.replace("/", "."): stated}
         for key, want in _flatten(stated).items():
             if want == "???":
                 continue
-            got = _plain(OmegaConf.select(typed, key))
+            got = _plain(OmegaConf.select(cfg if in_hydra else typed, key))
             if key in ("batch.B_E", "batch.B_U", "batch.G", "logging.progress", "logging.console_table",
                        "logging.wandb.mode"):
                 continue  # the test shrink overrides these on purpose

@@ -33,9 +33,11 @@ def build_target(tmp: Path) -> Path:
 
 def test_non_editable_install_runs_from_another_directory(tmp_path):
     target = build_target(tmp_path)
-    shipped = {p.relative_to(target / "entprobe" / "conf") for p in (target / "entprobe" / "conf").rglob("*.yaml")}
-    in_tree = {p.relative_to(ROOT / "src" / "entprobe" / "conf") for p in (ROOT / "src" / "entprobe" / "conf").rglob("*.yaml")}
-    assert shipped == in_tree and Path("config.yaml") in shipped
+    def yamls(conf: Path) -> set[Path]:
+        return {p.relative_to(conf) for p in conf.rglob("*.yaml")}
+
+    shipped = yamls(target / "entprobe" / "conf")
+    assert shipped == yamls(ROOT / "src" / "entprobe" / "conf") and Path("config.yaml") in shipped
 
     elsewhere, run_dir = tmp_path / "elsewhere", tmp_path / "run"
     elsewhere.mkdir()
