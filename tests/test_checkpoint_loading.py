@@ -87,6 +87,8 @@ def test_trainer_checkpoint_runs_with_its_lr_and_preconditioner(ckpt, tmp_path):
     for k in ("deltaH1", "SE_deltaH1", "deltaH_true"):
         assert math.isfinite(res[k]), k
     sd = torch.load(folder / "optimizer.pt", weights_only=True)
+    stored = [(g["lr"], g["weight_decay"], len(g["params"])) for g in sd["param_groups"]]
+    assert stored == [(0.0, WD, 16), (0.0, 0.0, 5)]  # the scheduler's lr at save time: 0
     buffers = load_file(str(tmp_path / "buffers.safetensors"))
     trainer_order = groups[0] + groups[1]  # optimizer.pt indexes state by position in the groups
     for name in ("model.layers.1.input_layernorm.weight", "model.layers.0.mlp.down_proj.weight",
