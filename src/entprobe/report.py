@@ -18,6 +18,7 @@ def write_json_atomic(obj, path: str | Path) -> Path:
             json.dump(obj, f, indent=1, sort_keys=True, default=_jsonable)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
 
 
 def _as_number(text: str) -> float | None:
@@ -17,9 +17,10 @@ def numeric_reward(response: str, answer: str) -> float:
     """1.0 when the first number in the response equals the answer numerically, else 0.0."""
     m = _NUMBER.search(response)
     target = _as_number(answer)
-    if m is None or target is None:
+    got = _as_number(m.group()) if m is not None else None
+    if got is None or target is None:
         return float(response.strip() == answer.strip())
-    return float(abs(float(m.group()) - target) < 1e-9)
+    return float(abs(got - target) < 1e-9)
 
 
 def extract_boxed(text: str) -> str | None:
