@@ -2,9 +2,14 @@
 
 snapshot -> grads on U (reused ``-Ybar_raw`` or recomputed DR-GRPO / NLL loss) -> one step ->
 S_upd on E -> importance-sampling estimates of H(theta_plus) -> restore bit-exactly (also on error).
+
+Distributed: the reused gradient is already the global mean; the recomputed one is all-reduced
+once per rank (DDP sync on the last microbatch only, so ranks with different microbatch counts
+do not deadlock). IS sums use gathered per-response scalars, token diagnostics global sums.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,47 +41,75 @@ def _set_grads(ctx: ProbeContext, buf: pv.Buffer, scale: float) -> None:
         p.grad = (b.to(p.device, p.dtype) * scale).contiguous()
 
 
+def _is_ddp(model) -> bool:
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
 def _recompute_grads(ctx: ProbeContext, U: RolloutBatch, icfg, B_U_global: int) -> torch.Tensor:
     """Gradient of the training loss on U by microbatched backward, DDP sync on (seed 004 §3).
 
-    rl: mean over prompts of ``-(sum A * mask * logp) / (G * Lmax)``; nll: ``-sum logp / #tokens``.
-    Returns the token log-probs of U under theta for the ratio diagnostics."""
+    rl: mean over prompts of ``-(sum A * mask * logp) / (G * Lmax)``; nll: ``-sum logp / #tokens``
+    (both global: B_U_global prompts, all ranks' tokens). A forward covers
+    ``importance_microbatch_size * rl_grad_accum`` prompts. DDP averages gradients over ranks, so
+    the local loss carries a factor world size; DDP decides at forward time whether to reduce, so
+    forward and backward of every microbatch but the last run under ``no_sync``.
+    Returns the token log-probs of U under theta [B, G, T] for the ratio diagnostics."""
     ctx.zero_grad()
     size = icfg.importance_microbatch_size * icfg.rl_grad_accum
+    ddp = _is_ddp(ctx.model)
+    world = D.world() if ddp else 1
     n_tok = D.reduce_scalars(float(U.response_mask.sum()))[0]
+    n_mb = (U.B + size - 1) // size
     token_lp = []
-    for start, mb in ctx.iterate(U, size, "update U"):
-        with torch.enable_grad():
+    for i, (start, mb) in enumerate(ctx.iterate(U, size, "update U")):
+        sync = contextlib.nullcontext() if i == n_mb - 1 else D.no_sync(ctx.model)
+        with sync, torch.enable_grad():
             S, lp, _ = ctx.forward_S(mb, f"update microbatch [{start}, {start + mb.B})")
             if icfg.training_loss.value == "rl":
-                loss = -est.y_loss(S, mb.advantages.to(S.device), mb.Lmax.to(S.device)) / B_U_global
+                loss = -est.y_loss(S, mb.advantages.to(S.device), mb.Lmax.to(S.device)) * (world / B_U_global)
             else:
-                loss = -S.sum() / n_tok
-            loss.backward()  # DDP sync on: this is a real training step
+                loss = -S.sum() * (world / n_tok)
+            loss.backward()
         ctx.stats.count("backward", mb.B * mb.G)
         token_lp.append(lp.detach().cpu())
+    if D.is_dist() and not ddp:  # a bare module under torch.distributed: sum the local shares
+        D.reduce_sum_(pv.grads(ctx.params))
     return torch.cat(token_lp)
 
 
+def _check_grads_finite(ctx: ProbeContext) -> None:
+    gs = [p.grad for p in ctx.params if p.grad is not None]
+    if gs and not torch.isfinite(torch.stack([n.float() for n in torch._foreach_norm(gs)])).all():
+        raise FloatingPointError("ground-truth step: NaN/Inf in the update gradient on U; nothing was "
+                                 "stepped (weights and optimizer state are restored)")
+
+
 def _step(ctx: ProbeContext, inp: StepInputs, icfg, grads_from: Callable[[], None]) -> None:
+    """Exactly one parameter update: ``optimizer.step()`` on the U gradient, or in
+    ``preconditioned_sgd`` mode exactly ``theta += lr * P * Ybar_raw`` (no gradient pass needed)."""
+    if icfg.step_mode.value == "preconditioned_sgd":
+        with torch.no_grad():
+            for i, (p, y) in enumerate(zip(ctx.params, inp.Ybar_raw)):
+                d = y if inp.P is None else y * inp.P[i].to(y.device)
+                p.add_(d.to(p.device, p.dtype), alpha=inp.lr)
+        return
     grads_from()
+    _check_grads_finite(ctx)
     if icfg.max_grad_norm:
         torch.nn.utils.clip_grad_norm_(ctx.params, icfg.max_grad_norm)
-    if icfg.step_mode.value == "preconditioned_sgd":  # theta += lr * P * Ybar, exactly
-        with torch.no_grad():
-            for p, d in zip(ctx.params, pv.mul(inp.Ybar_raw, inp.P)):
-                p.add_(d.to(p.device, p.dtype), alpha=inp.lr)
-    else:
-        inp.optimizer.step()
+    inp.optimizer.step()
     ctx.zero_grad()
 
 
-def _displacement(ctx: ProbeContext, snap) -> pv.Buffer:
-    return [(p.detach().to(s.device, torch.float64) - s.double()) for p, s in zip(ctx.params, snap.params)]
-
-
-def _xbar_dot(inp: StepInputs, disp: pv.Buffer) -> float:
-    return pv.dot([x.double() for x in inp.Xbar], [d.to(x.device) for d, x in zip(disp, inp.Xbar)])
+def _xbar_dot_step(Xbar: pv.Buffer, params, snap_params) -> float:
+    """``Xbar . (theta_now - theta_snapshot)`` in fp64, one tensor at a time on Xbar's device
+    (the difference of two floats is exact in fp64; no parameter-sized fp64 copy is kept)."""
+    total = None
+    for x, p, s in zip(Xbar, params, snap_params):
+        d = p.detach().to(x.device, torch.float64) - s.to(x.device, torch.float64)
+        term = torch.dot(x.reshape(-1).double(), d.reshape(-1))
+        total = term if total is None else total + term
+    return float(total) if total is not None else 0.0
 
 
 def importance_estimates(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Tensor,
@@ -114,11 +147,17 @@ def importance_estimates(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Ten
 def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: StepInputs, icfg,
                      resample: Callable[[], RolloutBatch] | None = None,
                      fail_after_step: Callable[[], None] | None = None) -> dict[str, float]:
-    """One real step on U, entropy on E re-estimated, everything restored. Returns flat results."""
+    """One real step on U, entropy on E re-estimated, everything restored. Returns flat results.
+
+    ``resample`` draws fresh E responses at theta_plus (used when ESS/N < ess_threshold);
+    ``fail_after_step`` is called with the model at theta_plus before E is re-evaluated (tests
+    inject an exception there, or read theta_plus). The weights, the optimizer state and the
+    model's train/eval mode are restored bit-exactly in every case."""
     res: dict[str, float] = {}
     snap_dev = "cpu" if icfg.snapshot_device == "cpu" else ctx.device
     reuse = icfg.reuse_probe_gradient and icfg.training_loss.value == "rl"
     U_lp = inp.U_token_logp
+    was_training = ctx.model.training
 
     def grads_from():
         nonlocal U_lp
@@ -127,34 +166,34 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
         else:
             U_lp = _recompute_grads(ctx, U, icfg, inp.B_U_global)
 
-    snap = take(ctx.params, inp.optimizer, snap_dev)
+    with ctx.phase("gt_snapshot"):
+        snap = take(ctx.params, inp.optimizer, snap_dev)
     try:
-        with ctx.phase("gt_step"):
+        with ctx.phase("gt_step"):  # peak memory around the update is recorded for this phase
             _step(ctx, inp, icfg, grads_from)
-            disp = _displacement(ctx, snap)
+            res["deltaH1_step"] = -_xbar_dot_step(inp.Xbar, ctx.params, snap.params)
+        res["gt/reused_probe_gradient"] = float(reuse and icfg.step_mode.value == "optimizer")
         if fail_after_step is not None:
             fail_after_step()
         with ctx.phase("gt_eval_E"), torch.no_grad():
             ctx.model.eval()
-            outs = [ctx.forward_S(mb, f"E at theta_plus [{s}, {s + mb.B})", with_entropy=True)
+            bare = getattr(ctx.model, "module", ctx.model)  # no DDP buffer broadcasts: ranks may
+            outs = [ctx.forward_S(mb, f"E at theta_plus [{s}, {s + mb.B})", with_entropy=True, model=bare)
                     for s, mb in ctx.iterate(E, icfg.importance_microbatch_size, "E at theta+")]
-            ctx.model.train()
+            ctx.model.train(was_training)  # hold different numbers of E microbatches
         S_upd = torch.cat([o[0].cpu() for o in outs])
         ent_upd = torch.cat([o[2].cpu() for o in outs])
-        resampled = None
         S_orig_g, S_upd_g = D.gather_units(inp.S_orig), D.gather_units(S_upd)
         L_g, Lmax_g = D.gather_units(E.gen_lengths), D.gather_units(E.Lmax)
         est_res = importance_estimates(S_orig_g, S_upd_g, L_g, Lmax_g, ctx.weighting_mode, icfg.clip_c)
+        res.update(est_res)
         if resample is not None and icfg.resample_on_low_ess and est_res["ESS_frac"] < icfg.ess_threshold:
             with ctx.phase("gt_resample"):
-                resampled = resample()
-        if resampled is not None:
-            Sr = D.gather_units(resampled.S_sampler)
-            Hr = float(-est.weighted_S(Sr, D.gather_units(resampled.gen_lengths),
-                                       D.gather_units(resampled.Lmax), ctx.weighting_mode).double().mean())
+                fresh = resample()  # at theta_plus: the restore has not happened yet
+            Hr = float(-est.weighted_S(D.gather_units(fresh.S_sampler), D.gather_units(fresh.gen_lengths),
+                                       D.gather_units(fresh.Lmax), ctx.weighting_mode).double().mean())
             res["H_upd_resample"] = Hr
             res["deltaH_resample"] = Hr - est_res["H_orig"]
-        res.update(est_res)
         mode = icfg.is_mode.value
         res["deltaH_true"] = est_res[f"deltaH_{mode}"]
         res["H_upd"] = est_res[f"H_upd_{mode}"]
@@ -166,25 +205,29 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
                                          float(m.sum()))
             res.update({"token_entropy_orig": t0 / n, "token_entropy_upd": t1 / n,
                         "deltaH_token_entropy": (t1 - t0) / n})
-        # Step-aware first-order prediction and its split.
-        res["deltaH1_step"] = -_xbar_dot(inp, disp)
-        res.update({f"update/{k}": v for k, v in est.token_ratio_stats(
-            U_lp.reshape(-1, U_lp.shape[-1]) if U_lp is not None else U.sampler_logprobs.view(-1, U.sampler_logprobs.shape[-1]),
-            U.sampler_logprobs.reshape(-1, U.sampler_logprobs.shape[-1]),
-            U.response_mask.reshape(-1, U.response_mask.shape[-1]),
-            icfg.update_clip_eps, icfg.update_clip_eps_high).items()})
+        # Seed 003 observability of the update step: teacher-forced token log-probs at theta vs the
+        # sampler's, summed over ranks.
+        T = U.sampler_logprobs.shape[-1]
+        new_lp = U_lp.reshape(-1, T) if U_lp is not None else U.sampler_logprobs.reshape(-1, T)
+        sums = est.token_ratio_sums(new_lp, U.sampler_logprobs.reshape(-1, T), U.response_mask.reshape(-1, T),
+                                    icfg.update_clip_eps, icfg.update_clip_eps_high)
+        sums = est.TokenRatioSums(*D.reduce_scalars(*sums))
+        res.update({f"update/{k}": v for k, v in est.token_ratio_stats_from_sums(sums).items()})
         if icfg.split_step and icfg.step_mode.value == "optimizer":
             with ctx.phase("gt_split"):
                 res.update(_split_step(ctx, inp, snap, res["deltaH1_step"]))
     finally:
-        ctx.model.train()
-        restore(ctx.params, inp.optimizer, snap)
+        with ctx.phase("gt_restore"):
+            restore(ctx.params, inp.optimizer, snap)
+            ctx.model.train(was_training)
     return res
 
 
 def _split_step(ctx: ProbeContext, inp: StepInputs, snap, total: float) -> dict[str, float]:
     """Repeat the step on the snapshot with a zero gradient (momentum + weight decay), then also
-    with weight decay off (momentum only); the gradient part is the remainder."""
+    with weight decay off (momentum only); the gradient part is the remainder, so the three parts
+    sum to ``deltaH1_step``. (The zero-gradient step also decays Adam's second moment, so the
+    'gradient' part carries the change of the denominator the new gradient causes.)"""
     parts = {}
     for name, wd_off in (("mom_wd", False), ("mom", True)):
         restore(ctx.params, inp.optimizer, snap)
@@ -194,10 +237,13 @@ def _split_step(ctx: ProbeContext, inp: StepInputs, snap, total: float) -> dict[
                 g["weight_decay"] = 0.0
         for p in ctx.params:
             p.grad = torch.zeros_like(p)
-        inp.optimizer.step()
-        for g, wd in zip(inp.optimizer.param_groups, saved_wd):
-            g["weight_decay"] = wd
-        parts[name] = -_xbar_dot(inp, _displacement(ctx, snap))
+        try:
+            inp.optimizer.step()
+        finally:
+            for g, wd in zip(inp.optimizer.param_groups, saved_wd):
+                g["weight_decay"] = wd
+        parts[name] = -_xbar_dot_step(inp.Xbar, ctx.params, snap.params)
+    ctx.zero_grad()
     return {"deltaH1_step_gradient": total - parts["mom_wd"],
             "deltaH1_step_momentum": parts["mom"],
             "deltaH1_step_weight_decay": parts["mom_wd"] - parts["mom"]}
