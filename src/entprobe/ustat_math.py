@@ -1,0 +1,109 @@
+"""Pure math of the single-batch U-statistic (seed 001 §I-II; DESIGN.md §3) beyond
+``estimators.u_statistic``: per-response unit weights (with optional within-prompt cross-fitting),
+the deterministic partner design of the incomplete U-statistic, and its row-mean statistics.
+
+No config, no I/O, no distributed calls. A unit u is one prompt or one block of prompts; its
+vectors are X_u = sum_g cx[u, g] grad S[u, g] and Y_u = sum_g cy[u, g] grad S[u, g] (block units:
+the mean of their prompts' vectors). The kernel is h(u, v) = X_u . P Y_v.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from entprobe.estimators import UStat, loo_centred, x_unit_coeffs, y_unit_coeffs
+
+
+class UnitCoeffs(NamedTuple):
+    cx: torch.Tensor  # [n, G] weights of X_n (detached)
+    cy: torch.Tensor  # [n, G] weights of Y_n (the U-statistic's Y side)
+    cy_full: torch.Tensor  # [n, G] weights of the full-group Y_n (the real update's gradient)
+
+
+def cross_fit_split(G: int) -> int:
+    """G1, the size of the X half under cross-fitting: the first ceil(G/2) responses (>= 2 for the
+    leave-one-out baseline); Y uses the other G - G1 >= 1."""
+    G1 = (G + 1) // 2
+    if G1 < 2 or G - G1 < 1:
+        raise ValueError(f"cross_fit needs G >= 3 (X half >= 2 for its leave-one-out baseline), got G={G}")
+    return G1
+
+
+def unit_coefficients(S_w: torch.Tensor, A: torch.Tensor, Lmax: torch.Tensor, cross_fit: bool) -> UnitCoeffs:
+    """Per-response weights of X_n and Y_n [n, G].
+
+    Plain: cx = (S_w - LOO mean S_w) / G, cy = A / (G Lmax) (= ``x_unit_coeffs`` / ``y_unit_coeffs``).
+    Cross-fit (seed 001 §VI): X from the first G1 = ceil(G/2) responses with the leave-one-out
+    baseline inside that half, ``cx = (S_w - LOO_{half} mean S_w) / G1`` there and 0 elsewhere;
+    Y from the other G2 = G - G1, ``cy = A / (G2 Lmax)`` there and 0 elsewhere, with the batch's
+    advantages A and group Lmax unchanged. By exchangeability of the G responses both halves keep
+    the expectations of the full-group vectors (E[X^half] = E[X], E[Y^half] = E[Y]), so the
+    U-statistic's target is unchanged; X_n and Y_n then share no response of prompt n.
+    """
+    S_w = S_w.detach()
+    cy_full = y_unit_coeffs(A.to(S_w.dtype), Lmax)
+    if not cross_fit:
+        return UnitCoeffs(x_unit_coeffs(S_w), cy_full, cy_full)
+    G = S_w.shape[-1]
+    G1 = cross_fit_split(G)
+    cx = torch.zeros_like(S_w)
+    cx[:, :G1] = loo_centred(S_w[:, :G1]) / G1
+    cy = torch.zeros_like(cy_full)
+    cy[:, G1:] = cy_full[:, G1:] * (G / (G - G1))
+    return UnitCoeffs(cx, cy, cy_full)
+
+
+def cyclic_partners(M: int, K: int) -> torch.Tensor:
+    """Partner blocks [M, K]: unit u is paired (as X) with Y of units (u + 1), ..., (u + K) mod M.
+
+    A balanced design: every unit is the X side of K pairs and the Y side of K pairs, no pair is
+    repeated and no unit meets itself. K = M - 1 gives every ordered pair once (the complete U).
+    """
+    if not 1 <= K <= M - 1:
+        raise ValueError(f"pairs_per_block={K} must be in [1, M-1] with M={M} units")
+    return (torch.arange(M).unsqueeze(1) + torch.arange(1, K + 1).unsqueeze(0)) % M
+
+
+def row_statistics(U: float, r: torch.Tensor) -> tuple[float, float, float, float]:
+    """Plug-in and delete-1 jackknife from row means r_u (seed 001 §II.5), M = len(r) units.
+
+    zeta1 = sum (r - mean r)^2 / (M - 1), SE_plugin = sqrt(4 zeta1 / M);
+    U_{-u} = (M U - 2 r_u) / (M - 2), Var_jack = (M-1)/M sum (U_{-u} - mean)^2, zeta1_jack = M Var_jack / 4.
+    Returns (zeta1_plugin, SE_plugin, zeta1_jack, SE_jack).
+    """
+    r = r.double()
+    M = r.numel()
+    if M < 3:
+        raise ValueError("the U-statistic jackknife needs >= 3 units")
+    zeta1 = float(((r - r.mean()) ** 2).sum() / (M - 1))
+    U_loo = (M * U - 2 * r) / (M - 2)
+    var_jack = float((M - 1) / M * ((U_loo - U_loo.mean()) ** 2).sum())
+    return zeta1, math.sqrt(4 * zeta1 / M), M * var_jack / 4, math.sqrt(var_jack)
+
+
+def incomplete_u_statistic(h: torch.Tensor, partners: torch.Tensor) -> UStat:
+    """Incomplete U-statistic of the kernel values h[u, k] = X_u . P Y_{partners[u, k]} [M, K].
+
+    U_inc = sum h / (M K). Every pair joins two distinct, independent units, so E[h] = E[X].P.E[Y]
+    and U_inc is unbiased for the same target as the complete U (whatever the design; its variance
+    is larger by O((1 - K/(M-1)) / (M K))). Row means r_u = (sum of the K pairs with u as X + the K
+    pairs with u as Y) / (2K) average to U_inc, and deleting unit u removes exactly its 2K pairs,
+    so U_{-u} = (M U - 2 r_u)/(M - 2) as in the complete case (``row_statistics``).
+    bars_term and diag_sum are not defined here (nan); phi = 2 (r - U) as in ``u_statistic``.
+    """
+    h = h.double()
+    M, K = h.shape
+    U = float(h.mean())
+    as_y = torch.zeros(M, dtype=torch.float64).index_add_(0, partners.reshape(-1), h.reshape(-1))
+    r = (h.sum(1) + as_y) / (2 * K)
+    z, se, zj, sej = row_statistics(U, r)
+    return UStat(U, float("nan"), float("nan"), z, se, zj, sej, 2 * (r - U))
+
+
+def top_units(phi: torch.Tensor, k: int) -> list[int]:
+    """Indices of the k units with the largest |phi| (ties: lower index first)."""
+    k = min(k, phi.numel())
+    order = sorted(range(phi.numel()), key=lambda i: (-abs(float(phi[i])), i))
+    return order[:k]
