@@ -7,16 +7,24 @@ Two ways, selected by ``probe_rework.projection``:
   parameter-sized host transfer).
 - ``backward`` (reference, seed-literal): one backward per unit, the gradient moved to the
   buffers' device and dotted there.
+
+Cost (DESIGN.md §5): the forward-mode pass is one forward carrying a tangent, about 2/3 of a
+forward+backward over U, i.e. ~1/3 of a training step over E and U when B_E = B_U; the E side
+adds nothing but a device dot per unit. On small models the host time per op dominates; see
+``_DualOperands`` for what keeps forward mode on PyTorch's C++ fast path.
 """
 from __future__ import annotations
 
 import contextlib
+import numbers
 
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
 
 from entprobe import paramvec as pv
+from entprobe.distributed import no_sync
 from entprobe.estimators import weighted_S, x_unit_coeffs, y_unit_coeffs
 from entprobe.rollout import RolloutBatch
 from entprobe.stages.context import ProbeContext
@@ -39,26 +47,117 @@ def unit_coeffs(ctx: ProbeContext, S: torch.Tensor, mb: RolloutBatch, side: str)
     return y_unit_coeffs(mb.advantages.to(S.device), mb.Lmax.to(S.device))
 
 
+_T = torch.Tensor
+_aten = torch.ops.aten
+# ``tensor (op) python_number`` -> the ``.Scalar`` overload, whose forward formula has no second tangent
+_SCALAR_OPS = {
+    _T.add: _aten.add.Scalar, _T.__add__: _aten.add.Scalar, _T.__radd__: _aten.add.Scalar,
+    torch.add: _aten.add.Scalar, _T.sub: _aten.sub.Scalar, _T.__sub__: _aten.sub.Scalar,
+    torch.sub: _aten.sub.Scalar, _T.__rsub__: _aten.rsub.Scalar, _T.mul: _aten.mul.Scalar,
+    _T.__mul__: _aten.mul.Scalar, _T.__rmul__: _aten.mul.Scalar, torch.mul: _aten.mul.Scalar,
+    _T.div: _aten.div.Scalar, _T.__truediv__: _aten.div.Scalar, torch.div: _aten.div.Scalar,
+}
+_unpack_dual = torch._C._VariableFunctions._unpack_dual  # the C entry: no Python wrapper per call
+
+
+def _has_tangent(t: torch.Tensor) -> bool:
+    return _unpack_dual(t, 0)[1] is not None
+
+
+def _writes_first_arg(func) -> bool:
+    """In-place ops (``add_``, ``__iadd__``, ``__setitem__``): their first argument must stay itself."""
+    name = getattr(func, "__name__", "")
+    return name.endswith("_") and not name.endswith("__") or name in (
+        "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__")
+
+
+class _DualOperands(TorchFunctionMode):
+    """Keep forward-mode AD on its C++ formulas (values unchanged; only host time moves).
+
+    When an op mixes a dual tensor with a plain one (the rotary cos/sin tables, the attention
+    mask) or with a Python number (``x * scaling``, ``var + eps``, ``logits / T``), PyTorch gives
+    the plain operand an *efficient zero* tangent, and ops on those run Python meta functions:
+    ~0.5 ms of host time each, more than a small model's arithmetic per op. Here plain floating
+    operands get a materialised zero tangent (once per tensor and microbatch: the same tables and
+    mask feed every layer) and Python numbers go to the ``.Scalar`` overloads. In-place ops keep
+    their target, and ``reset()`` between microbatches keeps memory flat. On the builtin model
+    the jvp pass takes about half the time it takes without this (benchmarks/README.md).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._zeros: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (plain, its dual)
+
+    def reset(self) -> None:
+        self._zeros.clear()
+
+    def _dual_of(self, t: torch.Tensor) -> torch.Tensor:
+        hit = self._zeros.get(id(t))
+        if hit is None or hit[0] is not t:  # holding ``t`` keeps its id from being reused
+            hit = self._zeros[id(t)] = (t, fwAD.make_dual(t, torch.zeros_like(t)))
+        return hit[1]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if len(args) < 2:  # most calls: nothing to mix
+            return func(*args, **kwargs)
+        if (func in _SCALAR_OPS and not kwargs and len(args) == 2 and isinstance(args[0], _T)
+                and isinstance(args[1], numbers.Number) and not isinstance(args[1], bool)
+                and _has_tangent(args[0])):
+            return _SCALAR_OPS[func](args[0], args[1])
+        tensors = [a for a in args if isinstance(a, _T)]
+        if len(tensors) >= 2 and "out" not in kwargs:
+            dual = [_has_tangent(t) for t in tensors]
+            if any(dual) and not all(dual):
+                keep = 1 if _writes_first_arg(func) else 0
+                args = tuple(self._dual_of(a) if i >= keep and isinstance(a, _T) and a.is_floating_point()
+                             and not _has_tangent(a) else a for i, a in enumerate(args))
+        return func(*args, **kwargs)
+
+
+class _Run(torch.nn.Module):
+    """Runs ``fn(model)``: one ``functional_call`` then swaps the parameters for a whole pass."""
+
+    def __init__(self, model: torch.nn.Module, fn):
+        super().__init__()
+        self.model, self.fn = model, fn
+
+    def forward(self):
+        return self.fn(self.model)
+
+
 def project_jvp(ctx: ProbeContext, batch: RolloutBatch, direction: pv.Buffer, side: str,
-                label: str) -> torch.Tensor:
-    """Per-unit ``V_u . direction`` (V = X or Y) from one forward-mode pass; returns [B] float64."""
+                label: str, mb_size: int | None = None) -> torch.Tensor:
+    """Per-unit ``V_u . direction`` (V = X or Y) from one forward-mode pass; returns [B] float64.
+
+    ``dS[n, g] = grad S[n, g] . direction`` is the tangent of S; ``V_u . direction =
+    sum_g w[u, g] dS[u, g]`` with the unit's coefficients w (``unit_coeffs``). Microbatches of
+    ``mb_size`` prompts (default ``ctx.mb_size``). No graph is kept: a layer's activations and
+    tangents live only while it runs, but the logits and their tangent ([b G, T, V] each) do
+    not shrink, so a larger microbatch is cheaper on small models yet can outgrow a training
+    microbatch when the vocabulary is large (benchmarks/README.md).
+    """
     base = getattr(ctx.model, "module", ctx.model)  # DDP: call the wrapped module functionally
-    names = [n.removeprefix("module.") for n in ctx.names]
-    out = []
-    with torch.no_grad(), fwAD.dual_level(), _math_sdpa():
-        duals = {n: fwAD.make_dual(p.detach(), d.to(p.device, p.dtype))
-                 for n, p, d in zip(names, ctx.params, direction)}
+    names = [f"model.{n.removeprefix('module.')}" for n in ctx.names]
 
-        def call(**kw):
-            return functional_call(base, duals, args=(), kwargs=kw, strict=False)
+    operands = _DualOperands()
 
-        for start, mb in ctx.iterate(batch, ctx.mb_size, label):
-            S, _, _ = ctx.forward_S(mb, f"{label} prompts [{start}, {start + mb.B})", model=call)
+    def passes(model):
+        out = []
+        for start, mb in ctx.iterate(batch, mb_size or ctx.mb_size, label):
+            operands.reset()
+            S, _, _ = ctx.forward_S(mb, f"{label} prompts [{start}, {start + mb.B})", model=model)
             primal, tangent = fwAD.unpack_dual(S)
             w = unit_coeffs(ctx, primal, mb, side)
-            out.append((w.double() * tangent.double()).sum(-1).cpu())
+            out.append((w.double() * tangent.double()).sum(-1))  # [b], stays on the device
+        return torch.cat(out)
+
+    with torch.no_grad(), fwAD.dual_level(), _math_sdpa(), operands:
+        duals = {n: fwAD.make_dual(p.detach(), d.to(p.device, p.dtype))
+                 for n, p, d in zip(names, ctx.params, direction)}
+        proj = functional_call(_Run(base, passes), duals, args=(), strict=False)
     ctx.stats.count("jvp", batch.B * batch.G)
-    return torch.cat(out)
+    return proj.cpu()
 
 
 def project_backward(ctx: ProbeContext, batch: RolloutBatch, direction: pv.Buffer, side: str,
@@ -67,7 +166,7 @@ def project_backward(ctx: ProbeContext, batch: RolloutBatch, direction: pv.Buffe
     out = []
     ctx.zero_grad()
     for start, mb in ctx.iterate(batch, 1, label):
-        with torch.enable_grad():
+        with torch.enable_grad(), no_sync(ctx.model):  # probe pass: no DDP gradient all-reduce
             S, _, _ = ctx.forward_S(mb, f"{label} prompt {start}")
             w = unit_coeffs(ctx, S.detach(), mb, side)
             (w * S).sum().backward()
