@@ -3,12 +3,21 @@
 Ranks own disjoint prompts. Parameter-sized buffers are all-reduced once each, counts and
 per-unit scalars are summed or gathered (O(B) scalars), so results equal a one-process run on
 the same prompts up to summation order.
+
+Launch environments recognised by ``init_from_env`` (see docs/scaling.md for the commands):
+
+    torchrun --nproc_per_node 2 -m entprobe.main          # RANK / WORLD_SIZE / MASTER_* from torchrun
+    srun --ntasks-per-node 4 python -m entprobe.main       # SLURM_PROCID / SLURM_STEP_NUM_TASKS
+    python -m entprobe.main -m hydra/launcher=slurm ...    # submitit tasks: exported via submitit
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import os
+import shutil
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -30,40 +39,104 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def env_rank() -> int:
+    """This process's global rank as the launcher announced it (usable before/after the group)."""
+    if is_dist():
+        return rank()
+    for key in ("RANK", "SLURM_PROCID", "SUBMITIT_LOCAL_GLOBALID"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
+
+
 def print0(*args, **kwargs) -> None:
     if is_main():
         print(*args, **kwargs, flush=True)
 
 
+def _submitit_tasks() -> int:
+    """Number of tasks of the submitit job this process belongs to (0 outside submitit)."""
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        return 0
+    try:
+        import submitit
+        return submitit.JobEnvironment().num_tasks
+    except Exception:  # not a submitit job after all (e.g. a stale variable)
+        return 0
+
+
+def _slurm_step_tasks() -> int:
+    """Tasks of the current srun step (the batch script itself is not a multi-task step)."""
+    if "SLURM_PROCID" not in os.environ:
+        return 0
+    return int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
+
+
 def launched_distributed() -> bool:
-    """True under torchrun (WORLD_SIZE > 1) or a multi-task SLURM step."""
+    """True under torchrun (WORLD_SIZE > 1), a multi-task srun step or a multi-task submitit job."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return True
-    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
+    return _slurm_step_tasks() > 1 or _submitit_tasks() > 1
+
+
+def export_launcher_env() -> None:
+    """Fill torch's env:// variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) from
+    submitit or SLURM when no torchrun set them. Idempotent; a no-op under torchrun."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    if _submitit_tasks() > 1:  # hydra/launcher=slurm or submitit_local with tasks_per_node > 1
+        from submitit.helpers import TorchDistributedEnvironment
+
+        e = TorchDistributedEnvironment()  # ranks from the job environment, port from the job id
+        os.environ.update(RANK=str(e.rank), WORLD_SIZE=str(e.world_size), LOCAL_RANK=str(e.local_rank),
+                          LOCAL_WORLD_SIZE=str(e.local_world_size))
+        os.environ.setdefault("MASTER_ADDR", e.master_addr)  # a user's setup may pin these
+        os.environ.setdefault("MASTER_PORT", str(e.master_port))
+    elif _slurm_step_tasks() > 1:  # srun python -m entprobe.main
+        os.environ["RANK"] = os.environ["SLURM_PROCID"]
+        os.environ["WORLD_SIZE"] = os.environ["SLURM_STEP_NUM_TASKS"]
+        os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+        os.environ.setdefault("MASTER_ADDR", os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1"))
+        os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
 
 
 def init_from_env(backend: str = "auto", timeout_s: int = 1800) -> bool:
-    """Initialise the default process group from torchrun or SLURM variables; returns whether it did."""
+    """Initialise the default process group from torchrun / SLURM / submitit variables.
+
+    ``backend="auto"``: nccl when CUDA is available, else gloo. Returns whether a group exists."""
     if is_dist() or not launched_distributed():
         return is_dist()
-    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:  # srun without torchrun
-        os.environ["RANK"] = os.environ["SLURM_PROCID"]
-        os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
-        os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
-        os.environ.setdefault("MASTER_ADDR", os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1"))
-        os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ.get("SLURM_JOB_ID", "0")) % 1000))
+    export_launcher_env()
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     return True
 
 
-def shutdown() -> None:
-    if is_dist():
+def shutdown(ok: bool = True) -> None:
+    """Tear the group down. After a failure skip the barrier: the other ranks may never reach it
+    (torchrun / srun then stop them), and a barrier would hang until the timeout."""
+    if not is_dist():
+        return
+    if ok:
         dist.barrier()
-        dist.destroy_process_group()
+    dist.destroy_process_group()
+
+
+def wrap(model: torch.nn.Module, device: torch.device, find_unused_parameters: bool = True
+         ) -> torch.nn.Module:
+    """DDP around ``model`` when a group exists, else ``model``. Buffers are not re-broadcast at
+    every forward (ranks run different numbers of forwards; the buffers never change)."""
+    if not is_dist():
+        return model
+    DDP = torch.nn.parallel.DistributedDataParallel
+    no_buffer_sync = ({"forward_sync_buffers": False}  # torch >= 2.13 spelling
+                      if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+                      else {"broadcast_buffers": False})
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+               find_unused_parameters=find_unused_parameters, **no_buffer_sync)
 
 
 def _comm_device(t: torch.Tensor) -> torch.device:
@@ -97,7 +170,7 @@ def reduce_scalars(*xs: float) -> list[float]:
 
 
 def gather_units(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate 1-D per-unit scalars of every rank in rank order (O(B) numbers, not params)."""
+    """Concatenate per-unit tensors (dim 0) of every rank in rank order (O(B) numbers, not params)."""
     if not is_dist():
         return x
     parts = [None] * world()
@@ -105,7 +178,17 @@ def gather_units(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def gather_objects(obj) -> list:
+    """Every rank's ``obj`` in rank order (small picklable things: token batches, paths)."""
+    if not is_dist():
+        return [obj]
+    parts = [None] * world()
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
 def broadcast_object(obj):
+    """Rank 0's ``obj`` on every rank."""
     if not is_dist():
         return obj
     box = [obj]
@@ -113,11 +196,34 @@ def broadcast_object(obj):
     return box[0]
 
 
+def barrier() -> None:
+    if is_dist():
+        dist.barrier()
+
+
+HYDRA_OWN = {".hydra", "main.log"}  # what Hydra writes into a run dir before the job starts
+
+
+def shared_run_dir(own: str | Path, hydra_files: set[str] = HYDRA_OWN) -> Path:
+    """One run directory for all ranks: rank 0's. Ranks started a second apart resolve Hydra's
+    ``${now:}`` differently; a rank whose own directory differs removes it when it holds only
+    what Hydra wrote there (``.hydra/``, the job log), and its then-empty parent."""
+    own = Path(own).resolve()
+    shared = Path(broadcast_object(str(own)))
+    if shared != own and own.is_dir() and {p.name for p in own.iterdir()} <= hydra_files:
+        shutil.rmtree(own, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            own.parent.rmdir()  # the ${now:%Y-%m-%d} level, only if nothing else is in it
+    return shared
+
+
 @contextlib.contextmanager
 def no_sync(model):
-    """``model.no_sync()`` under DDP (probe passes must not trigger gradient reducers), else nothing."""
+    """``model.no_sync()`` under DDP, else nothing. Wrap the forward *and* the backward: DDP arms
+    its gradient all-reduce in ``forward`` when sync is on, whatever context the backward runs in."""
     if hasattr(model, "no_sync") and is_dist():
         with model.no_sync():
             yield
     else:
         yield
+

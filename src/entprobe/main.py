@@ -3,11 +3,14 @@
     python -m entprobe.main                                   # built-in default, ~1 min on 2 CPU cores
     python -m entprobe.main importance.is_mode=clip
     python -m entprobe.main model=hf model.path=/ckpt/checkpoint-500 optimizer.state_path=/ckpt/checkpoint-500
-    python -m entprobe.main -m batch.B_E=8,16 optimizer.lr=1e-6,1e-5      # sweep
-    torchrun --nproc_per_node 2 -m entprobe.main                             # distributed
+    python -m entprobe.main -m batch.B_E=8,16 optimizer.lr=1e-6,1e-5      # sweep (see sweep.py)
+    launchers/torchrun.sh 2 batch.B_E=64 batch.B_U=64                        # DDP, one run dir
+    python -m entprobe.main -m hydra/launcher=slurm hydra.launcher.nodes=2   # SLURM (docs/scaling.md)
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from entprobe import distributed as D
 from entprobe import paramvec as pv
+from entprobe import sweep
 from entprobe.config import ConfigError, EntprobeConfig, register_configs, validate
 from entprobe.models import DTYPES, load_model
 from entprobe.optim_state import load_optimizer
@@ -70,29 +74,80 @@ def build_geometry(cfg: EntprobeConfig, lm, params) -> tuple[Geometry, dict]:
     return Geometry(lo.optimizer, lo.lr, P), meta
 
 
-def get_batches(cfg: EntprobeConfig, lm, task, ctx: ProbeContext) -> tuple[RolloutBatch, RolloutBatch]:
-    """Load saved E/U batches or sample them; each rank keeps its contiguous share of prompts."""
+def get_batches(cfg: EntprobeConfig, lm, task, ctx: ProbeContext, cache: Path | None = None
+                ) -> tuple[RolloutBatch, RolloutBatch, str]:
+    """The global E and U, and where they came from: ``batch.load``, else the sweep's batch cache
+    (``cache``, a folder), else fresh samples (written to ``batch.save`` and the cache by rank 0).
+
+    Under DDP each rank samples only its own prompts (seeds offset by rank, see ``rank_seed``);
+    the shares are gathered and padded into the global batch, so what is saved is the global
+    batch and a run on saved batches gives the same numbers at any world size. Each rank then
+    computes on ``shard(batch)``; the token batches are small, every rank holds them whole."""
+    b = cfg.batch
+    lock = sweep.locked(cache) if cache is not None and D.is_main() else contextlib.nullcontext()
+    with lock:  # parallel sweep jobs: one samples, the others wait here and load
+        hit = D.broadcast_object(cache is not None and sweep.cache_complete(cache))
+        src = Path(b.load) if b.load else (cache if hit else None)
+        if src is not None:
+            E, U = RolloutBatch.load(src / "E.pt"), RolloutBatch.load(src / "U.pt")
+            if E.G != b.G or U.G != b.G:
+                raise ConfigError(f"batch.load={src}: saved batches have G={E.G}, config says batch.G={b.G}")
+            source = "load" if b.load else "cache"
+        else:
+            E, U = sample_global(cfg, lm, task, ctx)
+            if D.is_main():
+                for folder in (b.save, cache):
+                    if folder:
+                        E.save(Path(folder) / "E.pt")
+                        U.save(Path(folder) / "U.pt")
+            source = "sampled"
+    return E, U, source
+
+
+def rank_seed(seed: int) -> int:
+    """Sampling seed of this rank's share of a batch (rank 0 and single-process runs: ``seed``)."""
+    return int(seed) + 1_000_003 * D.rank()
+
+
+def sample_global(cfg: EntprobeConfig, lm, task, ctx: ProbeContext) -> tuple[RolloutBatch, RolloutBatch]:
+    """E and U as global batches; each rank samples the contiguous share ``shard`` will give it."""
     b, s = cfg.batch, cfg.sampling
-    load = Path(b.load) if b.load else None
-    if load is not None:
-        E, U = RolloutBatch.load(load / "E.pt"), RolloutBatch.load(load / "U.pt")
-        if E.G != b.G or U.G != b.G:
-            raise ConfigError(f"batch.load={load}: saved batches have G={E.G}, config says batch.G={b.G}")
-    else:
-        def draw(B, seed, label):
-            idx = draw_prompt_indices(len(task.prompts), B, seed)
-            with ctx.phase(f"sample_{label}"):
-                return sample_batch(lm.model, lm.tokenizer, task, idx, b.G, s, seed, b.advantage.value,
-                                    b.adv_eps, cfg.task.chat_template.value, cfg.task.system_prompt)
-        E = draw(b.B_E, b.seed_E, "E") if cfg.probe_rework.mode.value == "two_batch" else None
-        U = draw(b.B_U, b.seed_U, "U")
-        if E is None:
-            E = U
-        if b.save and D.is_main():
-            Path(b.save).mkdir(parents=True, exist_ok=True)
-            E.save(Path(b.save) / "E.pt")
-            U.save(Path(b.save) / "U.pt")
-    return shard(E), shard(U)
+
+    def draw(B, seed, label):
+        if B < D.world():
+            raise ConfigError(f"batch.B_{label}={B} prompts cannot be split over {D.world()} ranks")
+        idx = draw_prompt_indices(len(task.prompts), B, seed).tensor_split(D.world())[D.rank()]
+        with ctx.phase(f"sample_{label}"):
+            mine = sample_batch(lm.model, lm.tokenizer, task, idx, b.G, s, rank_seed(seed), b.advantage.value,
+                                b.adv_eps, cfg.task.chat_template.value, cfg.task.system_prompt)
+        return concat_batches(D.gather_objects(mine), lm.tokenizer.pad_token_id) if D.is_dist() else mine
+
+    E = draw(b.B_E, b.seed_E, "E") if cfg.probe_rework.mode.value == "two_batch" else None
+    U = draw(b.B_U, b.seed_U, "U")
+    return (E if E is not None else U), U
+
+
+def concat_batches(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """One batch from shares of different widths, in the layout ``sample_batch`` writes: prompts
+    left-padded to the widest prompt block, responses right-padded to the longest response."""
+    def prompt_width(x: RolloutBatch) -> int:
+        cols = x.response_mask.flatten(0, 1).any(0).nonzero()
+        return int(cols[0]) if cols.numel() else x.input_ids.shape[-1] - 1
+    Ps = [prompt_width(x) for x in parts]
+    Rs = [x.input_ids.shape[-1] - p for x, p in zip(parts, Ps)]
+    P, R = max(Ps), max(Rs)
+    kw = {}
+    for f in dataclasses.fields(RolloutBatch):
+        vals = [getattr(x, f.name) for x in parts]
+        if not isinstance(vals[0], torch.Tensor):
+            kw[f.name] = vals[0]
+        elif vals[0].dim() == 3:  # [B, G, T]: pad columns (ids with the pad token, masks/log-probs 0)
+            fill = pad_id if f.name == "input_ids" else 0
+            kw[f.name] = torch.cat([torch.nn.functional.pad(v, (P - p, R - r), value=fill)
+                                    for v, p, r in zip(vals, Ps, Rs)])
+        else:
+            kw[f.name] = torch.cat(vals)
+    return RolloutBatch(**kw)
 
 
 def shard(batch: RolloutBatch) -> RolloutBatch:
@@ -105,8 +160,9 @@ def shard(batch: RolloutBatch) -> RolloutBatch:
     return batch.select(chunks[D.rank()])
 
 
-def run(cfg) -> dict:
-    """The whole job: load -> sample -> probe -> write results. Returns flat results."""
+def run(cfg, batch_cache: str | Path | None = None) -> dict:
+    """The whole job: load -> sample -> probe -> write results. Returns flat results (identical on
+    every rank; only rank 0 writes). ``batch_cache``: a folder shared by the jobs of a sweep."""
     t0 = time.perf_counter()
     cfg = to_typed(cfg)
     run_dir = Path(cfg.run_dir)
@@ -117,17 +173,14 @@ def run(cfg) -> dict:
     task = build_task(OmegaConf.structured(cfg.task))
     names, params = pv.trainable(lm.model)
     geo, meta = build_geometry(cfg, lm, params)
-    model = lm.model
-    if D.is_dist():
-        model = torch.nn.parallel.DistributedDataParallel(
-            lm.model, find_unused_parameters=cfg.ddp.find_unused_parameters,
-            device_ids=[lm.device.index] if lm.device.type == "cuda" else None)
+    model = D.wrap(lm.model, lm.device, cfg.ddp.find_unused_parameters)  # DDP under torchrun / SLURM
     pcfg = cfg.probe_rework
     ctx = ProbeContext(model, names, params, lm.device, lm.autocast_dtype, cfg.sampling.temperature,
                        pcfg.weighting_mode.value, pcfg.mb_size_prompts,
                        pv.resolve_device(pcfg.buffers_device, params), DTYPES[pcfg.buffers_dtype.value],
                        progress=cfg.logging.progress and D.is_main())
-    E, U = get_batches(cfg, lm, task, ctx)
+    E_all, U_all, batch_source = get_batches(cfg, lm, task, ctx, Path(batch_cache) if batch_cache else None)
+    E, U = shard(E_all), shard(U_all)
 
     def resample() -> RolloutBatch:
         return shard_resample(cfg, lm, task, E)
@@ -137,11 +190,12 @@ def run(cfg) -> dict:
         results = run_single_batch(ctx, U, geo, pcfg, cfg.importance, run_dir, resample=resample)
     else:
         results = run_two_batch(ctx, E, U, geo, pcfg, cfg.importance, run_dir, resample=resample)
-    for label, batch in (("E", E), ("U", U)):
+    for label, batch in (("E", E_all), ("U", U_all)):
         results.update(batch.stats(f"batch_{label}"))
     results.update(meta)
-    results.update(ctx.stats.flat())
-    results.update({"model_source": lm.source, "world_size": D.world(), "weighting_mode": ctx.weighting_mode,
+    results.update(global_pass_counts(ctx.stats.flat()))  # times and memory stay this rank's
+    results.update({"model_source": lm.source, "world_size": D.world(), "batch_source": batch_source,
+                    "weighting_mode": ctx.weighting_mode,
                     "preconditioner": cfg.optimizer.preconditioner.value, "is_mode": cfg.importance.is_mode.value,
                     "time/total_s": time.perf_counter() - t0})
     if D.is_main():
@@ -151,32 +205,51 @@ def run(cfg) -> dict:
     return results
 
 
+def global_pass_counts(stats: dict) -> dict:
+    """``passes/*`` summed over ranks (then equal to a one-process run's counts)."""
+    keys = sorted(set().union(*D.gather_objects({k for k in stats if k.startswith("passes/")})))
+    totals = D.reduce_scalars(*[stats.get(k, 0) for k in keys])
+    return {**stats, **{k: int(v) for k, v in zip(keys, totals)}}
+
+
 def shard_resample(cfg: EntprobeConfig, lm, task, E: RolloutBatch) -> RolloutBatch:
     """Fresh responses for this rank's E prompts at the current (updated) parameters."""
     b = cfg.batch
     return sample_batch(lm.model, lm.tokenizer, task, E.prompt_index, b.G, cfg.sampling,
-                        b.seed_E + 1_000_003, b.advantage.value, b.adv_eps, cfg.task.chat_template.value,
-                        cfg.task.system_prompt)
+                        rank_seed(b.seed_E + 1_000_003), b.advantage.value, b.adv_eps,
+                        cfg.task.chat_template.value, cfg.task.system_prompt)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    """Process group first (rank decides who logs), then one run dir for all ranks (rank 0's),
+    the sweep's batch cache in multirun mode, wandb on rank 0, ``run``, teardown."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-    with_dir = OmegaConf.to_container(cfg, resolve=True)
-    with_dir["run_dir"] = HydraConfig.get().runtime.output_dir
-    typed = to_typed(OmegaConf.create(with_dir))
-    w = typed.logging.wandb
-    logger = WandbLogger(w.mode, w.project, Path(typed.run_dir), with_dir, D.is_main(), w.entity, w.name, w.tags)
-    code = 1
+    hc = HydraConfig.get()
+    D.init_from_env(cfg.ddp.backend, cfg.ddp.timeout_s)
+    logger, ok = None, False
     try:
-        results = run(typed)
+        hydra_files = {hc.output_subdir or ".hydra", f"{hc.job.name}.log"}
+        run_dir = D.shared_run_dir(hc.runtime.output_dir, hydra_files)
+        with_dir = OmegaConf.to_container(cfg, resolve=True)
+        with_dir["run_dir"] = str(run_dir)
+        typed = to_typed(OmegaConf.create(with_dir))
+        cache = None
+        if hc.mode == RunMode.MULTIRUN and not typed.batch.load:
+            sweep_dir = Path(hc.runtime.cwd) / hc.sweep.dir  # absolute, also with hydra.job.chdir
+            cache = D.broadcast_object(str(sweep.batch_cache_dir(sweep_dir, typed, D.world())))
+        w = typed.logging.wandb
+        logger = WandbLogger(w.mode, w.project, run_dir, with_dir, D.is_main(), w.entity, w.name, w.tags)
+        results = run(typed, batch_cache=cache)
         logger.log(results)
-        code = 0
+        ok = True
         return results.get("deltaH1")
     finally:
-        logger.finish(code)
-        D.shutdown()
+        if logger is not None:
+            logger.finish(0 if ok else 1)
+        D.shutdown(ok)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ def pick_device(spec: str) -> torch.device:
     if spec == "auto":
         if torch.cuda.is_available():
             import os
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            # modulo: a launcher that binds one GPU per task leaves each rank one visible device
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         return torch.device("cpu")
     return torch.device(spec)
 

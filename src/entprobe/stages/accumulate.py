@@ -1,9 +1,9 @@
 """Stage 1: microbatched sums of X over E and of Y over U (seed 002), by backward() only.
 
 ``sum_X = sum_{n in E} X_n`` and ``sum_Y = sum_{n in U} Y_n`` land in parameter-sized buffers
-(device/dtype from config). Gradients are zeroed before and after each microbatch; under DDP the
-backward runs inside ``no_sync()``. When a projection direction is given, each unit is its own
-backward and ``X_u . direction`` is taken on the device before the gradient is added to the sum
+(device/dtype from config). Gradients are zeroed before and after each microbatch; under DDP
+forward and backward run inside ``no_sync()``. When a projection direction is given, each unit is its
+own backward and ``X_u . direction`` is taken on the device before the gradient is added to the sum
 (the fused variance path: the E side of Stage 2 costs no extra pass).
 """
 from __future__ import annotations
@@ -73,14 +73,13 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
     ctx.zero_grad()
     for start, mb in ctx.iterate(batch, size, label):
         what = f"{label} microbatch prompts [{start}, {start + mb.B})"
-        with torch.enable_grad():
+        with torch.enable_grad(), no_sync(ctx.model):  # forward too: DDP arms its all-reduce there
             S, lp, ent = ctx.forward_S(mb, what, with_entropy=with_entropy)
             loss = loss_of(S, mb)
             if not loss.requires_grad:
                 raise RuntimeError(f"{what}: the probe loss has no gradient path (is autograd "
                                    "disabled, or are all parameters frozen?)")
-            with no_sync(ctx.model):
-                loss.backward()
+            loss.backward()
         ctx.stats.count("backward", mb.B * mb.G)
         _check_grads(ctx, what)
         if direction is not None:

@@ -1,0 +1,239 @@
+"""DDP on CPU (gloo): two processes give the one-process numbers, every rank the same ones.
+
+- 2 ranks on batches saved by a 1-process run, uneven shards (E 3+2 prompts, U 2+1), the per-unit
+  backward projection (DDP forward/backward under no_sync) and the recomputed, DDP-synced update
+  gradient; only rank 0 writes; rank 0's run directory wins.
+- 2 ranks sampling (each rank its own prompts) save the gathered global batch; a 1-process run on
+  it gives the 2-process numbers.
+- launchers/torchrun.sh hands every rank the same run directory.
+- launcher environments (torchrun / srun / submitit variables) map to torch's env:// variables.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import compose_cfg
+from entprobe import distributed as D
+from entprobe.main import concat_batches, run
+from entprobe.rollout import RolloutBatch
+
+REPO = Path(__file__).resolve().parents[1]
+KEYS = ("deltaH1", "SE_deltaH1", "V_X", "V_Y", "deltaH_true")
+# 5 = 3 + 2 and 3 = 2 + 1 prompts on 2 ranks; seed_U=7 gives every U group some reward variance
+SMALL = ("batch.B_E=5", "batch.B_U=3", "batch.G=4", "batch.seed_U=7")
+DDP_PATHS = ("probe_rework.projection=backward", "importance.reuse_probe_gradient=false", "ddp.timeout_s=120")
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b), 1e-300)
+
+
+def _numbers(res: dict) -> dict:
+    """Every estimator number (timings and memory are per-rank facts, not results)."""
+    return {k: v for k, v in res.items()
+            if isinstance(v, (int, float)) and not k.startswith(("time/", "mem/"))}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, saved: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    out = Path(out)
+    # B: the 1-process run's saved batches; C: sampled under DDP (each rank its own prompts), saved.
+    for name, extra in (("B", (*DDP_PATHS, f"batch.load='{saved}'")), ("C", (f"batch.save='{out / 'saved_C'}'",))):
+        res = run(compose_cfg(out / f"run{name}_rank{rank}", *SMALL, *extra))
+        (out / f"{name}_rank{rank}.json").write_text(json.dumps(res))
+    # Hydra gave each rank its own ${now:} directory; rank 0's wins, the other's empty one goes.
+    own = out / f"hydra_rank{rank}" / f"12-00-0{rank}"
+    (own / ".hydra").mkdir(parents=True)
+    (own / "main.log").write_text("")
+    (out / f"shared_rank{rank}.txt").write_text(str(D.shared_run_dir(own)))
+    D.shutdown()
+
+
+def _launch(world: int, *args) -> None:
+    """``world`` ranks of ``_worker`` forked from a fresh single-threaded forkserver that imported
+    the heavy modules once (fork from the pytest process could inherit a held lock; spawn would
+    import torch and transformers in every rank)."""
+    import multiprocessing
+    multiprocessing.set_forkserver_preload(["entprobe.main", "transformers.models.llama.modeling_llama",
+                                            "conftest"])
+    procs = mp.start_processes(_worker, args=(world, _free_port(), *args), nprocs=world, join=False,
+                               start_method="forkserver")
+    deadline = time.monotonic() + 300
+    while not procs.join(timeout=2):
+        if time.monotonic() > deadline:
+            for p in procs.processes:
+                p.kill()
+            pytest.fail(f"{world}-rank run did not finish in 300 s")
+
+
+def test_two_ranks_equal_one_rank_and_each_other(tmp_path):
+    saved = tmp_path / "saved"
+    one = run(compose_cfg(tmp_path / "one", *SMALL, *DDP_PATHS, f"batch.save='{saved}'"))
+    assert one["world_size"] == 1 and one["B_E"] == 5 and one["B_U"] == 3
+    _launch(2, str(saved), str(tmp_path))
+    B0, B1, C0, C1 = (json.loads((tmp_path / f"{n}_rank{r}.json").read_text()) for n in "BC" for r in (0, 1))
+    assert B0["world_size"] == 2 and B0["B_E"] == 5 and B0["B_U"] == 3 and B0["batch_source"] == "load"
+    assert _numbers(B0) == _numbers(B1) and _numbers(C0) == _numbers(C1)  # every rank, bit for bit
+    for k in KEYS:
+        assert math.isfinite(one[k]) and one[k] != 0.0, k
+        assert _rel(B0[k], one[k]) < 1e-6, (k, B0[k], one[k])
+    for k in ("H_orig", "ESS", "deltaH1_step", "batch_E/reward_mean", "batch_U/mean_gen_length"):
+        assert _rel(B0[k], one[k]) < 1e-6, (k, B0[k], one[k])
+    # Global pass counts: the work of one process, split over two.
+    passes = [{k: v for k, v in r.items() if k.startswith("passes/")} for r in (one, B0)]
+    assert passes[0] == passes[1] and passes[0]["passes/backward"] > 0
+    assert one["gt/reused_probe_gradient"] == 0.0 == B0["gt/reused_probe_gradient"]
+    # Only rank 0 writes (every rank creates the folder).
+    assert (tmp_path / "runB_rank0" / "results.json").is_file()
+    assert not any((tmp_path / "runB_rank1").iterdir())
+    # C sampled under DDP and saved the gathered global batch: 5 and 3 prompts, one width each;
+    # a 1-process run on it reproduces the 2-process numbers.
+    E, U = RolloutBatch.load(tmp_path / "saved_C" / "E.pt"), RolloutBatch.load(tmp_path / "saved_C" / "U.pt")
+    assert (E.B, U.B, E.G, C0["batch_source"]) == (5, 3, 4, "sampled")
+    assert C0["batch_E/reward_mean"] == pytest.approx(E.rewards.mean().item(), rel=1e-7)
+    again = run(compose_cfg(tmp_path / "again", *SMALL, f"batch.load='{tmp_path / 'saved_C'}'"))
+    for k in KEYS + ("H_orig", "ESS", "deltaH1_step"):
+        assert math.isfinite(again[k]) and again[k] != 0.0, k
+        assert _rel(C0[k], again[k]) < 1e-6, (k, C0[k], again[k])
+    # One run directory: both ranks got rank 0's; rank 1's Hydra-only directory was removed.
+    shared = {(tmp_path / f"shared_rank{r}.txt").read_text() for r in (0, 1)}
+    assert shared == {str((tmp_path / "hydra_rank0" / "12-00-00").resolve())}
+    assert not (tmp_path / "hydra_rank1").exists()
+
+
+def test_torchrun_wrapper_gives_every_rank_one_run_dir(tmp_path):
+    # A stand-in interpreter records what the wrapper would start (torchrun hands its environment
+    # to every rank; conf/config.yaml reads ENTPROBE_RUN_DIR / ENTPROBE_SWEEP_DIR).
+    fake = tmp_path / "python"
+    fake.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$OUT/argv"\n'
+                    'echo "$ENTPROBE_RUN_DIR $ENTPROBE_SWEEP_DIR $OMP_NUM_THREADS" > "$OUT/env"\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("ENTPROBE_RUN_DIR", "ENTPROBE_SWEEP_DIR",
+                                                           "TORCHRUN_ARGS", "NPROC", "OMP_NUM_THREADS")}
+    env.update(PYTHON=str(fake), OUT=str(tmp_path))
+    wrapper = str(REPO / "launchers" / "torchrun.sh")
+    subprocess.run([wrapper, "3", "-m", "optimizer.lr=1e-6,1e-5"], env=env, check=True, timeout=30)
+    argv = (tmp_path / "argv").read_text().splitlines()
+    assert argv == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3", "-m", "entprobe.main",
+                    "-m", "optimizer.lr=1e-6,1e-5"]
+    run_dir, sweep_dir, omp = (tmp_path / "env").read_text().split()
+    assert re.fullmatch(r"outputs/\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d", run_dir)
+    assert sweep_dir == "multirun/" + run_dir.removeprefix("outputs/") and omp == "1"  # one stamp
+    env.update(ENTPROBE_RUN_DIR="/runs/x", NPROC="2", TORCHRUN_ARGS="--nnodes 2 --rdzv-endpoint h:29400")
+    subprocess.run([wrapper, "batch.B_E=64"], env=env, check=True, timeout=30)
+    assert (tmp_path / "argv").read_text().splitlines() == [
+        "-m", "torch.distributed.run", "--nnodes", "2", "--rdzv-endpoint", "h:29400", "--nproc_per_node", "2",
+        "-m", "entprobe.main", "batch.B_E=64"]
+    assert (tmp_path / "env").read_text().split()[0] == "/runs/x"
+
+
+def test_config_reads_the_launcher_run_dirs(tmp_path, monkeypatch):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from conftest import CONF_DIR
+
+    monkeypatch.setenv("ENTPROBE_RUN_DIR", "/runs/a")
+    monkeypatch.setenv("ENTPROBE_SWEEP_DIR", "/sweeps/b")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+        cfg = compose(config_name="config", return_hydra_config=True)
+    GlobalHydra.instance().clear()
+    assert (cfg.hydra.run.dir, cfg.hydra.sweep.dir) == ("/runs/a", "/sweeps/b")
+
+
+def _toy(B: int, P: int, R: int, seed: int) -> RolloutBatch:
+    g = torch.Generator().manual_seed(seed)
+    G, T = 2, P + R
+    resp = torch.zeros(B, G, T, dtype=torch.long)
+    resp[..., P:] = 1
+    resp[0, 0, P + 1:] = 0  # a short response
+    ids = torch.randint(3, 18, (B, G, T), generator=g)
+    return RolloutBatch(ids, torch.ones(B, G, T, dtype=torch.long), resp, -torch.rand(B, G, T, generator=g) * resp,
+                        torch.rand(B, G, generator=g), torch.randn(B, G, generator=g), torch.arange(B) + seed, 0.7)
+
+
+def test_concat_batches_pads_prompts_left_and_responses_right():
+    a, b = _toy(2, 3, 4, 0), _toy(1, 5, 2, 1)  # prompt widths 3 and 5, response widths 4 and 2
+    c = concat_batches([a, b], pad_id=0)
+    assert c.input_ids.shape == (3, 2, 9) and c.temperature == 0.7  # 5 prompt + 4 response columns
+    # a: 2 pad columns on the left, nothing on the right; b: 2 pad columns on the right.
+    assert torch.equal(c.input_ids[:2, :, 2:], a.input_ids) and (c.input_ids[:2, :, :2] == 0).all()
+    assert torch.equal(c.input_ids[2:, :, :7], b.input_ids) and (c.input_ids[2:, :, 7:] == 0).all()
+    assert (c.attention_mask[:2, :, :2] == 0).all() and (c.response_mask[2:, :, 7:] == 0).all()
+    assert torch.equal(c.gen_lengths, torch.cat([a.gen_lengths, b.gen_lengths]))
+    assert torch.equal(c.S_sampler, torch.cat([a.S_sampler, b.S_sampler]))
+    assert torch.equal(c.prompt_index, torch.tensor([0, 1, 1]))
+
+
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No launcher variables during the test; afterwards the environment exactly as before
+    (export_launcher_env writes os.environ directly, out of monkeypatch's sight)."""
+    saved = dict(os.environ)
+    for k in list(os.environ):
+        if k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC")) or k in ENV_KEYS:
+            monkeypatch.delenv(k)
+    yield monkeypatch
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_srun_step_variables_become_torch_env(clean_env):
+    for k, v in dict(SLURM_PROCID="5", SLURM_STEP_NUM_TASKS="8", SLURM_NTASKS="8", SLURM_LOCALID="1",
+                     SLURM_LAUNCH_NODE_IPADDR="10.1.2.3", SLURM_JOB_ID="123456").items():
+        clean_env.setenv(k, v)
+    assert D.launched_distributed() and D.env_rank() == 5
+    D.export_launcher_env()
+    assert [os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")] == \
+           ["5", "8", "1", "10.1.2.3", str(20000 + 123456 % 20000)]
+
+
+def test_sbatch_script_itself_is_not_a_distributed_step(clean_env):
+    # The batch script of an --ntasks=4 allocation runs once: no srun step, no process group.
+    for k, v in dict(SLURM_PROCID="0", SLURM_NTASKS="4", SLURM_JOB_ID="7").items():
+        clean_env.setenv(k, v)
+    assert not D.launched_distributed()
+    assert D.init_from_env("gloo") is False
+
+
+def test_submitit_task_variables_become_torch_env(clean_env):
+    for k, v in dict(SUBMITIT_EXECUTOR="local", SUBMITIT_LOCAL_JOB_ID="4242", SUBMITIT_LOCAL_NTASKS="2",
+                     SUBMITIT_LOCAL_JOB_NUM_NODES="1", SUBMITIT_LOCAL_NODEID="0",
+                     SUBMITIT_LOCAL_GLOBALID="1", SUBMITIT_LOCAL_LOCALID="1").items():
+        clean_env.setenv(k, v)
+    assert D.launched_distributed() and D.env_rank() == 1
+    D.export_launcher_env()
+    assert [os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")] == ["1", "2", "1", "2"]
+    assert os.environ["MASTER_ADDR"] == socket.gethostname() and 20000 <= int(os.environ["MASTER_PORT"]) <= 60000
+
+
+def test_torchrun_variables_are_left_alone(clean_env):
+    for k, v in dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="h", MASTER_PORT="29500",
+                     SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="1").items():  # srun 1 task running torchrun
+        clean_env.setenv(k, v)
+    assert D.launched_distributed() and D.env_rank() == 1
+    D.export_launcher_env()
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_PORT"]) == ("1", "2", "29500")

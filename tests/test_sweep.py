@@ -1,0 +1,173 @@
+"""Sweeps: every job runs, batches are sampled once per batch config, a summary row per job.
+
+- ``-m optimizer.lr=1e-6,1e-5,-1.0`` with the basic launcher: the lr=-1 job fails and is recorded
+  as failed, the others complete, the second lr job loads the first one's batches (deltaH1 scales
+  exactly with lr), the command exits 1.
+- ``hydra/launcher=submitit_local`` with 2 tasks: one job, DDP over the two submitit tasks, equal to
+  a 1-process run on the same batches.
+- ``hydra/launcher=slurm`` composes into a valid sbatch script for hydra-submitit-launcher 1.2.0.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import CONF_DIR, compose_cfg
+from entprobe import sweep
+from entprobe.main import run, to_typed
+
+# seed_U=7: every U group has some reward variance, so deltaH1 != 0
+SMALL = ("batch.B_E=5", "batch.B_U=3", "batch.G=4", "batch.seed_U=7", "logging.wandb.mode=disabled",
+         "logging.progress=false", "logging.console_table=false")
+
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _cli(cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m entprobe.main ...`` as a user types it (no launcher variables inherited)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARS and not k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC"))}
+    env.update(OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1")
+    return subprocess.run([sys.executable, "-m", "entprobe.main", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _rows(sweep_dir: Path) -> list[dict]:
+    with open(sweep_dir / "sweep_summary.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_lr_sweep_reuses_batches_and_records_the_failed_job(tmp_path):
+    sw = tmp_path / "sweep"
+    proc = _cli(tmp_path, "-m", *SMALL, "optimizer.lr=1e-6,1e-5,-1.0", f"hydra.sweep.dir={sw}")
+    assert proc.returncode == 1, proc.stderr[-3000:]  # Hydra re-raises the failure after the batch
+    assert "optimizer.lr: must be > 0" in proc.stderr
+    rows = _rows(sw)
+    assert [(r["job"], r["status"], r["overrides"]) for r in rows] == [
+        ("0", "ok", "optimizer.lr=1e-06"), ("1", "ok", "optimizer.lr=1e-05"), ("2", "failed", "optimizer.lr=-1.0")]
+    assert rows[2]["error"] == "ConfigError: optimizer.lr: must be > 0" and rows[2]["deltaH1"] == "nan"
+    assert all(float(r["time_s"]) > 0 for r in rows)
+    res = [json.loads((sw / str(j) / "results.json").read_text()) for j in (0, 1)]
+    assert not (sw / "2" / "results.json").exists()
+    # The summary carries results.json's numbers.
+    for r, x in zip(rows, res):
+        for k in ("deltaH1", "SE_deltaH1", "deltaH_true", "ESS"):
+            assert float(r[k]) == x[k], k
+    # One batch for both lr values: sampled by job 0, loaded from the cache by job 1.
+    assert [x["batch_source"] for x in res] == ["sampled", "cache"] == [r["batch"] for r in rows[:2]]
+    assert "time/sample_E_s" in res[0] and "time/sample_E_s" not in res[1]
+    for k in ("bars_dot", "H_orig", "V_X", "V_Y", "batch_E/reward_mean", "batch_U/reward_mean"):
+        assert res[0][k] == res[1][k], k  # identical E and U (and weights): bit for bit
+    assert res[0]["deltaH1"] != 0.0 and res[1]["deltaH1"] / res[0]["deltaH1"] == pytest.approx(10.0, rel=1e-12)
+    assert res[1]["SE_deltaH1"] / res[0]["SE_deltaH1"] == pytest.approx(10.0, rel=1e-12)
+    cached = [p for p in (sw / sweep.CACHE_DIR).iterdir() if p.is_dir()]
+    assert len(cached) == 1 and sweep.cache_complete(cached[0])
+    md = (sw / "sweep_summary.md").read_text()
+    assert "3 jobs, 1 failed." in md and md.count("\n| ") == 4  # header + 3 rows
+
+
+def test_submitit_local_job_runs_ddp_over_its_tasks(tmp_path):
+    sw = tmp_path / "sweep"
+    proc = _cli(tmp_path, "-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2",
+                "hydra.launcher.timeout_min=5", "ddp.timeout_s=120", *SMALL, "optimizer.lr=1e-5",
+                f"hydra.sweep.dir={sw}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(sw)
+    assert [(r["job"], r["status"], r["batch"]) for r in rows] == [("0", "ok", "sampled")]  # rank 0 only
+    assert list(sw.glob("*/results.json")) == [sw / "0" / "results.json"]
+    assert (sw / ".submitit").is_dir()
+    ddp = json.loads((sw / "0" / "results.json").read_text())
+    assert ddp["world_size"] == 2 and ddp["B_E"] == 5 and ddp["B_U"] == 3
+    cache = next(p for p in (sw / sweep.CACHE_DIR).iterdir() if p.is_dir())
+    one = run(compose_cfg(tmp_path / "one", *SMALL, "optimizer.lr=1e-5", f"batch.load='{cache}'"))
+    for k in ("deltaH1", "SE_deltaH1", "V_X", "V_Y", "deltaH_true", "ESS"):
+        assert math.isfinite(one[k]) and abs(ddp[k] - one[k]) <= 1e-6 * abs(one[k]), (k, ddp[k], one[k])
+
+
+def test_cache_key_ignores_the_optimizer_and_tracks_what_sampling_depends_on(tmp_path):
+    def key(*o: str, world: int = 1) -> str:
+        return sweep.batch_cache_key(to_typed(compose_cfg(tmp_path, *o)), world)
+    base = key()
+    assert key("optimizer.lr=1e-3", "importance.is_mode=clip", "batch.save=/x") == base
+    others = {key("batch.B_E=9"), key("batch.seed_U=3"), key("sampling.temperature=0.7"),
+              key("model.builtin_seed=1"), key("probe_rework.mode=single_batch"), key(world=2)}
+    assert base not in others and len(others) == 6
+
+
+def test_batch_cache_lock_serialises_jobs(tmp_path):
+    order, folder = [], tmp_path / "batch_cache" / "k"
+
+    def first():
+        with sweep.locked(folder):
+            order.append("first in")
+            time.sleep(0.3)
+            order.append("first out")
+
+    t = threading.Thread(target=first)
+    t.start()
+    while not order:
+        time.sleep(0.01)
+    with sweep.locked(folder):  # blocks until the first holder leaves
+        order.append("second in")
+    t.join()
+    assert order == ["first in", "first out", "second in"]
+
+
+def test_summary_lists_only_the_overrides_that_vary(tmp_path):
+    for num, ov, status in ((0, ["a=1", "lr=1"], "ok"), (1, ["a=1", "lr=2"], "failed")):
+        row = {"job": num, "status": status, "overrides": ov, "time_s": 1.5, "output_dir": str(tmp_path / str(num)),
+               "batch": "", "error": "" if status == "ok" else "RuntimeError: x|y", "deltaH1": 0.25 * (num + 1),
+               "SE_deltaH1": 0.1, "deltaH_true": float("nan"), "ESS": 8.0}
+        (tmp_path / sweep.ROWS_DIR).mkdir(exist_ok=True)
+        (tmp_path / sweep.ROWS_DIR / f"{num:06d}.json").write_text(json.dumps(row))
+    csv_path, md_path = sweep.write_summary(tmp_path)
+    rows = _rows(tmp_path)
+    assert [r["overrides"] for r in rows] == ["lr=1", "lr=2"] and rows[1]["deltaH1"] == "0.5"
+    md = md_path.read_text().splitlines()
+    assert md[2] == "2 jobs, 1 failed."
+    assert md[-1] == "| 1 | failed | lr=2 | 0.5 | 0.1 | nan | 8 | 1.5 |  | RuntimeError: x\\|y |"
+
+
+def test_slurm_launcher_config_makes_an_sbatch_script(tmp_path, monkeypatch):
+    import submitit
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import instantiate
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+    from submitit.slurm.slurm import SlurmExecutor
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+        cfg = compose(config_name="config", return_hydra_config=True, overrides=[
+            "hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra.launcher.nodes=2",
+            "hydra.launcher.tasks_per_node=4", "hydra.launcher.gpus_per_node=4",
+            "+hydra.launcher.additional_parameters.mail-type=END", f"hydra.sweep.dir={tmp_path}"])
+    GlobalHydra.instance().clear()
+    HydraConfig.instance().set_config(cfg)
+    launcher = instantiate(cfg.hydra.launcher)
+    assert type(launcher).__name__ == "SlurmLauncher"
+    # What launcher.launch() hands to submitit (same key mapping), rendered without a cluster.
+    params = dict(launcher.params)
+    monkeypatch.setattr(SlurmExecutor, "affinity", classmethod(lambda cls: 1))
+    ex = submitit.AutoExecutor(cluster="slurm", folder=params.pop("submitit_folder"),
+                               slurm_max_num_timeout=params.pop("max_num_timeout"))
+    base = set(OmegaConf.structured(BaseQueueConf).keys())
+    ex.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
+    text = ex._executor._make_submission_file_text("python -u -m submitit.core._submit x", "uid")
+    for line in ("#SBATCH --partition=gpu", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4",
+                 "#SBATCH --gpus-per-node=4", "#SBATCH --cpus-per-task=8", "#SBATCH --mem=64GB",
+                 "#SBATCH --time=120", "#SBATCH --mail-type=END", "export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK"):
+        assert line in text, line
+    assert text.index("export PYTHONUNBUFFERED=1") < text.index("srun")
