@@ -196,11 +196,6 @@ def broadcast_object(obj):
     return box[0]
 
 
-def barrier() -> None:
-    if is_dist():
-        dist.barrier()
-
-
 HYDRA_OWN = {".hydra", "main.log"}  # what Hydra writes into a run dir before the job starts
 
 

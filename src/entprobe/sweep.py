@@ -27,7 +27,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -84,10 +83,10 @@ def locked(folder: str | Path):
 
 # ----------------------------------------------------------------------------- summary
 def _atomic_write(path: Path, text: str) -> None:
+    """Write beside ``path`` (this process's own temp name), then rename over it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 
