@@ -16,15 +16,13 @@ import os
 import re
 import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from conftest import compose_cfg
+from ddp_launch import launch
 from entprobe import distributed as D
 from entprobe.main import concat_batches, run
 from entprobe.rollout import RolloutBatch
@@ -46,12 +44,6 @@ def _numbers(res: dict) -> dict:
             if isinstance(v, (int, float)) and not k.startswith(("time/", "mem/"))}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, saved: str, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -69,28 +61,11 @@ def _worker(rank: int, world: int, port: int, saved: str, out: str) -> None:
     D.shutdown()
 
 
-def _launch(world: int, *args) -> None:
-    """``world`` ranks of ``_worker`` forked from a fresh single-threaded forkserver that imported
-    the heavy modules once (fork from the pytest process could inherit a held lock; spawn would
-    import torch and transformers in every rank)."""
-    import multiprocessing
-    multiprocessing.set_forkserver_preload(["entprobe.main", "transformers.models.llama.modeling_llama",
-                                            "conftest"])
-    procs = mp.start_processes(_worker, args=(world, _free_port(), *args), nprocs=world, join=False,
-                               start_method="forkserver")
-    deadline = time.monotonic() + 300
-    while not procs.join(timeout=2):
-        if time.monotonic() > deadline:
-            for p in procs.processes:
-                p.kill()
-            pytest.fail(f"{world}-rank run did not finish in 300 s")
-
-
 def test_two_ranks_equal_one_rank_and_each_other(tmp_path):
     saved = tmp_path / "saved"
     one = run(compose_cfg(tmp_path / "one", *SMALL, *DDP_PATHS, f"batch.save='{saved}'"))
     assert one["world_size"] == 1 and one["B_E"] == 5 and one["B_U"] == 3
-    _launch(2, str(saved), str(tmp_path))
+    launch(_worker, 2, str(saved), str(tmp_path))
     B0, B1, C0, C1 = (json.loads((tmp_path / f"{n}_rank{r}.json").read_text()) for n in "BC" for r in (0, 1))
     assert B0["world_size"] == 2 and B0["B_E"] == 5 and B0["B_U"] == 3 and B0["batch_source"] == "load"
     assert _numbers(B0) == _numbers(B1) and _numbers(C0) == _numbers(C1)  # every rank, bit for bit

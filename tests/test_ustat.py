@@ -415,16 +415,10 @@ def _ddp_worker(rank: int, world_size: int, port: int, out: str) -> None:
 
 
 def test_ddp_two_ranks_equal_one_process(world, tmp_path):
-    import socket
+    from ddp_launch import launch
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     out = tmp_path / "rank0.pt"
-    # fork: the children inherit the imported modules (spawn re-imports torch + transformers, ~10 s each)
-    mp.start_processes(_ddp_worker, args=(2, port, str(out)), nprocs=2, join=True, start_method="fork")
+    launch(_ddp_worker, 2, str(out))
     ddp = torch.load(out, weights_only=False)
     batch = world.setup.sample(8, 4, seed=23)
     single = {"units": stage(world, batch, gt=True), "blocks": stage(world, batch, block_size=2)}
