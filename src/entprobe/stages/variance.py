@@ -8,10 +8,12 @@ Two ways, selected by ``probe_rework.projection``:
 - ``backward`` (reference, seed-literal): one backward per unit, the gradient moved to the
   buffers' device and dotted there.
 
-Cost (DESIGN.md §5): the forward-mode pass is one forward carrying a tangent, about 2/3 of a
-forward+backward over U, i.e. ~1/3 of a training step over E and U when B_E = B_U; the E side
-adds nothing but a device dot per unit. On small models the host time per op dominates; see
-``_DualOperands`` for what keeps forward mode on PyTorch's C++ fast path.
+Cost (DESIGN.md §5): the forward-mode pass is one forward carrying a tangent. Per linear layer it
+does three matmuls (``W x``, ``dW x``, ``W dx``), as many as a forward+backward (``W x``,
+``W^T g``, ``g x^T``), so it costs about a forward+backward over U: ~1/2 of a training step over
+E ∪ U when B_E = B_U, the floor for any separate pass over one side. The E side adds a device
+dot per unit, plus the price of one backward per prompt instead of per microbatch. On small
+models host time per op dominates; ``_DualOperands`` keeps forward mode on PyTorch's C++ path.
 """
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ _SCALAR_OPS = {
     _T.div: _aten.div.Scalar, _T.__truediv__: _aten.div.Scalar, torch.div: _aten.div.Scalar,
 }
 _unpack_dual = torch._C._VariableFunctions._unpack_dual  # the C entry: no Python wrapper per call
+_linear = torch.nn.functional.linear
 
 
 def _has_tangent(t: torch.Tensor) -> bool:
@@ -101,6 +104,10 @@ class _DualOperands(TorchFunctionMode):
         kwargs = kwargs or {}
         if len(args) < 2:  # most calls: nothing to mix
             return func(*args, **kwargs)
+        if func is _linear and args[0].dim() > 2 and not args[0].is_contiguous():
+            # a sliced input ([b, T_kept, h] of the logits) sends linear's forward formula to a
+            # batched matmul against the weight expanded per row: ~8x slower than one 2-D matmul
+            args = (args[0].contiguous(), *args[1:])
         if (func in _SCALAR_OPS and not kwargs and len(args) == 2 and isinstance(args[0], _T)
                 and isinstance(args[1], numbers.Number) and not isinstance(args[1], bool)
                 and _has_tangent(args[0])):
