@@ -22,7 +22,7 @@ from entprobe.logprobs import token_logprobs
 from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
 from entprobe.stages.context import ProbeContext
 from entprobe.stages.ground_truth import StepInputs, run_ground_truth
-from entprobe.stages.snapshot import state_fingerprint
+from entprobe.stages.snapshot import restored_after, state_fingerprint
 from exact_model import adamw_with_state, make_setup
 
 G = 4
@@ -183,6 +183,25 @@ def test_delta_h1_step_of_a_real_adamw_step_and_its_split(world):
         assert abs(r["deltaH1_step_momentum"]) > 0.3 * abs(r["deltaH1_step"])  # momentum matters here
     # measured: 0.0101, 0.0046, 0.0004 — first order: the error vanishes linearly at small lr
     assert errs[0] < 0.02 and errs[2] < 1e-3 and 5 < errs[1] / errs[2] < 20, errs
+
+
+def test_step_split_of_sgd_with_momentum_and_coupled_decay(world):
+    """The generic split (a second zero-gradient step with weight decay off) on torch SGD:
+    displacement -lr (mu buf + g + wd theta); parts -lr mu buf, -lr wd theta, -lr g (grad H dotted)."""
+    w, lr, mu, wd = world, 1e-3, 0.9, 0.1
+    sgd = torch.optim.SGD(w.setup.params, lr=lr, momentum=mu, weight_decay=wd)
+    with restored_after(w.setup.params, None, "cpu"):  # give it a momentum buffer, keep theta
+        _ = [setattr(p, "grad", torch.randn_like(p)) for p in w.setup.params]
+        sgd.step()
+    buf = flat([sgd.state[p]["momentum_buffer"] for p in w.setup.params])
+    theta, gh, g = flat(w.setup.params), flat(w.grad_H), -flat(w.Ybar)
+    E = w.setup.sample(4, G, seed=10)
+    inp = inputs(w, E, lr, Xbar=[-x for x in w.grad_H], opt=sgd)
+    r = run_ground_truth(w.ctx, E, w.U, inp, dataclasses.replace(ICFG, split_step=True))
+    assert r["deltaH1_step"] == pytest.approx(float(gh @ (-lr * (mu * buf + g + wd * theta))), rel=1e-9)
+    assert r["deltaH1_step_momentum"] == pytest.approx(float(gh @ (-lr * mu * buf)), rel=1e-9)
+    assert r["deltaH1_step_weight_decay"] == pytest.approx(float(gh @ (-lr * wd * theta)), rel=1e-7)
+    assert r["deltaH1_step_gradient"] == pytest.approx(float(gh @ (-lr * g)), rel=1e-7)
 
 
 # ---------------------------------------------------------------- the update's gradient

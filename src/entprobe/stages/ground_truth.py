@@ -102,12 +102,14 @@ def _step(ctx: ProbeContext, inp: StepInputs, icfg, grads_from: Callable[[], Non
 
 
 def _xbar_dot_step(Xbar: pv.Buffer, params, snap_params) -> float:
-    """``Xbar . (theta_now - theta_snapshot)`` in fp64, one tensor at a time on Xbar's device
-    (the difference of two floats is exact in fp64; no parameter-sized fp64 copy is kept)."""
+    """``Xbar . (theta_now - theta_snapshot)``, one tensor at a time on Xbar's device in at least
+    fp32 (the difference of two nearby floats is exact or within half an ulp of itself; an fp64
+    model stays fp64), the per-tensor terms summed in fp64. No parameter-sized copy is kept."""
     total = None
     for x, p, s in zip(Xbar, params, snap_params):
-        d = p.detach().to(x.device, torch.float64) - s.to(x.device, torch.float64)
-        term = torch.dot(x.reshape(-1).double(), d.reshape(-1))
+        dt = torch.promote_types(torch.promote_types(p.dtype, x.dtype), torch.float32)
+        d = p.detach().to(x.device, dt) - s.to(x.device, dt)
+        term = torch.dot(x.reshape(-1).to(dt), d.reshape(-1)).double()
         total = term if total is None else total + term
     return float(total) if total is not None else 0.0
 
@@ -177,10 +179,12 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
             fail_after_step()
         with ctx.phase("gt_eval_E"), torch.no_grad():
             ctx.model.eval()
-            bare = getattr(ctx.model, "module", ctx.model)  # no DDP buffer broadcasts: ranks may
+            # The bare module: no DDP buffer broadcast per forward (ranks may hold different
+            # numbers of E microbatches).
+            bare = getattr(ctx.model, "module", ctx.model)
             outs = [ctx.forward_S(mb, f"E at theta_plus [{s}, {s + mb.B})", with_entropy=True, model=bare)
                     for s, mb in ctx.iterate(E, icfg.importance_microbatch_size, "E at theta+")]
-            ctx.model.train(was_training)  # hold different numbers of E microbatches
+            ctx.model.train(was_training)
         S_upd = torch.cat([o[0].cpu() for o in outs])
         ent_upd = torch.cat([o[2].cpu() for o in outs])
         S_orig_g, S_upd_g = D.gather_units(inp.S_orig), D.gather_units(S_upd)
@@ -223,27 +227,46 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
     return res
 
 
+def _decoupled_decay(opt: torch.optim.Optimizer) -> bool:
+    """AdamW-style decay ``p *= 1 - lr * wd`` before the update, so it separates exactly."""
+    return isinstance(opt, torch.optim.Adam) and all(g.get("decoupled_weight_decay", False)
+                                                     for g in opt.param_groups)
+
+
 def _split_step(ctx: ProbeContext, inp: StepInputs, snap, total: float) -> dict[str, float]:
-    """Repeat the step on the snapshot with a zero gradient (momentum + weight decay), then also
-    with weight decay off (momentum only); the gradient part is the remainder, so the three parts
-    sum to ``deltaH1_step``. (The zero-gradient step also decays Adam's second moment, so the
-    'gradient' part carries the change of the denominator the new gradient causes.)"""
+    """Repeat the step on the snapshot with a zero gradient (momentum + weight decay); the
+    gradient part is the remainder, so the three parts sum to ``deltaH1_step``. Decoupled decay
+    (AdamW) moves theta by exactly ``-lr * wd * theta``: its part is ``lr * wd * Xbar . theta`` per
+    param group, no second step. Otherwise (e.g. SGD or Adam with coupled decay) the zero-gradient
+    step is repeated with weight decay off. (The zero-gradient step also decays Adam's second
+    moment, so the 'gradient' part carries the change of the denominator the new gradient causes.)"""
+    opt = inp.optimizer
+    runs = (("mom_wd", False),) if _decoupled_decay(opt) else (("mom_wd", False), ("mom", True))
     parts = {}
-    for name, wd_off in (("mom_wd", False), ("mom", True)):
-        restore(ctx.params, inp.optimizer, snap)
-        saved_wd = [g.get("weight_decay", 0.0) for g in inp.optimizer.param_groups]
+    for name, wd_off in runs:
+        restore(ctx.params, opt, snap)
+        saved_wd = [g.get("weight_decay", 0.0) for g in opt.param_groups]
         if wd_off:
-            for g in inp.optimizer.param_groups:
+            for g in opt.param_groups:
                 g["weight_decay"] = 0.0
         for p in ctx.params:
             p.grad = torch.zeros_like(p)
         try:
-            inp.optimizer.step()
+            opt.step()
         finally:
-            for g, wd in zip(inp.optimizer.param_groups, saved_wd):
+            for g, wd in zip(opt.param_groups, saved_wd):
                 g["weight_decay"] = wd
         parts[name] = -_xbar_dot_step(inp.Xbar, ctx.params, snap.params)
     ctx.zero_grad()
+    if "mom" not in parts:
+        index = {id(p): i for i, p in enumerate(ctx.params)}
+        wd_part = 0.0
+        for g in opt.param_groups:
+            idx = [index[id(p)] for p in g["params"] if id(p) in index]
+            if g.get("weight_decay", 0.0) and idx:
+                xt = pv.dot([inp.Xbar[i] for i in idx], [snap.params[i] for i in idx])
+                wd_part += g["lr"] * g["weight_decay"] * xt  # -Xbar . (-lr wd theta)
+        parts["mom"] = parts["mom_wd"] - wd_part
     return {"deltaH1_step_gradient": total - parts["mom_wd"],
             "deltaH1_step_momentum": parts["mom"],
             "deltaH1_step_weight_decay": parts["mom_wd"] - parts["mom"]}
