@@ -22,10 +22,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 from conftest import compose_cfg
 from entprobe import estimators as est
 from entprobe import paramvec as pv
+from entprobe.builtin import tiny_llama_config
 from entprobe.main import run
 from entprobe.rollout import RolloutBatch, assemble, encode_prompts, group_advantages
 from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
@@ -194,6 +196,27 @@ def test_fused_equals_backward_on_exact_model(ex, mode):
     v, v_ref = est.two_batch_variance(a, b, ex.lr, bars), est.two_batch_variance(a_ref, b_ref, ex.lr, bars)
     for key, x, y in zip(v._fields, v, v_ref):
         assert rel(x, y) < 1e-5, key
+
+
+def test_jvp_matches_backward_with_tied_embeddings():
+    """Tied input/output embeddings (SmolLM2 and many small LMs): the output side gives the
+    padding row a direction, which the lookup must not use, since backward() gives that row no
+    gradient through nn.Embedding(padding_idx). Without that rule b_u was off by ~50% here."""
+    setup = make_setup()
+    cfg = tiny_llama_config(len(setup.tokenizer), hidden=16, layers=1, heads=2, max_positions=16)
+    cfg.tie_word_embeddings = True
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        setup.model = LlamaForCausalLM(cfg).double().train()
+    emb = setup.model.model.embed_tokens
+    assert setup.model.lm_head.weight is emb.weight and emb.padding_idx == 0
+    E, U = setup.sample(4, 3, seed=1), setup.sample(4, 3, seed=2)
+    assert (U.input_ids[U.attention_mask.bool()] == 0).any()  # the pad id is sampled as a token
+    ctx = setup.ctx("sequence", mb_size=2)
+    v = pv.scale_(accumulate(ctx, E, x_loss_of(ctx), "X over E").sum_buf, 1.0 / E.B)
+    assert v[0][0].abs().sum() > 0  # the padding row has a direction (from lm_head)
+    b, b_ref = project_jvp(ctx, U, v, "Y", "b_u"), project_backward(ctx, U, v, "Y", "b_u")
+    assert (b_ref != 0).sum() >= 2 and rel(b, b_ref) < 1e-5
 
 
 @pytest.fixture(scope="module")
