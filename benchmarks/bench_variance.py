@@ -1,0 +1,250 @@
+"""Stage 2 (variance) cost in training-step units: the fused path beside the seed's per-unit backward.
+
+One *unit* is one forward+backward of the DR-GRPO loss over E ∪ U with the probe's microbatching
+(``mb_size_prompts`` prompts per microbatch, the same teacher-forced log-prob path), no optimizer
+step. In one process, on the same sampled batches, each repetition times, in this order:
+
+- ``train``      the unit;
+- ``Y_U``        Stage 1 ``accumulate`` of Y over U (gives ``P Ybar``);
+- ``X_E``        Stage 1 ``accumulate`` of X over E without projection (microbatched);
+- ``X_E_fused``  the same with the per-unit dots ``a_u = X_u . P Ybar`` (one backward per prompt);
+- ``jvp``        the fused variance phase: ``project_jvp`` over U, ``b_u = Y_u . P Xbar``;
+- ``jvp_plain``  ablation: the same pass without ``_DualOperands`` (PyTorch's default forward AD);
+- ``jvp_x2``     the same pass with microbatches of ``2 * mb_size_prompts`` prompts (not the default:
+  it keeps no graph, but the logits and their tangent double; see README);
+- ``backward``   the seed's path: ``project_backward`` over E and over U (a backward per prompt and
+  a parameter-sized copy to the buffers' device per prompt).
+
+The fused variance cost is ``jvp`` (the variance phase as ``run_two_batch`` times it) plus the
+per-unit surcharge it puts on the X pass, ``X_E_fused - X_E``. Times are medians over ``--reps``;
+ratios are per repetition, then the median (the machine is shared); one warm-up repetition
+(lazy initialisation, first-call allocations) is run first and not recorded. Peak memory of each block is the
+increase of the high-water mark over the memory in use at the block's start (CPU: ``VmHWM`` reset
+through ``/proc/self/clear_refs``, with ``MALLOC_MMAP_THRESHOLD_=131072`` so RSS follows live
+tensors; CUDA: ``max_memory_allocated``). The script also checks that both paths give the same a_u,
+b_u (relative difference printed). When every group of a batch has tied rewards (SmolLM2 on the
+arithmetic task with 8 new tokens), its advantages are replaced by seeded centred noise: the cost
+is the same, and Y, a_u, b_u are then not identically zero.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_variance.py                           # builtin, ~1 min
+    OMP_NUM_THREADS=1 python benchmarks/bench_variance.py --model smollm2 --reps 3  # ~10 min on 2 cores
+    python benchmarks/bench_variance.py -- probe_rework.mb_size_prompts=1            # extra overrides
+
+Exit status 1 when the fused variance phase (``jvp``) exceeds ``--target`` units (default 0.6).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+MODELS = {  # SmolLM2 ships no optimizer state: SGD geometry (P = identity), as experiment=smollm2_smoke
+    "builtin": [],
+    "smollm2": ["model=smollm2", "optimizer.preconditioner=identity", "optimizer.lr=1e-5", "batch.B_E=4",
+                "batch.B_U=4", "batch.G=4", "sampling.max_new_tokens=8"],
+}
+COMMON = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.console_table=false"]
+BLOCKS = ("train", "Y_U", "X_E", "X_E_fused", "jvp", "jvp_plain", "jvp_x2", "backward")
+
+
+def _proc_kb(key: str) -> int:
+    return int(re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
+
+
+@contextlib.contextmanager
+def measured(device: torch.device, out: dict, name: str):
+    """Append (seconds, peak MiB over the start) of the block to ``out[name]``."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    else:
+        base = _proc_kb("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    t0 = time.perf_counter()
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    else:
+        peak = (_proc_kb("VmHWM") - base) / 1024
+    out.setdefault(name, []).append((time.perf_counter() - t0, peak))
+
+
+def build(model: str, extra: list[str]):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from entprobe import paramvec as pv
+    from entprobe.config import register_configs
+    from entprobe.main import build_geometry, to_typed
+    from entprobe.models import DTYPES, load_model
+    from entprobe.rollout import draw_prompt_indices, sample_batch
+    from entprobe.stages.context import ProbeContext
+    from entprobe.tasks import build_task
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(resources.files("entprobe") / "conf")):
+        cfg = to_typed(compose(config_name="config", overrides=COMMON + MODELS[model] + extra))
+    GlobalHydra.instance().clear()
+    torch.manual_seed(cfg.seed)
+    lm = load_model(cfg.model)
+    task = build_task(OmegaConf.structured(cfg.task))
+    names, params = pv.trainable(lm.model)
+    geo = build_geometry(cfg, lm, params)[0]
+    p, b = cfg.probe_rework, cfg.batch
+    ctx = ProbeContext(lm.model, names, params, lm.device, lm.autocast_dtype, cfg.sampling.temperature,
+                       p.weighting_mode.value, p.mb_size_prompts, pv.resolve_device(p.buffers_device, params),
+                       DTYPES[p.buffers_dtype.value])
+
+    def draw(B, seed):
+        batch = sample_batch(lm.model, lm.tokenizer, task, draw_prompt_indices(len(task.prompts), B, seed), b.G,
+                             cfg.sampling, seed, b.advantage.value, b.adv_eps, cfg.task.chat_template.value,
+                             cfg.task.system_prompt)
+        if (batch.advantages == 0).all():  # every group tied: Y = 0 and the a/b cross-check is vacuous
+            A = torch.randn(batch.advantages.shape, generator=torch.Generator().manual_seed(seed))
+            batch = dataclasses.replace(batch, advantages=A - A.mean(-1, keepdim=True))
+            print(f"[bench] all rewards tied in a batch of {B} prompts: synthetic centred advantages")
+        return batch
+    return lm, ctx, draw(b.B_E, b.seed_E), draw(b.B_U, b.seed_U), geo
+
+
+def training_unit(ctx, E, U) -> None:
+    """One forward+backward of the DR-GRPO loss over E ∪ U, microbatched like the probe."""
+    from entprobe.estimators import y_loss
+
+    ctx.zero_grad()
+    for batch in (E, U):
+        for start, mb in ctx.iterate(batch, ctx.mb_size, "train"):
+            S, _, _ = ctx.forward_S(mb, f"train [{start}, {start + mb.B})")
+            (-y_loss(S, mb.advantages.to(S.device), mb.Lmax.to(S.device)) / (E.B + U.B)).backward()
+    ctx.zero_grad()
+
+
+def _passthrough():
+    """``_DualOperands`` without its host-time part (the ablation): every op as PyTorch runs it,
+    the embedding's padding-row semantics kept (so the values stay the same)."""
+    from entprobe.stages import variance
+
+    class Passthrough(variance._DualOperands):
+        def _call(self, func, args, kwargs):
+            return func(*args, **kwargs)
+    return Passthrough
+
+
+def rel(x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((x - y).abs().max() / y.abs().max().clamp(min=1e-30))
+
+
+def bench(model: str, reps: int, extra: list[str]) -> dict:
+    from entprobe import paramvec as pv
+    from entprobe.stages import variance
+    from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
+
+    lm, ctx, E, U, geo = build(model, extra)
+    dev = lm.device
+    rec: dict = {}
+    for rep in range(reps + 1):
+        if rep == 1:  # drop the warm-up repetition
+            rec.clear()
+        with measured(dev, rec, "train"):
+            training_unit(ctx, E, U)
+        with measured(dev, rec, "Y_U"):
+            accY = accumulate(ctx, U, y_loss_of(ctx), "Y over U")
+        Ybar = pv.scale_(accY.sum_buf, 1.0 / U.B)
+        PY = pv.mul(Ybar, geo.P, device=dev)
+        with measured(dev, rec, "X_E"):
+            accX = accumulate(ctx, E, x_loss_of(ctx), "X over E", with_entropy=True)
+        del accX
+        with measured(dev, rec, "X_E_fused"):
+            accX = accumulate(ctx, E, x_loss_of(ctx), "X over E", direction=PY, with_entropy=True)
+        Xbar = pv.scale_(accX.sum_buf, 1.0 / E.B)
+        PX = pv.mul(Xbar, geo.P, device=dev)
+        with measured(dev, rec, "jvp"):
+            b = variance.project_jvp(ctx, U, PX, "Y", "b_u over U")
+        fast = variance._DualOperands
+        variance._DualOperands = _passthrough()
+        try:
+            with measured(dev, rec, "jvp_plain"):
+                b_plain = variance.project_jvp(ctx, U, PX, "Y", "b_u over U")
+        finally:
+            variance._DualOperands = fast
+        with measured(dev, rec, "jvp_x2"):
+            variance.project_jvp(ctx, U, PX, "Y", "b_u over U", mb_size=2 * ctx.mb_size)
+        with measured(dev, rec, "backward"):
+            a_ref = variance.project_backward(ctx, E, pv.mul(Ybar, geo.P), "X", "a_u over E")
+            b_ref = variance.project_backward(ctx, U, pv.mul(Xbar, geo.P), "Y", "b_u over U")
+        del PY, PX, Xbar, Ybar, accY
+    secs = {k: [t for t, _ in rec[k]] for k in BLOCKS}
+    units = {k: [s / u for s, u in zip(secs[k], secs["train"])] for k in BLOCKS}
+    surcharge = [f - x for f, x in zip(units["X_E_fused"], units["X_E"])]
+    return {"model": model, "device": str(dev), "reps": reps, "n_params": sum(p.numel() for p in ctx.params),
+            "B_E": E.B, "B_U": U.B, "G": E.G, "T_E": E.input_ids.shape[-1], "T_U": U.input_ids.shape[-1],
+            "mb_size_prompts": ctx.mb_size, "mean_reward_U": float(U.rewards.mean()),
+            "seconds": {k: statistics.median(v) for k, v in secs.items()}, "all_seconds": secs,
+            "units": {k: statistics.median(v) for k, v in units.items()},
+            "x_surcharge_units": statistics.median(surcharge),
+            "fused_total_units": statistics.median([j + s for j, s in zip(units["jvp"], surcharge)]),
+            "peak_mib": {k: max(m for _, m in rec[k]) for k in BLOCKS},
+            "rel_diff": {"a_fused_vs_backward": rel(accX.proj, a_ref), "b_jvp_vs_backward": rel(b, b_ref),
+                         "b_plain_vs_jvp": rel(b_plain, b)}}
+
+
+def report(r: dict, target: float) -> bool:
+    print(f"\n== {r['model']} on {r['device']}: {r['n_params']:,} params; B_E={r['B_E']} B_U={r['B_U']} G={r['G']} "
+          f"T_E={r['T_E']} T_U={r['T_U']} mb_size_prompts={r['mb_size_prompts']}; mean reward on U "
+          f"{r['mean_reward_U']:.2f}; median of {r['reps']}")
+    print(f"{'block':<11}{'seconds':>9}{'units':>8}{'peak MiB':>10}   all seconds")
+    for k in BLOCKS:
+        allv = " ".join(f"{x:.3f}" for x in r["all_seconds"][k])
+        print(f"{k:<11}{r['seconds'][k]:>9.3f}{r['units'][k]:>8.3f}{r['peak_mib'][k]:>10.1f}   {allv}")
+    u = r["units"]
+    ok = u["jvp"] <= target
+    print(f"fused variance phase (jvp) {u['jvp']:.3f} units vs target {target}: {'OK' if ok else 'OVER'}")
+    print(f"per-unit surcharge on the X pass {r['x_surcharge_units']:.3f} units; fused variance in all "
+          f"{r['fused_total_units']:.3f} units; seed's per-unit backward {u['backward']:.3f} units "
+          f"({u['backward'] / max(r['fused_total_units'], 1e-9):.1f}x the fused cost)")
+    print(f"jvp without _DualOperands {u['jvp_plain']:.3f} units ({u['jvp_plain'] / u['jvp']:.2f}x); "
+          f"jvp at 2x the microbatch {u['jvp_x2']:.3f} units")
+    print("max relative differences: " + ", ".join(f"{k} {v:.1e}" for k, v in r["rel_diff"].items()))
+    return ok
+
+
+def main() -> int:
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # RSS should follow live tensors (see docstring)
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", nargs="+", default=["builtin"], choices=list(MODELS))
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--target", type=float, default=0.6, help="budget of the fused variance phase, in units")
+    ap.add_argument("--json", default=None, help="also write the figures to this file")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides after --")
+    a = ap.parse_args()
+    out, ok = [], True
+    for m in a.model:
+        r = bench(m, a.reps, a.overrides)
+        ok &= report(r, a.target)
+        out.append(r)
+        gc.collect()
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
