@@ -59,7 +59,8 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
     """Sum the probe gradients of ``batch`` into a buffer, microbatch by microbatch.
 
     With ``direction`` (a buffer on the model's device) every unit gets its own backward and its
-    projection ``grad_u . direction`` is recorded before the gradient joins the sum.
+    projection ``grad_u . direction`` is recorded on the device; parameter-sized data still moves to
+    the buffers only once per microbatch.
     """
     if batch.B == 0:
         raise ValueError(f"{label}: the batch is empty")
@@ -69,26 +70,34 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
         raise RuntimeError(f"{label}: probe passes cannot run under torch.inference_mode()")
     buf = pv.zeros(ctx.params, ctx.buffers_device, ctx.buffers_dtype)
     S_all, lp_all, ent_all, proj = [], [], [], []
-    size = 1 if direction is not None else ctx.mb_size
     ctx.zero_grad()
-    for start, mb in ctx.iterate(batch, size, label):
-        what = f"{label} microbatch prompts [{start}, {start + mb.B})"
-        with torch.enable_grad(), no_sync(ctx.model):  # forward too: DDP arms its all-reduce there
-            S, lp, ent = ctx.forward_S(mb, what, with_entropy=with_entropy)
-            loss = loss_of(S, mb)
-            if not loss.requires_grad:
-                raise RuntimeError(f"{what}: the probe loss has no gradient path (is autograd "
-                                   "disabled, or are all parameters frozen?)")
-            loss.backward()
-        ctx.stats.count("backward", mb.B * mb.G)
-        _check_grads(ctx, what)
-        if direction is not None:
-            proj.append(pv.dot(pv.grads(ctx.params), direction))
+    for start, mb in ctx.iterate(batch, ctx.mb_size, label):
+        # With a direction each unit is its own backward; .grad keeps summing over the microbatch
+        # and a unit's projection is the increase of grad . direction (no extra buffer, and the
+        # sum reaches the buffers once per microbatch, not once per unit).
+        pieces = mb.microbatches(1) if direction is not None else [(0, mb)]
+        before = 0.0
+        for off, piece in pieces:
+            what = f"{label} microbatch prompts [{start + off}, {start + off + piece.B})"
+            with torch.enable_grad(), no_sync(ctx.model):  # forward too: DDP arms its all-reduce there
+                S, lp, ent = ctx.forward_S(piece, what, with_entropy=with_entropy)
+                loss = loss_of(S, piece)
+                if not loss.requires_grad:
+                    raise RuntimeError(f"{what}: the probe loss has no gradient path (is autograd "
+                                       "disabled, or are all parameters frozen?)")
+                loss.backward()
+            ctx.stats.count("backward", piece.B * piece.G)
+            if direction is not None:
+                _check_grads(ctx, what)
+                now = pv.dot(pv.grads(ctx.params), direction)
+                proj.append(now - before)
+                before = now
+            S_all.append(S.detach().cpu())
+            lp_all.append(lp.detach().cpu())
+            if ent is not None:
+                ent_all.append(ent.detach().cpu())
+        _check_grads(ctx, f"{label} microbatch prompts [{start}, {start + mb.B})")
         pv.add_grads_(buf, ctx.params)
         ctx.zero_grad()
-        S_all.append(S.detach().cpu())
-        lp_all.append(lp.detach().cpu())
-        if ent is not None:
-            ent_all.append(ent.detach().cpu())
     return Accumulated(buf, torch.cat(S_all), torch.cat(lp_all), torch.cat(ent_all) if ent_all else None,
                        torch.tensor(proj, dtype=torch.float64) if direction is not None else None, batch.B)
