@@ -1,0 +1,288 @@
+"""The whole probe (Stages 1-3) in training-step units, measured beside one training step.
+
+One *unit* is one forward+backward of the DR-GRPO loss over E ∪ U with the probe's microbatching
+(``mb_size_prompts`` prompts per microbatch, the same teacher-forced log-prob path), without the
+optimizer step (its time is printed separately). In one process, on the same sampled batches,
+each repetition runs, in this order:
+
+- ``train``: the unit;
+- ``probe``: ``run_two_batch`` as configured (default: Y over U; X over E with the per-unit dots
+  fused in; one forward-mode pass over U for b_u; ground truth stepping from the stored
+  ``-Ybar_raw``: snapshot, AdamW step, E at theta_plus, IS, step split, restore);
+- ``literal``: the spec-literal schedule, ``probe_rework.projection=backward`` (a backward per
+  unit and a parameter-sized host transfer per unit) and ``importance.reuse_probe_gradient=false``
+  (a separate update pass over U).
+
+Units are medians over ``--reps`` interleaved repetitions, taken within this run. On CPU the clock
+is the process's CPU time (``OMP_NUM_THREADS=1`` is the default here), so that other users' load on
+a shared machine does not enter the ratios; wall-clock ratios are printed beside. Phase breakdowns
+are the phases' shares of the probe's wall time times its units. Peak memory of each block is the increase of the process high-water mark over the RSS at
+the block's start (CPU: ``VmHWM`` reset through ``/proc/self/clear_refs``, with
+``MALLOC_MMAP_THRESHOLD_=131072`` so RSS follows live tensors; CUDA: ``max_memory_allocated``).
+Sampling and model loading are outside every block; no fresh-sample fallback runs (resample=None).
+
+SmolLM2 ships without optimizer state: the script gives it a real AdamW state from one step (mean
+token NLL of a separate sampled batch; lr 1e-5, weight decay 0.01), so the probe runs in Adam
+geometry with a real AdamW step. Its E/U seeds are swapped (U = seed 1) so that U holds a reward.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_probe.py                      # default model, ~1 min
+    OMP_NUM_THREADS=1 python benchmarks/bench_probe.py --model smollm2 --reps 3   # ~15 min on 2 cores
+    python benchmarks/bench_probe.py --model default -- batch.B_E=16 batch.B_U=16  # extra overrides
+
+Exit status 1 when the probe takes more than ``--target`` units (default 2.0).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+MODELS = {
+    "default": [],
+    "smollm2": ["model=smollm2", "batch.B_E=4", "batch.B_U=4", "batch.G=4", "sampling.max_new_tokens=8",
+                "optimizer.lr=1e-5", "batch.seed_E=2", "batch.seed_U=1"],  # seed 2's U has no reward
+}
+COMMON = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.console_table=false"]
+
+
+# ---------------------------------------------------------------- memory
+def _proc_kb(key: str) -> int:
+    return int(re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
+
+
+class PeakMemory:
+    """Peak increase (MiB) over the memory in use when the block starts."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.mib = device, float("nan")
+
+    def __enter__(self):
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            self.base = _proc_kb("VmRSS")
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.mib = (torch.cuda.max_memory_allocated(self.device) - self.base) / 2**20
+        else:
+            self.mib = (_proc_kb("VmHWM") - self.base) / 1024
+
+
+# ---------------------------------------------------------------- set-up
+def compose(overrides: list[str]):
+    from hydra import compose as hcompose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from entprobe.config import register_configs
+    from entprobe.main import to_typed
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    conf = str(resources.files("entprobe") / "conf")
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=conf):
+            return to_typed(hcompose(config_name="config", overrides=overrides))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def adamw_state(cfg, lm, task, ctx):
+    """An AdamW state from one real step on a batch disjoint from E and U (seed 3). The loss is the
+    mean token NLL of the sampled responses: SmolLM2 rarely earns an arithmetic reward, and a
+    DR-GRPO step on an all-zero-reward batch has a zero gradient (exp_avg_sq = 0, P = 1/eps)."""
+    from entprobe import paramvec as pv
+    from entprobe.probe import Geometry
+    from entprobe.rollout import draw_prompt_indices, sample_batch
+
+    b = cfg.batch
+    lr = cfg.optimizer.lr or 1e-5
+    idx = draw_prompt_indices(len(task.prompts), b.B_U, 3)
+    W = sample_batch(lm.model, lm.tokenizer, task, idx, b.G, cfg.sampling, 3, b.advantage.value, b.adv_eps,
+                     cfg.task.chat_template.value, cfg.task.system_prompt)
+    opt = torch.optim.AdamW(ctx.params, lr=lr, weight_decay=0.01)
+    n_tok = float(W.response_mask.sum())
+    for _, mb in ctx.iterate(W, ctx.mb_size, "state"):
+        S, _, _ = ctx.forward_S(mb, "adamw state")
+        (-S.sum() / n_tok).backward()
+    opt.step()
+    ctx.zero_grad()
+    st = [opt.state[p] for p in ctx.params]
+    P = pv.adam_preconditioner([s["exp_avg_sq"] for s in st], 1, 0.999, 1e-8, ctx.buffers_device,
+                               ctx.buffers_dtype)
+    return Geometry(opt, lr, P)
+
+
+def build(model: str, extra: list[str]):
+    from omegaconf import OmegaConf
+
+    from entprobe import paramvec as pv
+    from entprobe.main import build_geometry, get_batches
+    from entprobe.models import DTYPES, load_model
+    from entprobe.stages.context import ProbeContext
+    from entprobe.tasks import build_task
+
+    cfg = compose(COMMON + MODELS[model] + extra)
+    torch.manual_seed(cfg.seed)
+    lm = load_model(cfg.model)
+    task = build_task(OmegaConf.structured(cfg.task))
+    names, params = pv.trainable(lm.model)
+    pcfg = cfg.probe_rework
+    ctx = ProbeContext(lm.model, names, params, lm.device, lm.autocast_dtype, cfg.sampling.temperature,
+                       pcfg.weighting_mode.value, pcfg.mb_size_prompts,
+                       pv.resolve_device(pcfg.buffers_device, params), DTYPES[pcfg.buffers_dtype.value])
+    E, U = get_batches(cfg, lm, task, ctx)[:2]
+    has_state = cfg.optimizer.state_path or lm.checkpoint_dir
+    geo = build_geometry(cfg, lm, params)[0] if has_state else adamw_state(cfg, lm, task, ctx)
+    return cfg, lm, ctx, E, U, geo
+
+
+# ---------------------------------------------------------------- the blocks
+def training_unit(ctx, E, U) -> None:
+    """One forward+backward of the DR-GRPO loss over E ∪ U, microbatched like the probe."""
+    from entprobe.estimators import y_loss
+
+    ctx.zero_grad()
+    n = E.B + U.B
+    for batch in (E, U):
+        for start, mb in ctx.iterate(batch, ctx.mb_size, "train"):
+            S, _, _ = ctx.forward_S(mb, f"train [{start}, {start + mb.B})")
+            (-y_loss(S, mb.advantages.to(S.device), mb.Lmax.to(S.device)) / n).backward()
+    ctx.zero_grad()
+
+
+def timed(fn, device) -> tuple[float, float, float, object]:
+    """(wall seconds, process CPU seconds, peak MiB, result) of ``fn()``."""
+    with PeakMemory(device) as mem:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return wall, cpu, mem.mib, out
+
+
+def bench(model: str, reps: int, extra: list[str]) -> dict:
+    from entprobe.config import ProjectionMode
+    from entprobe.probe import run_two_batch
+    from entprobe.stages.context import PhaseStats
+    from entprobe.stages.snapshot import restored_after
+
+    cfg, lm, ctx, E, U, geo = build(model, extra)
+    schedules = {
+        "probe": (cfg.probe_rework, cfg.importance),
+        "literal": (dataclasses.replace(cfg.probe_rework, projection=ProjectionMode.backward),
+                    dataclasses.replace(cfg.importance, reuse_probe_gradient=False)),
+    }
+    blocks = ("train", *schedules)
+    wall, cpu, mem = ({k: [] for k in blocks} for _ in range(3))
+    phases = {k: [] for k in schedules}
+    results = {}
+    tmp = Path(tempfile.mkdtemp(prefix="bench_probe_"))
+    for _ in range(reps):  # interleaved, so that a change of machine load hits every block
+        for name in blocks:
+            if name == "train":
+                fn = lambda: training_unit(ctx, E, U)  # noqa: E731
+            else:
+                c = dataclasses.replace(ctx, stats=PhaseStats())
+                fn = lambda c=c, pi=schedules[name]: run_two_batch(c, E, U, geo, *pi, tmp)  # noqa: E731
+            w, t, mib, res = timed(fn, lm.device)
+            wall[name].append(w)
+            cpu[name].append(t)
+            mem[name].append(mib)
+            if name != "train":
+                phases[name].append({p: sec / w for p, sec in c.stats.seconds.items()})  # share of wall
+                results[name] = res
+    with restored_after(ctx.params, geo.optimizer, "cpu"):  # the AdamW step alone, undone after
+        for p in ctx.params:
+            p.grad = torch.zeros_like(p)
+        t0 = time.perf_counter()
+        geo.optimizer.step()
+        opt_s = time.perf_counter() - t0
+    # On CPU the process's CPU time is the clock (other users' load does not count; the runs are
+    # single-threaded with OMP_NUM_THREADS=1); on CUDA the wall clock.
+    clock = cpu if lm.device.type == "cpu" else wall
+    unit = statistics.median(clock["train"])
+    units = {k: statistics.median(v) / unit for k, v in clock.items()}
+    return {"model": model, "device": str(lm.device), "reps": reps, "clock": "cpu" if clock is cpu else "wall",
+            "n_params": sum(p.numel() for p in ctx.params),
+            "B_E": E.B, "B_U": U.B, "G": E.G, "T_E": E.input_ids.shape[-1], "T_U": U.input_ids.shape[-1],
+            "mb_size_prompts": ctx.mb_size, "optimizer_step_s": opt_s, "unit_s": unit,
+            "U_frac_zero_var_groups": U.stats("U")["U/frac_zero_var_groups"],
+            "units": units,
+            "paired_units": {k: statistics.median(x / t for x, t in zip(v, clock["train"])) for k, v in clock.items()},
+            "wall_units": {k: statistics.median(v) / statistics.median(wall["train"]) for k, v in wall.items()},
+            "wall_s": wall, "cpu_s": cpu, "peak_mib": {k: max(v) for k, v in mem.items()},
+            "phase_units": {k: {p: statistics.median(r[p] for r in v) * units[k] for p in v[0]}
+                            for k, v in phases.items()},
+            "check": {k: {q: results[k].get(q) for q in ("deltaH1", "deltaH_true", "deltaH1_step", "ESS_frac",
+                                                        "SE_deltaH1")} for k in schedules}}
+
+
+def report(r: dict) -> None:
+    print(f"\n== {r['model']} on {r['device']}: {r['n_params']:,} params; B_E={r['B_E']} B_U={r['B_U']} "
+          f"G={r['G']} T_E={r['T_E']} T_U={r['T_U']} mb_size_prompts={r['mb_size_prompts']}; "
+          f"U groups with zero reward variance {r['U_frac_zero_var_groups']:.2f}; median of {r['reps']}")
+    print(f"1 unit (fwd+bwd over E ∪ U) = {r['unit_s']:.3f} s ({r['clock']} time); "
+          f"AdamW step alone {r['optimizer_step_s']:.3f} s wall")
+    print(f"{'block':<9}{'units':>7}{'paired':>8}{'wall':>7}{'peak MiB':>10}   {r['clock']} s / wall s per repetition")
+    for k in r["units"]:
+        per = " ".join(f"{c:.2f}/{w:.2f}" for c, w in zip(r[f"{r['clock']}_s"][k], r["wall_s"][k]))
+        print(f"{k:<9}{r['units'][k]:>7.2f}{r['paired_units'][k]:>8.2f}{r['wall_units'][k]:>7.2f}"
+              f"{r['peak_mib'][k]:>10.1f}   {per}")
+    print(f"  units: median {r['clock']} time / the train block's; paired: median of per-repetition ratios; "
+          "wall: the same from wall-clock medians")
+    for k, ph in r["phase_units"].items():
+        print(f"  {k} phases (units, wall shares x total): " + ", ".join(f"{p} {u:.2f}" for p, u in ph.items()))
+    for k, c in r["check"].items():
+        print(f"  {k}: " + ", ".join(f"{q}={v:.4g}" for q, v in c.items() if v is not None))
+
+
+def main() -> int:
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ or "OMP_NUM_THREADS" not in os.environ:
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # RSS follows live tensors
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # CPU time = the work of one thread
+        os.execv(sys.executable, [sys.executable, *sys.argv])  # torch reads both at import
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", nargs="+", default=["default"], choices=list(MODELS))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--target", type=float, default=2.0, help="probe budget in units")
+    ap.add_argument("--json", default=None, help="also write the figures to this file")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides after --")
+    a = ap.parse_args()
+    out, ok = [], True
+    for m in a.model:
+        r = bench(m, a.reps, a.overrides)
+        report(r)
+        out.append(r)
+        within = r["units"]["probe"] <= a.target
+        ok &= within
+        print(f"  probe {r['units']['probe']:.2f} units vs target {a.target}: {'OK' if within else 'OVER'}; "
+              f"spec-literal / probe = {r['units']['literal'] / r['units']['probe']:.2f}")
+        gc.collect()
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
