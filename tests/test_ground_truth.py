@@ -7,6 +7,7 @@ theta_plus, before the restore), so no test re-implements the step it checks.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -23,6 +24,7 @@ from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
 from entprobe.stages.context import ProbeContext
 from entprobe.stages.ground_truth import StepInputs, run_ground_truth
 from entprobe.stages.snapshot import restored_after, state_fingerprint
+from ddp_launch import launch
 from exact_model import adamw_with_state, make_setup
 
 G = 4
@@ -341,9 +343,12 @@ def test_phases_and_update_diagnostics_are_reported(world):
 
 
 # ---------------------------------------------------------------- distributed (gloo, 2 ranks)
-def _ddp_rank(rank, world_size, init_file, w, E, U, inp, runs, out_dir):
+def _ddp_rank(rank, world_size, port, w, E, U, inp, runs, out_dir):
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        torch.set_num_threads(1)
+        # Tensors reach the ranks in shared memory: private copies, or both ranks step one model.
+        w, E, U, inp = copy.deepcopy((w, E, U, inp))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         ddp = torch.nn.parallel.DistributedDataParallel(w.setup.model, find_unused_parameters=True)
         ctx = dataclasses.replace(w.ctx, model=ddp)
         e_idx, u_idx = (torch.arange(b.B).tensor_split(world_size)[rank] for b in (E, U))
@@ -381,18 +386,11 @@ def test_distributed_step_equals_one_process(world, tmp_path):
         hook = AtThetaPlus(w.setup)
         loc = dataclasses.replace(inp, optimizer=torch.optim.SGD(w.setup.params, lr=lr) if sgd else w.opt)
         ref.append((run_ground_truth(w.ctx, E, U, loc, icfg, fail_after_step=hook), hook.theta))
-    mp = torch.multiprocessing.get_context("fork")
-    procs = [mp.Process(target=_ddp_rank, args=(r, 2, str(tmp_path / "init"), w, E, U, inp, runs, str(tmp_path)))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    errs = [f.read_text() for f in tmp_path.glob("rank*.err")]
-    assert not errs and all(p.exitcode == 0 for p in procs), "\n".join(errs)
+    try:
+        launch(_ddp_rank, 2, w, E, U, inp, runs, str(tmp_path))
+    finally:
+        errs = [f.read_text() for f in tmp_path.glob("rank*.err")]
+    assert not errs, "\n".join(errs)
     theta0 = flat(w.setup.params)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
