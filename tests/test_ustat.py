@@ -415,10 +415,10 @@ def _ddp_worker(rank: int, world_size: int, port: int, out: str) -> None:
 
 
 def test_ddp_two_ranks_equal_one_process(world, tmp_path):
-    from ddp_launch import launch
+    from ddp_launch import launch_fresh
 
     out = tmp_path / "rank0.pt"
-    launch(_ddp_worker, 2, str(out))
+    launch_fresh("test_ustat", "_ddp_worker", 2, str(out))
     ddp = torch.load(out, weights_only=False)
     batch = world.setup.sample(8, 4, seed=23)
     single = {"units": stage(world, batch, gt=True), "blocks": stage(world, batch, block_size=2)}

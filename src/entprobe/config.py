@@ -124,7 +124,7 @@ class ImportanceConfig:
     step_mode: StepMode = StepMode.optimizer
     reuse_probe_gradient: bool = True
     snapshot_device: str = "cpu"
-    importance_microbatch_size: int = 1
+    importance_microbatch_size: int = 2
     rl_grad_accum: int = 1
     max_grad_norm: Optional[float] = None
     report_per_token: bool = False
