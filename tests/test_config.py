@@ -88,8 +88,9 @@ def test_validate_range_checks_name_the_key(tmp_path, override, key):
 
 
 def test_validate_accepts_defaults_and_single_batch_with_one_E_prompt(tmp_path):
-    validate(compose_cfg(tmp_path))
-    validate(compose_cfg(tmp_path, "probe_rework.mode=single_batch", "batch.B_E=1"))  # E unused there
+    assert validate(compose_cfg(tmp_path)) is None  # raises ConfigError on any range violation
+    single = compose_cfg(tmp_path, "probe_rework.mode=single_batch", "batch.B_E=1")  # E unused there
+    assert validate(single) is None and single.batch.B_E == 1
 
 
 def _plain(v):
