@@ -361,7 +361,10 @@ def _ddp_rank(rank, world_size, port, w, E, U, inp, runs, out_dir):
             r = run_ground_truth(ctx, E.select(e_idx), U.select(u_idx), loc, icfg, fail_after_step=hook)
             results.append((r, hook.theta))
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
+        dist.barrier()
+        # Leave without teardown: freeing the DDP reducer after destroy_process_group would drop the
+        # gloo group's last reference inside a GIL-holding destructor (a deadlock seen in torch 2.13).
+        os._exit(0)
     except BaseException:
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
