@@ -22,7 +22,7 @@ from entprobe import paramvec as pv
 from entprobe.builtin import build_char_tokenizer, build_tiny_llama
 from entprobe.config import SamplingConfig
 from entprobe.logprobs import token_logprobs
-from entprobe.rollout import RolloutBatch, draw_prompt_indices, encode_prompts, sample_batch
+from entprobe.rollout import RolloutBatch, encode_prompts, sample_batch
 from entprobe.stages.context import ProbeContext
 from entprobe.tasks.base import Prompt
 
@@ -149,7 +149,3 @@ def adamw_with_state(setup: ExactSetup, steps: int = 20, lr: float = 1e-2, weigh
         opt.step()
     opt.zero_grad(set_to_none=True)
     return opt
-
-
-def draw_indices(n: int, B: int, seed: int) -> torch.Tensor:
-    return draw_prompt_indices(n, B, seed)

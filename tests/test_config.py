@@ -163,3 +163,12 @@ def test_hf_model_without_optimizer_state_refuses_then_runs_in_identity_geometry
     assert res["model_source"] == f"hf:{hf}"
     assert res["bars_dot"] != 0 and math.isfinite(res["deltaH1"])
     assert res["deltaH1"] == pytest.approx(-1e-3 * res["bars_dot"], rel=1e-12)
+
+
+def test_report_per_token_puts_per_token_entropy_in_the_headline(tmp_path, capsys):
+    from entprobe.main import run
+
+    run(compose_cfg(tmp_path, "importance.report_per_token=true", "logging.console_table=true"))
+    out = capsys.readouterr().out
+    # headline rows come before the alphabetical rest, which starts with attr/...
+    assert out.index("deltaH_true_per_token") < out.index("attr/")

@@ -213,19 +213,6 @@ class EntprobeConfig:
     seed: int = 0
 
 
-GROUPS = {
-    "batch": BatchConfig,
-    "sampling": SamplingConfig,
-    "probe_rework": ProbeConfig,
-    "importance": ImportanceConfig,
-    "optimizer": OptimizerConfig,
-    "ddp": DDPConfig,
-    "model": ModelConfig,
-    "task": TaskConfig,
-    "logging": LoggingConfig,
-}
-
-
 def register_configs() -> None:
     """Register the root schema; config.yaml lists it first, so every group is typed by it."""
     ConfigStore.instance().store(name="entprobe_schema", node=EntprobeConfig)

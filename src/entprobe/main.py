@@ -201,7 +201,8 @@ def run(cfg, batch_cache: str | Path | None = None) -> dict:
     if D.is_main():
         write_json_atomic(results, run_dir / cfg.logging.results_file)
         if cfg.logging.console_table:
-            console_table(results)
+            per_token = ("H_orig_per_token", "deltaH_true_per_token") if cfg.importance.report_per_token else ()
+            console_table(results, extra_headline=per_token)
     return results
 
 

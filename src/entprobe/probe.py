@@ -6,7 +6,6 @@ for the ground truth comes out of the same E pass, and the update step reuses ``
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -109,7 +108,3 @@ def save_buffers(path: Path, names: list[str], Xbar, Ybar, P) -> None:
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp))
     tmp.replace(path)
-
-
-def is_finite_number(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)

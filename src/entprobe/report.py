@@ -46,7 +46,7 @@ HEADLINE = ["deltaH1", "SE_deltaH1", "ci95_low", "ci95_high", "deltaH_true", "de
             "deltaH_cov", "ESS_frac", "psis_khat", "H_orig", "H_upd", "U_cross", "SE_plugin", "SE_jack"]
 
 
-def console_table(results: dict, title: str = "entprobe results") -> None:
+def console_table(results: dict, title: str = "entprobe results", extra_headline=()) -> None:
     """Headline numbers first, then every scalar (10 significant digits)."""
     from rich.console import Console
     from rich.table import Table
@@ -54,7 +54,8 @@ def console_table(results: dict, title: str = "entprobe results") -> None:
     table = Table(title=title, show_lines=False)
     table.add_column("key", style="cyan")
     table.add_column("value", justify="right")
-    keys = [k for k in HEADLINE if k in results] + sorted(k for k in results if k not in HEADLINE)
+    head = list(HEADLINE) + [k for k in extra_headline if k not in HEADLINE]
+    keys = [k for k in head if k in results] + sorted(k for k in results if k not in head)
     for k in keys:
         if k.startswith("attr/layer/"):
             continue
