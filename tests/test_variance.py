@@ -1,7 +1,9 @@
 """Stage 2 variance (DESIGN.md §3, seed 000 Part A): fused projections, calibration, scaling, jackknife.
 
-- The fused path (a_u as device dots in the X pass, b_u from one forward-mode pass over U) equals
-  the seed's per-unit backward in every weighting mode, on the exact model and on the builtin Llama.
+- Every fast path equals the seed's per-unit backward in every weighting mode, on the exact model
+  (through ``run_two_batch``) and on the builtin Llama (through ``run``): ``stored`` (a_u as device
+  dots in the X pass, b_u from U's kept per-unit gradients), ``fused`` (b_u from one forward-mode
+  pass over U) and ``jvp`` (one forward-mode pass per side); ``auto`` picks as documented.
 - Calibration against exact enumeration (G = 2, ``sequence`` mode, Adam P from a real state). It
   needs thousands of (E, U) draws of hundreds of prompts, far beyond what per-draw stage calls
   allow in seconds, so the draws go through an exact *simulator*: the gradient of every one of
@@ -31,7 +33,10 @@ from entprobe.builtin import tiny_llama_config
 from entprobe.main import run
 from entprobe.rollout import RolloutBatch, assemble, encode_prompts, group_advantages
 from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
-from entprobe.stages.variance import project_backward, project_jvp
+from entprobe.config import ImportanceConfig, ProbeConfig, ProjectionMode
+from entprobe.probe import Geometry, run_two_batch
+from entprobe.stages.context import nograd_prompts
+from entprobe.stages.variance import SMALL_MODEL_PARAMS, project_backward, project_jvp, resolve_projection
 from exact_model import adamw_with_state, make_setup
 
 MODES = ("sequence", "dr_grpo", "per_token_avg")
@@ -198,6 +203,65 @@ def test_fused_equals_backward_on_exact_model(ex, mode):
         assert rel(x, y) < 1e-5, key
 
 
+PATHS = ("stored", "fused", "jvp")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_path_equals_backward_through_run_two_batch(ex, mode, tmp_path):
+    """The orchestration itself (run_two_batch, ground truth off): each fast path gives the
+    per-unit backward's V_X, V_Y, SE and interval, with the passes it promises."""
+    setup = ex.setup
+    E, U = setup.sample(6, 3, seed=11), setup.sample(5, 3, seed=12)
+    geo, icfg = Geometry(None, ex.lr, ex.P), ImportanceConfig(enabled=False)
+    out = {}
+    for proj in (*PATHS, "backward"):
+        ctx = setup.ctx(mode, mb_size=2)
+        pcfg = ProbeConfig(projection=ProjectionMode(proj), top_k_params=0)
+        out[proj] = (run_two_batch(ctx, E, U, geo, pcfg, icfg, tmp_path), ctx.stats.passes)
+    ref, ref_passes = out["backward"]
+    assert ref_passes == {"forward": 3 * 11 * 2, "backward": 3 * 11 * 2}
+    promised = {"stored": {"forward": 3 * 11, "backward": 3 * 11},  # one backward per unit, no extra pass
+                "fused": {"forward": 3 * 11 + 3 * 5, "backward": 3 * 11, "jvp": 3 * 5},
+                "jvp": {"forward": 3 * 11 * 2, "backward": 3 * 11, "jvp": 3 * 11}}
+    for proj in PATHS:
+        res, passes = out[proj]
+        assert res["projection"] == proj and passes == promised[proj], proj
+        assert rel(res["bars_dot"], ref["bars_dot"]) < 1e-12, proj
+        for key in VAR_KEYS:
+            assert rel(res[key], ref[key]) < 1e-5, (proj, key, res[key], ref[key])
+
+
+def test_auto_projection_rule():
+    """auto: jvp below SMALL_MODEL_PARAMS; stored when the largest U shard's per-unit gradients fit
+    the budget; fused otherwise; an explicit choice is kept."""
+    from types import SimpleNamespace
+
+    def ctx_of(n):
+        return SimpleNamespace(params=[torch.empty(n)], device=torch.device("cpu"))
+
+    big = SMALL_MODEL_PARAMS  # fp32: 4 bytes a parameter
+    need = 8 * big * 4 / 2**20  # 8 units
+    assert resolve_projection(ProbeConfig(), ctx_of(big - 1), 8) == "jvp"
+    assert resolve_projection(ProbeConfig(unit_grads_budget_mb=need), ctx_of(big), 8) == "stored"
+    assert resolve_projection(ProbeConfig(unit_grads_budget_mb=need * 0.99), ctx_of(big), 8) == "fused"
+    for proj in ("stored", "fused", "jvp", "backward"):
+        assert resolve_projection(ProbeConfig(projection=ProjectionMode(proj)), ctx_of(1), 8) == proj
+
+
+def test_nograd_microbatch_size(ex):
+    """Prompts per no-graph pass: floor(budget / bytes per prompt), at least mb_size, at most B;
+    a fixed size wins."""
+    per = 4.0 * 4 * (6 * 10 * 1000 + 4 * 20 * (64 + 256))  # G=4, T_logits=10, T=20, V=1000, h=64, ff=256
+    assert nograd_prompts(4, 20, 10, (1000, 64, 256), 10 * per / 2**20, tangent=True) == 10
+    assert nograd_prompts(4, 20, 10, (1000, 64, 256), 9.99 * per / 2**20, tangent=True) == 9
+    assert nograd_prompts(4, 20, 10, (1000, 64, 256), 9.99 * per / 2**20, tangent=False) > 9
+    ctx, E = ex.setup.ctx(mb_size=2), ex.setup.sample(7, 3, seed=3)
+    assert ctx.nograd_mb(E, True) == 7  # tiny vocabulary: the whole batch fits 1 GiB
+    ctx.nograd_memory_mb = 0.0
+    assert ctx.nograd_mb(E, True) == 2  # never below the gradient passes' microbatch
+    assert ctx.nograd_mb(E, True, fixed=3) == 3
+
+
 def test_jvp_matches_backward_with_tied_embeddings():
     """Tied input/output embeddings (SmolLM2 and many small LMs): the output side gives the
     padding row a direction, which the lookup must not use, since backward() gives that row no
@@ -224,7 +288,7 @@ def builtin_runs(tmp_path_factory) -> dict:
     """run(cfg) on the builtin Llama for each weighting mode and projection (ground truth off)."""
     out = {}
     for mode in MODES:
-        for proj in ("fused", "backward"):
+        for proj in ("auto", *PATHS, "backward"):
             cfg = compose_cfg(tmp_path_factory.mktemp(f"{mode}_{proj}"), f"probe_rework.projection={proj}",
                               f"probe_rework.weighting_mode={mode}", "importance.enabled=false")
             out[mode, proj] = run(cfg)
@@ -232,20 +296,24 @@ def builtin_runs(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_fused_equals_backward_on_builtin(builtin_runs, mode):
-    f, b = builtin_runs[mode, "fused"], builtin_runs[mode, "backward"]
-    assert f["projection"] == "fused" and b["projection"] == "backward"
-    for key in VAR_KEYS:
-        assert rel(f[key], b[key]) < 1e-5, (key, f[key], b[key])
-    n = f["B_E"] + f["B_U"]
-    G = f["G"]  # fused: no backward beyond Stage 1's, one forward-mode pass over U; backward: one more per unit
-    assert (f["passes/backward"], f["passes/jvp"]) == (n * G, f["B_U"] * G)
-    assert b["passes/backward"] == 2 * n * G and "passes/jvp" not in b
+def test_every_path_equals_backward_on_builtin(builtin_runs, mode):
+    b = builtin_runs[mode, "backward"]
+    n, G, B_U = b["B_E"] + b["B_U"], b["G"], b["B_U"]
+    assert b["projection"] == "backward" and b["passes/backward"] == 2 * n * G and "passes/jvp" not in b
+    # backward and forward-mode passes beyond Stage 1's one backward per response
+    extra = {"stored": (0, None), "fused": (0, B_U * G), "jvp": (0, n * G)}
+    assert builtin_runs[mode, "auto"]["projection"] == "jvp"  # 76 k parameters: host-bound
+    for proj in ("auto", *PATHS):
+        f = builtin_runs[mode, proj]
+        for key in VAR_KEYS:
+            assert rel(f[key], b[key]) < 1e-5, (proj, key, f[key], b[key])
+        more_bwd, jvp = extra[f["projection"]]
+        assert f["passes/backward"] == n * G + more_bwd and f.get("passes/jvp") == jvp, proj
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_frac_var_and_ci95_follow_the_se(builtin_runs, mode):
-    for proj in ("fused", "backward"):
+    for proj in (*PATHS, "backward"):
         r = builtin_runs[mode, proj]
         V, lr = r["V_X"] + r["V_Y"], r["lr"]
         assert r["V_X"] > 0 and r["V_Y"] > 0

@@ -31,7 +31,10 @@ class ProbeMode(str, Enum):
 
 
 class ProjectionMode(str, Enum):
-    fused = "fused"  # per-unit dots on the device during accumulation + one forward-mode pass
+    auto = "auto"  # jvp below 10M params; else stored when U's unit gradients fit the budget, else fused
+    stored = "stored"  # per-unit dots during the X pass; U's per-unit gradients kept on the device
+    fused = "fused"  # per-unit dots during the X pass + one forward-mode pass over U
+    jvp = "jvp"  # one forward-mode pass per side (no per-unit backward; best when host-bound)
     backward = "backward"  # seed 000 literal: per-unit backward, grads moved to the buffers
 
 
@@ -104,7 +107,10 @@ class ProbeConfig:
     buffers_device: str = "cpu"
     buffers_dtype: DType = DType.float32
     variance_enabled: bool = True
-    projection: ProjectionMode = ProjectionMode.fused
+    projection: ProjectionMode = ProjectionMode.auto
+    unit_grads_budget_mb: float = 4096.0
+    nograd_memory_mb: float = 1024.0
+    jvp_mb_size_prompts: Optional[int] = None
     save_buffers: bool = False
     top_k_params: int = 10
     block_size: int = 0
@@ -124,7 +130,7 @@ class ImportanceConfig:
     step_mode: StepMode = StepMode.optimizer
     reuse_probe_gradient: bool = True
     snapshot_device: str = "cpu"
-    importance_microbatch_size: int = 2
+    importance_microbatch_size: Optional[int] = None
     rl_grad_accum: int = 1
     max_grad_norm: Optional[float] = None
     report_per_token: bool = False
@@ -243,6 +249,10 @@ def validate(cfg: Any) -> None:
     _require(s.max_new_tokens >= 1, "sampling.max_new_tokens", "must be >= 1")
     _require(s.gen_microbatch_prompts >= 1, "sampling.gen_microbatch_prompts", "must be >= 1")
     _require(p.mb_size_prompts >= 1, "probe_rework.mb_size_prompts", "must be >= 1")
+    _require(p.jvp_mb_size_prompts is None or p.jvp_mb_size_prompts >= 1, "probe_rework.jvp_mb_size_prompts",
+             "must be >= 1 (or null: sized from nograd_memory_mb)")
+    _require(p.unit_grads_budget_mb >= 0, "probe_rework.unit_grads_budget_mb", "must be >= 0 (0: never store)")
+    _require(p.nograd_memory_mb >= 0, "probe_rework.nograd_memory_mb", "must be >= 0")
     _require(p.buffers_device in ("cpu", "model") or p.buffers_device.startswith("cuda"),
              "probe_rework.buffers_device", f"is {p.buffers_device!r}; use cpu, model or cuda[:N]")
     _require(p.block_size >= 0 and p.num_blocks >= 0 and p.pairs_per_block >= 0,
@@ -251,7 +261,8 @@ def validate(cfg: Any) -> None:
              "set block_size or num_blocks, not both")
     _require(i.clip_c > 0, "importance.clip_c", "must be > 0")
     _require(0 <= i.ess_threshold <= 1, "importance.ess_threshold", "is a fraction ESS/N in [0, 1]")
-    _require(i.importance_microbatch_size >= 1, "importance.importance_microbatch_size", "must be >= 1")
+    _require(i.importance_microbatch_size is None or i.importance_microbatch_size >= 1,
+             "importance.importance_microbatch_size", "must be >= 1 (or null: sized from nograd_memory_mb)")
     _require(i.rl_grad_accum >= 1, "importance.rl_grad_accum", "must be >= 1")
     _require(i.snapshot_device in ("cpu", "gpu", "model"), "importance.snapshot_device",
              f"is {i.snapshot_device!r}; use cpu or gpu")

@@ -178,7 +178,7 @@ def run(cfg, batch_cache: str | Path | None = None) -> dict:
     ctx = ProbeContext(model, names, params, lm.device, lm.autocast_dtype, cfg.sampling.temperature,
                        pcfg.weighting_mode.value, pcfg.mb_size_prompts,
                        pv.resolve_device(pcfg.buffers_device, params), DTYPES[pcfg.buffers_dtype.value],
-                       progress=cfg.logging.progress and D.is_main())
+                       progress=cfg.logging.progress and D.is_main(), nograd_memory_mb=pcfg.nograd_memory_mb)
     E_all, U_all, batch_source = get_batches(cfg, lm, task, ctx, Path(batch_cache) if batch_cache else None)
     E, U = shard(E_all), shard(U_all)
 

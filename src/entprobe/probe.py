@@ -1,7 +1,8 @@
 """The two-batch probe, top to bottom: Y over U -> X over E -> variance -> ground truth.
 
 Order matters for cost: U is accumulated first so that ``P Ybar`` is known during the E pass,
-which then projects each unit as it accumulates (variance on the E side for free); ``S_orig``
+which then projects each unit as it accumulates (variance on the E side for free; the U side
+from kept per-unit gradients or one forward-mode pass, stages/variance.py); ``S_orig``
 for the ground truth comes out of the same E pass, and the update step reuses ``-Ybar_raw``.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from entprobe.rollout import RolloutBatch
 from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
 from entprobe.stages.context import ProbeContext
 from entprobe.stages.ground_truth import StepInputs, run_ground_truth
-from entprobe.stages.variance import project_backward, project_jvp
+from entprobe.stages.variance import project_backward, project_jvp, project_stored, resolve_projection
 
 
 @dataclass
@@ -40,10 +41,11 @@ def global_mean(buf: pv.Buffer, B_local: int) -> tuple[pv.Buffer, int]:
 def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry, pcfg, icfg,
                   run_dir: Path, resample: Callable[[], RolloutBatch] | None = None) -> dict:
     res: dict = {}
+    mode = resolve_projection(pcfg, ctx, U.B) if pcfg.variance_enabled else None
     with ctx.phase("accumulate_Y_U"):
-        accY = accumulate(ctx, U, y_loss_of(ctx), "Y over U")
+        accY = accumulate(ctx, U, y_loss_of(ctx), "Y over U", keep_unit_grads=mode == "stored")
         Ybar, B_U = global_mean(accY.sum_buf, accY.B)
-    fused = pcfg.variance_enabled and pcfg.projection.value == "fused"
+    fused = mode in ("stored", "fused")  # a_u taken during the X pass
     PY_dev = pv.mul(Ybar, geo.P, device=ctx.device) if fused else None
     with ctx.phase("accumulate_X_E"):
         accX = accumulate(ctx, E, x_loss_of(ctx), "X over E", direction=PY_dev, with_entropy=True)
@@ -64,17 +66,25 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
 
     if pcfg.variance_enabled:
         with ctx.phase("variance"):
-            if fused:
-                a = accX.proj
-                b = project_jvp(ctx, U, pv.mul(Xbar, geo.P, device=ctx.device), "Y", "b_u over U")
+            PX_dev = pv.mul(Xbar, geo.P, device=ctx.device) if mode != "backward" else None
+            if mode == "stored":
+                a, b = accX.proj, project_stored(accY.unit_grads, PX_dev)
+                accY.unit_grads = None
+            elif mode in ("fused", "jvp"):
+                a = accX.proj if fused else project_jvp(
+                    ctx, E, pv.mul(Ybar, geo.P, device=ctx.device), "X", "a_u over E",
+                    mb_size=ctx.nograd_mb(E, True, pcfg.jvp_mb_size_prompts))
+                b = project_jvp(ctx, U, PX_dev, "Y", "b_u over U",
+                                mb_size=ctx.nograd_mb(U, True, pcfg.jvp_mb_size_prompts))
             else:
                 a = project_backward(ctx, E, PY, "X", "a_u over E")
                 b = project_backward(ctx, U, pv.mul(Xbar, geo.P), "Y", "b_u over U")
+            del PX_dev
             a, b = D.gather_units(a), D.gather_units(b)
             v = est.two_batch_variance(a, b, geo.lr, bars_dot)
         res.update({"V_X": v.V_X, "V_Y": v.V_Y, "SE_deltaH1": v.SE, "SE_jackknife": v.SE_jackknife,
                     "frac_var": v.frac_var, "ci95_low": v.ci95_low, "ci95_high": v.ci95_high,
-                    "projection": pcfg.projection.value})
+                    "projection": mode})
 
     names = ctx.names
     flat, rows = summarize(names, pv.dot_each(Xbar, Ybar, geo.P), pcfg.top_k_params)

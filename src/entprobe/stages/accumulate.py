@@ -4,7 +4,9 @@
 (device/dtype from config). Gradients are zeroed before and after each microbatch; under DDP
 forward and backward run inside ``no_sync()``. When a projection direction is given, each unit is its
 own backward and ``X_u . direction`` is taken on the device before the gradient is added to the sum
-(the fused variance path: the E side of Stage 2 costs no extra pass).
+(the fused variance path: the E side of Stage 2 costs no extra pass). With ``keep_unit_grads`` each
+unit is its own backward too and its gradient is kept on the model's device (the ``stored`` variance
+path: ``Y_u . P Xbar`` once Xbar is known, no second pass over U).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class Accumulated:
     entropy: torch.Tensor | None  # [B, G, T] exact token entropies (X pass only)
     proj: torch.Tensor | None  # [B] per-unit projections onto the direction, if one was given
     B: int  # local units
+    unit_grads: list[pv.Buffer] | None = None  # per-unit gradients (model device), if kept
 
 
 def x_loss_of(ctx: ProbeContext) -> Callable[[torch.Tensor, RolloutBatch], torch.Tensor]:
@@ -55,12 +58,15 @@ def _check_grads(ctx: ProbeContext, what: str) -> None:
 
 
 def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
-               direction: pv.Buffer | None = None, with_entropy: bool = False) -> Accumulated:
+               direction: pv.Buffer | None = None, with_entropy: bool = False,
+               keep_unit_grads: bool = False) -> Accumulated:
     """Sum the probe gradients of ``batch`` into a buffer, microbatch by microbatch.
 
     With ``direction`` (a buffer on the model's device) every unit gets its own backward and its
     projection ``grad_u . direction`` is recorded on the device; parameter-sized data still moves to
-    the buffers only once per microbatch.
+    the buffers only once per microbatch. With ``keep_unit_grads`` every unit gets its own backward
+    and its gradient tensors are kept (moved out of ``.grad``, no copy); the microbatch's sum is
+    formed on the device and reaches the buffers once per microbatch.
     """
     if batch.B == 0:
         raise ValueError(f"{label}: the batch is empty")
@@ -69,14 +75,15 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
     if torch.is_inference_mode_enabled():
         raise RuntimeError(f"{label}: probe passes cannot run under torch.inference_mode()")
     buf = pv.zeros(ctx.params, ctx.buffers_device, ctx.buffers_dtype)
-    S_all, lp_all, ent_all, proj = [], [], [], []
+    S_all, lp_all, ent_all, proj, units = [], [], [], [], []
     ctx.zero_grad()
     for start, mb in ctx.iterate(batch, ctx.mb_size, label):
         # With a direction each unit is its own backward; .grad keeps summing over the microbatch
         # and a unit's projection is the increase of grad . direction (no extra buffer, and the
         # sum reaches the buffers once per microbatch, not once per unit).
-        pieces = mb.microbatches(1) if direction is not None else [(0, mb)]
-        before = 0.0
+        per_unit = direction is not None or keep_unit_grads
+        pieces = mb.microbatches(1) if per_unit else [(0, mb)]
+        before, mb_units = 0.0, []
         for off, piece in pieces:
             what = f"{label} microbatch prompts [{start + off}, {start + off + piece.B})"
             with torch.enable_grad(), no_sync(ctx.model):  # forward too: DDP arms its all-reduce there
@@ -87,7 +94,13 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
                                        "disabled, or are all parameters frozen?)")
                 loss.backward()
             ctx.stats.count("backward", piece.B * piece.G)
-            if direction is not None:
+            if keep_unit_grads:
+                _check_grads(ctx, what)
+                mb_units.append([g.detach() for g in pv.grads(ctx.params)])
+                ctx.zero_grad()  # the next unit's backward starts from None: no copy of this one
+                if direction is not None:
+                    proj.append(pv.dot(mb_units[-1], direction))
+            elif direction is not None:
                 _check_grads(ctx, what)
                 now = pv.dot(pv.grads(ctx.params), direction)
                 proj.append(now - before)
@@ -96,8 +109,15 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
             lp_all.append(lp.detach().cpu())
             if ent is not None:
                 ent_all.append(ent.detach().cpu())
+        if keep_unit_grads:  # the microbatch's sum, on the device, stands in for .grad
+            for p, *gs in zip(ctx.params, *mb_units):
+                p.grad = gs[0].clone()
+                for g in gs[1:]:
+                    p.grad.add_(g)
+            units.extend(mb_units)
         _check_grads(ctx, f"{label} microbatch prompts [{start}, {start + mb.B})")
         pv.add_grads_(buf, ctx.params)
         ctx.zero_grad()
     return Accumulated(buf, torch.cat(S_all), torch.cat(lp_all), torch.cat(ent_all) if ent_all else None,
-                       torch.tensor(proj, dtype=torch.float64) if direction is not None else None, batch.B)
+                       torch.tensor(proj, dtype=torch.float64) if direction is not None else None, batch.B,
+                       units if keep_unit_grads else None)

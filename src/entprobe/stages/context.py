@@ -38,6 +38,32 @@ def _peak_mb(device: torch.device) -> float:
         return float("nan")
 
 
+def model_dims(model: torch.nn.Module) -> tuple[int, int, int] | None:
+    """(vocab, hidden, intermediate) from an HF-style ``model.config``; None when unknown."""
+    conf = getattr(getattr(model, "module", model), "config", None)
+    conf = getattr(conf, "get_text_config", lambda: conf)() if conf is not None else None
+    V, h = getattr(conf, "vocab_size", None), getattr(conf, "hidden_size", None)
+    if not V or not h:
+        return None
+    return int(V), int(h), int(getattr(conf, "intermediate_size", None) or 4 * h)
+
+
+def nograd_prompts(G: int, T: int, T_logits: int, dims: tuple[int, int, int], budget_mb: float,
+                   tangent: bool) -> int:
+    """Prompts per microbatch of a pass that keeps no graph, within ``budget_mb``.
+
+    Such a pass holds the fp32 logits over the vocabulary for the kept positions -- with their
+    log-softmax temporaries, and a tangent for each in forward mode: ``k = 3`` (eval) or ``6``
+    (jvp) tensors of ``[G, T_logits, V]`` per prompt -- plus one layer's activations at a time,
+    ``~2 (h + ff)`` floats per token (doubled with a tangent). Bytes per prompt:
+    ``4 G (k T_logits V + c T (h + ff))``; the result is ``floor(budget / that)`` (>= 0).
+    """
+    V, h, ff = dims
+    k, c = (6, 4) if tangent else (3, 2)
+    per_prompt = 4.0 * G * (k * T_logits * V + c * T * (h + ff))
+    return int(budget_mb * 2**20 // per_prompt)
+
+
 @dataclass
 class ProbeContext:
     model: torch.nn.Module  # the (possibly DDP-wrapped) module whose forward is called
@@ -51,7 +77,24 @@ class ProbeContext:
     buffers_device: torch.device
     buffers_dtype: torch.dtype
     progress: bool = False
+    nograd_memory_mb: float = 1024.0
     stats: PhaseStats = field(default_factory=PhaseStats)
+
+    def nograd_mb(self, batch: RolloutBatch, tangent: bool, fixed: int | None = None) -> int:
+        """Prompts per microbatch for a pass without a graph over ``batch``: ``fixed`` when set,
+        else as many as fit ``nograd_memory_mb`` (``nograd_prompts``), never fewer than the
+        gradient passes' ``mb_size`` (a no-graph pass needs less than a training microbatch)
+        and never more than the batch."""
+        if fixed is not None:
+            return fixed
+        dims = model_dims(self.model)
+        if dims is None or batch.B == 0:
+            return self.mb_size
+        T = batch.input_ids.shape[-1]
+        cols = batch.response_mask.reshape(-1, T).bool().any(0).nonzero()
+        T_logits = T - int(cols[0]) + 1 if cols.numel() else T
+        fit = nograd_prompts(batch.G, T, T_logits, dims, self.nograd_memory_mb, tangent)
+        return max(self.mb_size, min(fit, batch.B))
 
     @contextlib.contextmanager
     def phase(self, name: str):

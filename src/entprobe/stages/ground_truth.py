@@ -50,12 +50,12 @@ def _recompute_grads(ctx: ProbeContext, U: RolloutBatch, icfg, B_U_global: int) 
 
     rl: mean over prompts of ``-(sum A * mask * logp) / (G * Lmax)``; nll: ``-sum logp / #tokens``
     (both global: B_U_global prompts, all ranks' tokens). A forward covers
-    ``importance_microbatch_size * rl_grad_accum`` prompts. DDP averages gradients over ranks, so
+    ``importance_microbatch_size * rl_grad_accum`` prompts (``mb_size_prompts`` when null). DDP averages gradients over ranks, so
     the local loss carries a factor world size; DDP decides at forward time whether to reduce, so
     forward and backward of every microbatch but the last run under ``no_sync``.
     Returns the token log-probs of U under theta [B, G, T] for the ratio diagnostics."""
     ctx.zero_grad()
-    size = icfg.importance_microbatch_size * icfg.rl_grad_accum
+    size = (icfg.importance_microbatch_size or ctx.mb_size) * icfg.rl_grad_accum
     ddp = _is_ddp(ctx.model)
     world = D.world() if ddp else 1
     n_tok = D.reduce_scalars(float(U.response_mask.sum()))[0]
@@ -183,7 +183,8 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
             # numbers of E microbatches).
             bare = getattr(ctx.model, "module", ctx.model)
             outs = [ctx.forward_S(mb, f"E at theta_plus [{s}, {s + mb.B})", with_entropy=True, model=bare)
-                    for s, mb in ctx.iterate(E, icfg.importance_microbatch_size, "E at theta+")]
+                    for s, mb in ctx.iterate(E, ctx.nograd_mb(E, False, icfg.importance_microbatch_size),
+                                             "E at theta+")]
             ctx.model.train(was_training)
         S_upd = torch.cat([o[0].cpu() for o in outs])
         ent_upd = torch.cat([o[2].cpu() for o in outs])

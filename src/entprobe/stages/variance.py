@@ -1,10 +1,18 @@
 """Stage 2: per-unit projections a_u = X_u . P Ybar and b_u = Y_u . P Xbar (seed 000 Part A).
 
-Two ways, selected by ``probe_rework.projection``:
-- ``fused`` (default): the E side is projected during the X accumulation (see accumulate.py); the
-  U side takes one forward-mode pass, ``b_u = sum_g (A / (G Lmax)) * dS_g``, where ``dS`` is the
-  directional derivative of S along ``P Xbar`` (``torch.autograd.forward_ad``, no backward, no
-  parameter-sized host transfer).
+Selected by ``probe_rework.projection`` (``resolve_projection``); U is accumulated before E, so
+``P Ybar`` is known during the X pass:
+- ``stored``: the E side is projected during the X accumulation (one backward per unit, a device
+  dot each; see accumulate.py); the Y pass also runs one backward per unit and keeps each unit's
+  gradient on the model's device, so ``b_u = Y_u . P Xbar`` is a dot once Xbar is known.
+  Memory: B_U (local) parameter-sized gradients.
+- ``fused``: the E side as above; the U side takes one forward-mode pass,
+  ``b_u = sum_g (A / (G Lmax)) * dS_g``, where ``dS`` is the directional derivative of S along
+  ``P Xbar`` (``torch.autograd.forward_ad``, no backward, no parameter-sized host transfer).
+- ``jvp``: plain Stage 1 passes, then one forward-mode pass per side. No per-unit backward: on
+  models small enough that host time per op dominates (the built-in one), fewer, larger calls win.
+- ``auto`` (default): ``jvp`` below 10 M parameters; else ``stored`` when U's per-unit gradients
+  fit ``unit_grads_budget_mb`` (and a quarter of the free CUDA memory) on every rank, else ``fused``.
 - ``backward`` (reference, seed-literal): one backward per unit, the gradient moved to the
   buffers' device and dotted there.
 
@@ -25,6 +33,7 @@ import torch.autograd.forward_ad as fwAD
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 
+from entprobe import distributed as D
 from entprobe import paramvec as pv
 from entprobe.distributed import no_sync
 from entprobe.estimators import weighted_S, x_unit_coeffs, y_unit_coeffs
@@ -154,6 +163,34 @@ class _Run(torch.nn.Module):
 
     def forward(self):
         return self.fn(self.model)
+
+
+SMALL_MODEL_PARAMS = 10_000_000  # below this, time per op dominates on any device (benchmarks/README.md)
+
+
+def resolve_projection(pcfg, ctx: ProbeContext, B_U_local: int) -> str:
+    """The projection path for ``probe_rework.projection``. ``auto``: ``jvp`` for models under
+    ``SMALL_MODEL_PARAMS`` (host time per op dominates, so one large forward-mode call per side
+    beats a backward per unit); otherwise ``stored`` when the largest local U shard's
+    parameter-sized gradients fit the budget on every rank (one collective decides for all), else
+    ``fused``."""
+    mode = pcfg.projection.value
+    if mode != "auto":
+        return mode
+    if sum(p.numel() for p in ctx.params) < SMALL_MODEL_PARAMS:
+        return "jvp"
+    B_max = -(-int(D.reduce_scalars(B_U_local)[0]) // D.world())  # shards differ by at most 1
+    need_mb = B_max * sum(p.numel() * p.element_size() for p in ctx.params) / 2**20
+    budget = pcfg.unit_grads_budget_mb
+    if ctx.device.type == "cuda":
+        budget = min(budget, torch.cuda.mem_get_info(ctx.device)[0] / 4 / 2**20)
+    fits = need_mb <= budget
+    return "stored" if D.reduce_scalars(float(fits))[0] == D.world() else "fused"
+
+
+def project_stored(unit_grads: list[pv.Buffer], direction: pv.Buffer) -> torch.Tensor:
+    """Per-unit ``V_u . direction`` from kept per-unit gradients (a device dot each); [B] float64."""
+    return torch.tensor([pv.dot(g, direction) for g in unit_grads], dtype=torch.float64)
 
 
 def project_jvp(ctx: ProbeContext, batch: RolloutBatch, direction: pv.Buffer, side: str,
