@@ -147,10 +147,14 @@ def test_preconditioned_sgd_step_is_exact_and_delta_h1_converges_to_the_exact_ch
     assert errs[1] < 2e-3 and 5 < errs[0] / errs[1] < 20, errs
 
 
-def test_delta_h1_step_of_a_real_adamw_step_and_its_split(world):
+@pytest.mark.parametrize("analytic", [True, False], ids=["closed_form_split", "repeated_step_split"])
+def test_delta_h1_step_of_a_real_adamw_step_and_its_split(world, analytic, monkeypatch):
     """deltaH1_step = -Xbar . (theta_plus - theta) with Xbar = -grad H: first order in the real
     AdamW step (gain (1-b1)/(1-b1^t) on the gradient, momentum, decoupled weight decay), checked
-    against the exact change and against AdamW's update written out by hand; parts sum to it."""
+    against the exact change and against AdamW's update written out by hand; parts sum to it.
+    The split's zero-gradient step is taken in closed form (default) or by repeating the step."""
+    import entprobe.stages.ground_truth as gt
+    monkeypatch.setattr(gt, "ANALYTIC_ADAMW_SPLIT", analytic)
     w = world
     Xbar = [-g for g in w.grad_H]
     E = w.setup.sample(8, G, seed=8)

@@ -38,6 +38,12 @@ class ProjectionMode(str, Enum):
     backward = "backward"  # seed 000 literal: per-unit backward, grads moved to the buffers
 
 
+class UnitBackward(str, Enum):
+    auto = "auto"  # vmap below 10M params (host-bound), else loop
+    loop = "loop"  # one backward per unit
+    vmap = "vmap"  # one batched backward per microbatch (is_grads_batched): fewer ops, b x the arithmetic
+
+
 class Preconditioner(str, Enum):
     adam = "adam"
     identity = "identity"
@@ -111,6 +117,7 @@ class ProbeConfig:
     unit_grads_budget_mb: float = 4096.0
     nograd_memory_mb: float = 1024.0
     jvp_mb_size_prompts: Optional[int] = None
+    unit_backward: UnitBackward = UnitBackward.auto
     save_buffers: bool = False
     top_k_params: int = 10
     block_size: int = 0

@@ -21,7 +21,8 @@ from entprobe.rollout import RolloutBatch
 from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
 from entprobe.stages.context import ProbeContext
 from entprobe.stages.ground_truth import StepInputs, run_ground_truth
-from entprobe.stages.variance import project_backward, project_jvp, project_stored, resolve_projection
+from entprobe.stages.variance import (project_backward, project_jvp, project_stored, resolve_projection,
+                                      resolve_unit_backward)
 
 
 @dataclass
@@ -42,13 +43,16 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
                   run_dir: Path, resample: Callable[[], RolloutBatch] | None = None) -> dict:
     res: dict = {}
     mode = resolve_projection(pcfg, ctx, U.B) if pcfg.variance_enabled else None
+    unit_bwd = resolve_unit_backward(pcfg, ctx)
     with ctx.phase("accumulate_Y_U"):
-        accY = accumulate(ctx, U, y_loss_of(ctx), "Y over U", keep_unit_grads=mode == "stored")
+        accY = accumulate(ctx, U, y_loss_of(ctx), "Y over U", keep_unit_grads=mode == "stored",
+                          unit_backward=unit_bwd)
         Ybar, B_U = global_mean(accY.sum_buf, accY.B)
     fused = mode in ("stored", "fused")  # a_u taken during the X pass
     PY_dev = pv.mul(Ybar, geo.P, device=ctx.device) if fused else None
     with ctx.phase("accumulate_X_E"):
-        accX = accumulate(ctx, E, x_loss_of(ctx), "X over E", direction=PY_dev, with_entropy=True)
+        accX = accumulate(ctx, E, x_loss_of(ctx), "X over E", direction=PY_dev, with_entropy=True,
+                          unit_backward=unit_bwd)
         Xbar, B_E = global_mean(accX.sum_buf, accX.B)
     del PY_dev
     bars_dot = pv.dot(Xbar, Ybar, geo.P)
@@ -84,7 +88,7 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
             v = est.two_batch_variance(a, b, geo.lr, bars_dot)
         res.update({"V_X": v.V_X, "V_Y": v.V_Y, "SE_deltaH1": v.SE, "SE_jackknife": v.SE_jackknife,
                     "frac_var": v.frac_var, "ci95_low": v.ci95_low, "ci95_high": v.ci95_high,
-                    "projection": mode})
+                    "projection": mode, "unit_backward": unit_bwd if fused else None})
 
     names = ctx.names
     flat, rows = summarize(names, pv.dot_each(Xbar, Ybar, geo.P), pcfg.top_k_params)

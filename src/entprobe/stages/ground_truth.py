@@ -234,9 +234,49 @@ def _decoupled_decay(opt: torch.optim.Optimizer) -> bool:
                                                      for g in opt.param_groups)
 
 
+ANALYTIC_ADAMW_SPLIT = True  # tests switch it off to compare with the repeated step
+
+
+def _plain_adamw(opt: torch.optim.Optimizer) -> bool:
+    """torch's Adam with decoupled decay (AdamW) and none of the variants the closed form omits."""
+    return _decoupled_decay(opt) and not any(
+        g.get(k, False) for g in opt.param_groups for k in ("amsgrad", "maximize", "capturable", "differentiable"))
+
+
+@torch.no_grad()
+def _adamw_zero_grad_part(ctx: ProbeContext, opt, Xbar: pv.Buffer, snap) -> float:
+    """``-Xbar . Delta0`` for AdamW's step with a zero gradient from the snapshot's state, in closed
+    form (no restore, no second step): with ``t = step + 1``, ``bc_k = 1 - beta_k^t``,
+    ``Delta0 = -lr wd theta - (lr / bc1) * beta1 m / (sqrt(beta2 v) / sqrt(bc2) + eps)``.
+    Per tensor on the parameters' device in at least fp32, the sum in fp64."""
+    index = {id(p): i for i, p in enumerate(ctx.params)}
+    total = 0.0
+    for g in opt.param_groups:
+        lr, wd, eps = float(g["lr"]), float(g.get("weight_decay", 0.0)), float(g["eps"])
+        b1, b2 = (float(b) for b in g["betas"])
+        for p in g["params"]:
+            i = index.get(id(p))
+            if i is None:
+                continue
+            dev = p.device
+            dt = torch.promote_types(torch.promote_types(p.dtype, Xbar[i].dtype), torch.float32)
+            theta = snap.params[i].to(dev, dt)
+            delta = theta * (-lr * wd)
+            st = snap.state.get(i)
+            if st is not None and "exp_avg" in st:  # no state yet: m = v = 0, the update is 0
+                step = st["step"][0] if isinstance(st["step"], tuple) else st["step"]
+                t = float(step) + 1.0
+                m, v = st["exp_avg"][0].to(dev, dt), st["exp_avg_sq"][0].to(dev, dt)
+                denom = (v * b2).sqrt_().div_((1.0 - b2 ** t) ** 0.5).add_(eps)
+                delta.addcdiv_(m * b1, denom, value=-lr / (1.0 - b1 ** t))
+            total += float(torch.dot(Xbar[i].to(dev, dt).reshape(-1), delta.reshape(-1)).double())
+    return -total
+
+
 def _split_step(ctx: ProbeContext, inp: StepInputs, snap, total: float) -> dict[str, float]:
     """Repeat the step on the snapshot with a zero gradient (momentum + weight decay); the
-    gradient part is the remainder, so the three parts sum to ``deltaH1_step``. Decoupled decay
+    gradient part is the remainder, so the three parts sum to ``deltaH1_step``. Plain AdamW takes
+    that zero-gradient step in closed form (``_adamw_zero_grad_part``). Decoupled decay
     (AdamW) moves theta by exactly ``-lr * wd * theta``: its part is ``lr * wd * Xbar . theta`` per
     param group, no second step. Otherwise (e.g. SGD or Adam with coupled decay) the zero-gradient
     step is repeated with weight decay off. (The zero-gradient step also decays Adam's second
@@ -244,6 +284,8 @@ def _split_step(ctx: ProbeContext, inp: StepInputs, snap, total: float) -> dict[
     opt = inp.optimizer
     runs = (("mom_wd", False),) if _decoupled_decay(opt) else (("mom_wd", False), ("mom", True))
     parts = {}
+    if _plain_adamw(opt) and ANALYTIC_ADAMW_SPLIT:
+        parts["mom_wd"], runs = _adamw_zero_grad_part(ctx, opt, inp.Xbar, snap), ()
     for name, wd_off in runs:
         restore(ctx.params, opt, snap)
         saved_wd = [g.get("weight_decay", 0.0) for g in opt.param_groups]

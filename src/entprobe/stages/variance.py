@@ -188,6 +188,16 @@ def resolve_projection(pcfg, ctx: ProbeContext, B_U_local: int) -> str:
     return "stored" if D.reduce_scalars(float(fits))[0] == D.world() else "fused"
 
 
+def resolve_unit_backward(pcfg, ctx: ProbeContext) -> str:
+    """``loop`` or ``vmap`` for ``probe_rework.unit_backward`` (``auto``: vmap for models under
+    ``SMALL_MODEL_PARAMS``, whose time is per-op host time; a batched backward does ``b`` times
+    the arithmetic of one, which larger models pay in full)."""
+    mode = pcfg.unit_backward.value
+    if mode != "auto":
+        return mode
+    return "vmap" if sum(p.numel() for p in ctx.params) < SMALL_MODEL_PARAMS else "loop"
+
+
 def project_stored(unit_grads: list[pv.Buffer], direction: pv.Buffer) -> torch.Tensor:
     """Per-unit ``V_u . direction`` from kept per-unit gradients (a device dot each); [B] float64."""
     return torch.tensor([pv.dot(g, direction) for g in unit_grads], dtype=torch.float64)
