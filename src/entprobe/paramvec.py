@@ -39,7 +39,12 @@ def grads(params: Sequence[torch.Tensor]) -> Buffer:
 
 
 def add_grads_(buf: Buffer, params: Sequence[torch.Tensor], scale: float = 1.0) -> None:
-    """``buf += scale * grad`` for every parameter that has a gradient (cast to buf's device/dtype)."""
+    """``buf += scale * grad`` for every parameter that has a gradient (cast to buf's device/dtype).
+    One fused ``_foreach_add_`` when every gradient already matches its buffer's device and dtype."""
+    pairs = [(b, p.grad.detach()) for b, p in zip(buf, params) if p.grad is not None]
+    if pairs and all(b.device == g.device and b.dtype == g.dtype for b, g in pairs):
+        torch._foreach_add_([b for b, _ in pairs], [g for _, g in pairs], alpha=scale)
+        return
     for b, p in zip(buf, params):
         if p.grad is not None:
             b.add_(p.grad.detach().to(b.device, b.dtype), alpha=scale)

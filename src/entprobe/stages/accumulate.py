@@ -50,7 +50,8 @@ def _check_grads(ctx: ProbeContext, what: str) -> None:
     gs = [p.grad for p in ctx.params if p.grad is not None]
     if not gs:
         raise RuntimeError(f"{what}: the probe loss produced no gradient for any trainable parameter")
-    norms = torch.stack([n.float() for n in torch._foreach_norm(gs)])
+    norms = torch.stack(torch._foreach_norm(gs)) if len({g.dtype for g in gs}) == 1 else \
+        torch.stack([n.float() for n in torch._foreach_norm(gs)])
     if not torch.isfinite(norms).all():
         bad = [n for n, p in zip(ctx.names, ctx.params)
                if p.grad is not None and not torch.isfinite(p.grad).all()][:3]
