@@ -1,36 +1,37 @@
-"""Stage 2 (variance) cost in training-step units: the fused path beside the seed's per-unit backward.
+"""Stage 2 (variance) cost in training-step units: every projection path beside the seed's per-unit backward.
 
 One *unit* is one forward+backward of the DR-GRPO loss over E ∪ U with the probe's microbatching
 (``mb_size_prompts`` prompts per microbatch, the same teacher-forced log-prob path), no optimizer
 step. In one process, on the same sampled batches, each repetition times, in this order:
 
-- ``train``      the unit;
-- ``Y_U``        Stage 1 ``accumulate`` of Y over U (gives ``P Ybar``);
-- ``X_E``        Stage 1 ``accumulate`` of X over E without projection (microbatched);
-- ``X_E_fused``  the same with the per-unit dots ``a_u = X_u . P Ybar`` (one backward per prompt);
-- ``jvp``        the fused variance phase: ``project_jvp`` over U, ``b_u = Y_u . P Xbar``;
-- ``jvp_plain``  ablation: the same pass without ``_DualOperands`` (PyTorch's default forward AD);
-- ``jvp_x2``     the same pass with microbatches of ``2 * mb_size_prompts`` prompts (not the default:
-  it keeps no graph, but the logits and their tangent double; see README);
-- ``backward``   the seed's path: ``project_backward`` over E and over U (a backward per prompt and
-  a parameter-sized copy to the buffers' device per prompt).
+- ``train``             the unit;
+- ``Y_U`` / ``X_E``     the Stage 1 passes without projections (microbatched);
+- ``Y_U_keep_loop``     Y over U keeping every unit's gradient, one backward per unit;
+- ``Y_U_keep_vmap``     the same from one batched backward per microbatch (``is_grads_batched``);
+- ``X_E_fused_loop``    X over E with the per-unit dots ``a_u = X_u . P Ybar``, one backward per unit;
+- ``X_E_fused_vmap``    the same from one batched backward per microbatch;
+- ``dots_U``            ``b_u = Y_u . P Xbar`` from the kept unit gradients;
+- ``jvp_U`` / ``jvp_E`` one forward-mode pass per side, microbatch sized by ``nograd_memory_mb``;
+- ``backward``          the seed's path: ``project_backward`` over E and over U (a backward per
+  prompt and a parameter-sized copy to the buffers' device per prompt).
 
-The fused variance cost is ``jvp`` (the variance phase as ``run_two_batch`` times it) plus the
-per-unit surcharge it puts on the X pass, ``X_E_fused - X_E``. Times are medians over ``--reps``;
-ratios are per repetition, then the median (the machine is shared); one warm-up repetition
-(lazy initialisation, first-call allocations) is run first and not recorded. Peak memory of each block is the
-increase of the high-water mark over the memory in use at the block's start (CPU: ``VmHWM`` reset
-through ``/proc/self/clear_refs``, with ``MALLOC_MMAP_THRESHOLD_=131072`` so RSS follows live
-tensors; CUDA: ``max_memory_allocated``). The script also checks that both paths give the same a_u,
-b_u (relative difference printed). When every group of a batch has tied rewards (SmolLM2 on the
-arithmetic task with 8 new tokens), its advantages are replaced by seeded centred noise: the cost
-is the same, and Y, a_u, b_u are then not identically zero.
+The *variance phase* of a path is what it adds to Stage 1 (per repetition, then the median):
+``stored``: ``(Y_U_keep - Y_U) + (X_E_fused - X_E) + dots_U`` (loop or vmap per-unit backward);
+``fused``: ``(X_E_fused_loop - X_E) + jvp_U``; ``jvp``: ``jvp_E + jvp_U``; ``backward``: ``backward``.
+The script prints all of them and which one ``probe_rework.projection=auto`` picks on the model,
+and checks that every path gives the backward's a_u, b_u (relative differences printed). Peak memory
+of each block is the increase of the high-water mark over the memory in use at the block's start
+(CPU: ``VmHWM`` reset through ``/proc/self/clear_refs``, with ``MALLOC_MMAP_THRESHOLD_=131072`` so RSS
+follows live tensors; CUDA: ``max_memory_allocated``). One warm-up repetition is not recorded. When
+every group of a batch has tied rewards (SmolLM2 on the arithmetic task with 8 new tokens), its
+advantages are replaced by seeded centred noise: the cost is the same, and Y, a_u, b_u are then not
+identically zero.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_variance.py                           # builtin, ~1 min
-    OMP_NUM_THREADS=1 python benchmarks/bench_variance.py --model smollm2 --reps 3  # ~10 min on 2 cores
+    OMP_NUM_THREADS=1 python benchmarks/bench_variance.py --model smollm2 --reps 3  # ~15 min on 2 cores
     python benchmarks/bench_variance.py -- probe_rework.mb_size_prompts=1            # extra overrides
 
-Exit status 1 when the fused variance phase (``jvp``) exceeds ``--target`` units (default 0.6).
+Exit status 1 when the path ``auto`` picks costs more than ``--target`` units (default 0.6).
 """
 from __future__ import annotations
 
@@ -55,7 +56,9 @@ MODELS = {  # SmolLM2 ships no optimizer state: SGD geometry (P = identity), as 
                 "batch.B_U=4", "batch.G=4", "sampling.max_new_tokens=8"],
 }
 COMMON = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.console_table=false"]
-BLOCKS = ("train", "Y_U", "X_E", "X_E_fused", "jvp", "jvp_plain", "jvp_x2", "backward")
+BLOCKS = ("train", "Y_U", "X_E", "Y_U_keep_loop", "Y_U_keep_vmap", "X_E_fused_loop", "X_E_fused_vmap",
+          "dots_U", "jvp_U", "jvp_E", "backward")
+PATHS = ("stored/loop", "stored/vmap", "fused", "jvp", "backward")
 
 
 def _proc_kb(key: str) -> int:
@@ -135,92 +138,98 @@ def training_unit(ctx, E, U) -> None:
     ctx.zero_grad()
 
 
-def _passthrough():
-    """``_DualOperands`` without its host-time part (the ablation): every op as PyTorch runs it,
-    the embedding's padding-row semantics kept (so the values stay the same)."""
-    from entprobe.stages import variance
-
-    class Passthrough(variance._DualOperands):
-        def _call(self, func, args, kwargs):
-            return func(*args, **kwargs)
-    return Passthrough
-
-
 def rel(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((x - y).abs().max() / y.abs().max().clamp(min=1e-30))
 
 
+def phase_units(u: dict[str, float]) -> dict[str, float]:
+    """The variance phase of every path from one repetition's block units (docstring)."""
+    return {"stored/loop": u["Y_U_keep_loop"] - u["Y_U"] + u["X_E_fused_loop"] - u["X_E"] + u["dots_U"],
+            "stored/vmap": u["Y_U_keep_vmap"] - u["Y_U"] + u["X_E_fused_vmap"] - u["X_E"] + u["dots_U"],
+            "fused": u["X_E_fused_loop"] - u["X_E"] + u["jvp_U"],
+            "jvp": u["jvp_E"] + u["jvp_U"],
+            "backward": u["backward"]}
+
+
 def bench(model: str, reps: int, extra: list[str]) -> dict:
     from entprobe import paramvec as pv
+    from entprobe.config import ProbeConfig
     from entprobe.stages import variance
     from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
 
     lm, ctx, E, U, geo = build(model, extra)
     dev = lm.device
+    X, Y = x_loss_of(ctx), y_loss_of(ctx)
     rec: dict = {}
+    out: dict = {}
     for rep in range(reps + 1):
         if rep == 1:  # drop the warm-up repetition
             rec.clear()
         with measured(dev, rec, "train"):
             training_unit(ctx, E, U)
         with measured(dev, rec, "Y_U"):
-            accY = accumulate(ctx, U, y_loss_of(ctx), "Y over U")
+            accY = accumulate(ctx, U, Y, "Y over U")
         Ybar = pv.scale_(accY.sum_buf, 1.0 / U.B)
         PY = pv.mul(Ybar, geo.P, device=dev)
         with measured(dev, rec, "X_E"):
-            accX = accumulate(ctx, E, x_loss_of(ctx), "X over E", with_entropy=True)
-        del accX
-        with measured(dev, rec, "X_E_fused"):
-            accX = accumulate(ctx, E, x_loss_of(ctx), "X over E", direction=PY, with_entropy=True)
+            accX = accumulate(ctx, E, X, "X over E", with_entropy=True)
         Xbar = pv.scale_(accX.sum_buf, 1.0 / E.B)
         PX = pv.mul(Xbar, geo.P, device=dev)
-        with measured(dev, rec, "jvp"):
-            b = variance.project_jvp(ctx, U, PX, "Y", "b_u over U")
-        fast = variance._DualOperands
-        variance._DualOperands = _passthrough()
-        try:
-            with measured(dev, rec, "jvp_plain"):
-                b_plain = variance.project_jvp(ctx, U, PX, "Y", "b_u over U")
-        finally:
-            variance._DualOperands = fast
-        with measured(dev, rec, "jvp_x2"):
-            variance.project_jvp(ctx, U, PX, "Y", "b_u over U", mb_size=2 * ctx.mb_size)
+        del accY, accX
+        for how in ("loop", "vmap"):
+            with measured(dev, rec, f"Y_U_keep_{how}"):
+                kept = accumulate(ctx, U, Y, "Y over U", keep_unit_grads=True, unit_backward=how).unit_grads
+            with measured(dev, rec, f"X_E_fused_{how}"):
+                out[f"a_{how}"] = accumulate(ctx, E, X, "X over E", direction=PY, with_entropy=True,
+                                             unit_backward=how).proj
+            with measured(dev, rec, "dots_U"):
+                out[f"b_stored_{how}"] = variance.project_stored(kept, PX)
+            del kept
+        with measured(dev, rec, "jvp_U"):
+            out["b_jvp"] = variance.project_jvp(ctx, U, PX, "Y", "b_u over U", mb_size=ctx.nograd_mb(U, True))
+        with measured(dev, rec, "jvp_E"):
+            out["a_jvp"] = variance.project_jvp(ctx, E, PY, "X", "a_u over E", mb_size=ctx.nograd_mb(E, True))
         with measured(dev, rec, "backward"):
             a_ref = variance.project_backward(ctx, E, pv.mul(Ybar, geo.P), "X", "a_u over E")
             b_ref = variance.project_backward(ctx, U, pv.mul(Xbar, geo.P), "Y", "b_u over U")
-        del PY, PX, Xbar, Ybar, accY
+        del PY, PX, Xbar, Ybar
+    rec["dots_U"] = [(a[0] + b[0], max(a[1], b[1])) for a, b in zip(rec["dots_U"][::2], rec["dots_U"][1::2])]
     secs = {k: [t for t, _ in rec[k]] for k in BLOCKS}
     units = {k: [s / u for s, u in zip(secs[k], secs["train"])] for k in BLOCKS}
-    surcharge = [f - x for f, x in zip(units["X_E_fused"], units["X_E"])]
+    units["dots_U"] = [d / 2 for d in units["dots_U"]]  # timed once per way; one is what a run pays
+    per_rep = [phase_units({k: units[k][i] for k in BLOCKS}) for i in range(reps)]
+    auto = variance.resolve_projection(ProbeConfig(), ctx, U.B)
+    auto_path = auto if auto in ("fused", "jvp", "backward") else \
+        f"stored/{variance.resolve_unit_backward(ProbeConfig(), ctx)}"
     return {"model": model, "device": str(dev), "reps": reps, "n_params": sum(p.numel() for p in ctx.params),
             "B_E": E.B, "B_U": U.B, "G": E.G, "T_E": E.input_ids.shape[-1], "T_U": U.input_ids.shape[-1],
-            "mb_size_prompts": ctx.mb_size, "mean_reward_U": float(U.rewards.mean()),
+            "mb_size_prompts": ctx.mb_size, "jvp_mb": [ctx.nograd_mb(U, True), ctx.nograd_mb(E, True)],
+            "mean_reward_U": float(U.rewards.mean()),
             "seconds": {k: statistics.median(v) for k, v in secs.items()}, "all_seconds": secs,
             "units": {k: statistics.median(v) for k, v in units.items()},
-            "x_surcharge_units": statistics.median(surcharge),
-            "fused_total_units": statistics.median([j + s for j, s in zip(units["jvp"], surcharge)]),
+            "paths": {p: statistics.median([r[p] for r in per_rep]) for p in PATHS}, "auto": auto_path,
             "peak_mib": {k: max(m for _, m in rec[k]) for k in BLOCKS},
-            "rel_diff": {"a_fused_vs_backward": rel(accX.proj, a_ref), "b_jvp_vs_backward": rel(b, b_ref),
-                         "b_plain_vs_jvp": rel(b_plain, b)}}
+            "rel_diff": {"a_loop": rel(out["a_loop"], a_ref), "a_vmap": rel(out["a_vmap"], a_ref),
+                         "a_jvp": rel(out["a_jvp"], a_ref), "b_stored_loop": rel(out["b_stored_loop"], b_ref),
+                         "b_stored_vmap": rel(out["b_stored_vmap"], b_ref), "b_jvp": rel(out["b_jvp"], b_ref)}}
 
 
 def report(r: dict, target: float) -> bool:
     print(f"\n== {r['model']} on {r['device']}: {r['n_params']:,} params; B_E={r['B_E']} B_U={r['B_U']} G={r['G']} "
-          f"T_E={r['T_E']} T_U={r['T_U']} mb_size_prompts={r['mb_size_prompts']}; mean reward on U "
-          f"{r['mean_reward_U']:.2f}; median of {r['reps']}")
-    print(f"{'block':<11}{'seconds':>9}{'units':>8}{'peak MiB':>10}   all seconds")
+          f"T_E={r['T_E']} T_U={r['T_U']} mb_size_prompts={r['mb_size_prompts']} (jvp microbatch U/E "
+          f"{r['jvp_mb'][0]}/{r['jvp_mb'][1]}); mean reward on U {r['mean_reward_U']:.2f}; median of {r['reps']}")
+    print(f"{'block':<16}{'seconds':>9}{'units':>8}{'peak MiB':>10}   all seconds")
     for k in BLOCKS:
         allv = " ".join(f"{x:.3f}" for x in r["all_seconds"][k])
-        print(f"{k:<11}{r['seconds'][k]:>9.3f}{r['units'][k]:>8.3f}{r['peak_mib'][k]:>10.1f}   {allv}")
-    u = r["units"]
-    ok = u["jvp"] <= target
-    print(f"fused variance phase (jvp) {u['jvp']:.3f} units vs target {target}: {'OK' if ok else 'OVER'}")
-    print(f"per-unit surcharge on the X pass {r['x_surcharge_units']:.3f} units; fused variance in all "
-          f"{r['fused_total_units']:.3f} units; seed's per-unit backward {u['backward']:.3f} units "
-          f"({u['backward'] / max(r['fused_total_units'], 1e-9):.1f}x the fused cost)")
-    print(f"jvp without _DualOperands {u['jvp_plain']:.3f} units ({u['jvp_plain'] / u['jvp']:.2f}x); "
-          f"jvp at 2x the microbatch {u['jvp_x2']:.3f} units")
-    print("max relative differences: " + ", ".join(f"{k} {v:.1e}" for k, v in r["rel_diff"].items()))
+        print(f"{k:<16}{r['seconds'][k]:>9.3f}{r['units'][k]:>8.3f}{r['peak_mib'][k]:>10.1f}   {allv}")
+    print("variance phase by path (units, what it adds to Stage 1): " +
+          ", ".join(f"{p} {v:.3f}" for p, v in r["paths"].items()))
+    got = r["paths"][r["auto"]]
+    ok = got <= target
+    print(f"auto picks {r['auto']}: {got:.3f} units vs target {target}: {'OK' if ok else 'OVER'}; "
+          f"seed's per-unit backward {r['paths']['backward']:.3f} units ({r['paths']['backward'] / max(got, 1e-9):.1f}x)")
+    print("max relative differences to the per-unit backward: " +
+          ", ".join(f"{k} {v:.1e}" for k, v in r["rel_diff"].items()))
     return ok
 
 

@@ -3,8 +3,9 @@
 - 2 ranks on batches saved by a 1-process run, uneven shards (E 3+2 prompts, U 2+1), the per-unit
   backward projection (DDP forward/backward under no_sync) and the recomputed, DDP-synced update
   gradient; only rank 0 writes; rank 0's run directory wins.
-- 2 ranks sampling (each rank its own prompts) save the gathered global batch; a 1-process run on
-  it gives the 2-process numbers.
+- 2 ranks sampling (each rank its own prompts) with the ``stored`` projection (each rank keeps its
+  own units' gradients) save the gathered global batch; a 1-process run on it gives the
+  2-process numbers.
 - launchers/torchrun.sh hands every rank the same run directory.
 - launcher environments (torchrun / srun / submitit variables) map to torch's env:// variables.
 """
@@ -50,7 +51,7 @@ def _worker(rank: int, world: int, port: int, saved: str, out: str) -> None:
     torch.set_num_threads(1)
     out = Path(out)
     # B: the 1-process run's saved batches; C: sampled under DDP (each rank its own prompts), saved.
-    for name, extra in (("B", (*DDP_PATHS, f"batch.load='{saved}'")), ("C", (f"batch.save='{out / 'saved_C'}'",))):
+    for name, extra in (("B", (*DDP_PATHS, f"batch.load='{saved}'")), ("C", (f"batch.save='{out / 'saved_C'}'", "probe_rework.projection=stored"))):
         res = run(compose_cfg(out / f"run{name}_rank{rank}", *SMALL, *extra))
         (out / f"{name}_rank{rank}.json").write_text(json.dumps(res))
     # Hydra gave each rank its own ${now:} directory; rank 0's wins, the other's empty one goes.
@@ -86,7 +87,8 @@ def test_two_ranks_equal_one_rank_and_each_other(tmp_path):
     E, U = RolloutBatch.load(tmp_path / "saved_C" / "E.pt"), RolloutBatch.load(tmp_path / "saved_C" / "U.pt")
     assert (E.B, U.B, E.G, C0["batch_source"]) == (5, 3, 4, "sampled")
     assert C0["batch_E/reward_mean"] == pytest.approx(E.rewards.mean().item(), rel=1e-7)
-    again = run(compose_cfg(tmp_path / "again", *SMALL, f"batch.load='{tmp_path / 'saved_C'}'"))
+    again = run(compose_cfg(tmp_path / "again", *SMALL, f"batch.load='{tmp_path / 'saved_C'}'",
+                            "probe_rework.projection=stored"))
     for k in KEYS + ("H_orig", "ESS", "deltaH1_step"):
         assert math.isfinite(again[k]) and again[k] != 0.0, k
         assert _rel(C0[k], again[k]) < 1e-6, (k, C0[k], again[k])

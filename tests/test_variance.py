@@ -33,10 +33,11 @@ from entprobe.builtin import tiny_llama_config
 from entprobe.main import run
 from entprobe.rollout import RolloutBatch, assemble, encode_prompts, group_advantages
 from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
-from entprobe.config import ImportanceConfig, ProbeConfig, ProjectionMode
+from entprobe.config import ImportanceConfig, ProbeConfig, ProjectionMode, UnitBackward
 from entprobe.probe import Geometry, run_two_batch
 from entprobe.stages.context import nograd_prompts
-from entprobe.stages.variance import SMALL_MODEL_PARAMS, project_backward, project_jvp, resolve_projection
+from entprobe.stages.variance import (SMALL_MODEL_PARAMS, project_backward, project_jvp, resolve_projection,
+                                      resolve_unit_backward)
 from exact_model import adamw_with_state, make_setup
 
 MODES = ("sequence", "dr_grpo", "per_token_avg")
@@ -214,21 +215,23 @@ def test_every_path_equals_backward_through_run_two_batch(ex, mode, tmp_path):
     E, U = setup.sample(6, 3, seed=11), setup.sample(5, 3, seed=12)
     geo, icfg = Geometry(None, ex.lr, ex.P), ImportanceConfig(enabled=False)
     out = {}
-    for proj in (*PATHS, "backward"):
+    for proj, how in (*((p, h) for p in PATHS for h in ("loop", "vmap")), ("backward", "loop")):
         ctx = setup.ctx(mode, mb_size=2)
-        pcfg = ProbeConfig(projection=ProjectionMode(proj), top_k_params=0)
-        out[proj] = (run_two_batch(ctx, E, U, geo, pcfg, icfg, tmp_path), ctx.stats.passes)
-    ref, ref_passes = out["backward"]
+        pcfg = ProbeConfig(projection=ProjectionMode(proj), unit_backward=UnitBackward(how), top_k_params=0)
+        out[proj, how] = (run_two_batch(ctx, E, U, geo, pcfg, icfg, tmp_path), ctx.stats.passes)
+    ref, ref_passes = out["backward", "loop"]
     assert ref_passes == {"forward": 3 * 11 * 2, "backward": 3 * 11 * 2}
     promised = {"stored": {"forward": 3 * 11, "backward": 3 * 11},  # one backward per unit, no extra pass
                 "fused": {"forward": 3 * 11 + 3 * 5, "backward": 3 * 11, "jvp": 3 * 5},
                 "jvp": {"forward": 3 * 11 * 2, "backward": 3 * 11, "jvp": 3 * 11}}
-    for proj in PATHS:
-        res, passes = out[proj]
-        assert res["projection"] == proj and passes == promised[proj], proj
-        assert rel(res["bars_dot"], ref["bars_dot"]) < 1e-12, proj
+    for (proj, how), (res, passes) in out.items():
+        if proj == "backward":
+            continue
+        assert res["projection"] == proj and passes == promised[proj], (proj, how)
+        assert res["unit_backward"] == (how if proj != "jvp" else None)
+        assert rel(res["bars_dot"], ref["bars_dot"]) < 1e-12, (proj, how)
         for key in VAR_KEYS:
-            assert rel(res[key], ref[key]) < 1e-5, (proj, key, res[key], ref[key])
+            assert rel(res[key], ref[key]) < 1e-5, (proj, how, key, res[key], ref[key])
 
 
 def test_auto_projection_rule():
@@ -246,6 +249,9 @@ def test_auto_projection_rule():
     assert resolve_projection(ProbeConfig(unit_grads_budget_mb=need * 0.99), ctx_of(big), 8) == "fused"
     for proj in ("stored", "fused", "jvp", "backward"):
         assert resolve_projection(ProbeConfig(projection=ProjectionMode(proj)), ctx_of(1), 8) == proj
+    assert resolve_unit_backward(ProbeConfig(), ctx_of(big - 1)) == "vmap"
+    assert resolve_unit_backward(ProbeConfig(), ctx_of(big)) == "loop"
+    assert resolve_unit_backward(ProbeConfig(unit_backward=UnitBackward.loop), ctx_of(1)) == "loop"
 
 
 def test_nograd_microbatch_size(ex):
