@@ -6,9 +6,9 @@ optimizer step (its time is printed separately). In one process, on the same sam
 each repetition runs, in this order:
 
 - ``train``: the unit;
-- ``probe``: ``run_two_batch`` as configured (default: Y over U; X over E with the per-unit dots
-  fused in; one forward-mode pass over U for b_u; ground truth stepping from the stored
-  ``-Ybar_raw``: snapshot, AdamW step, E at theta_plus, IS, step split, restore);
+- ``probe``: ``run_two_batch`` as configured (default ``projection=auto``: Stage 1 with the
+  per-unit projections of the path it picks, docs/variance.md; ground truth stepping from the
+  stored ``-Ybar_raw``: snapshot, AdamW step, E at theta_plus, IS, step split, restore);
 - ``literal``: the spec-literal schedule, ``probe_rework.projection=backward`` (a backward per
   unit and a parameter-sized host transfer per unit) and ``importance.reuse_probe_gradient=false``
   (a separate update pass over U).
