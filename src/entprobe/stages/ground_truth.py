@@ -248,28 +248,37 @@ def _adamw_zero_grad_part(ctx: ProbeContext, opt, Xbar: pv.Buffer, snap) -> floa
     """``-Xbar . Delta0`` for AdamW's step with a zero gradient from the snapshot's state, in closed
     form (no restore, no second step): with ``t = step + 1``, ``bc_k = 1 - beta_k^t``,
     ``Delta0 = -lr wd theta - (lr / bc1) * beta1 m / (sqrt(beta2 v) / sqrt(bc2) + eps)``.
-    Per tensor on the parameters' device in at least fp32, the sum in fp64."""
+    On the parameters' device in at least fp32 (multi-tensor ops over the tensors that share a
+    param group, step count, device and dtype), per-tensor dots summed in fp64."""
     index = {id(p): i for i, p in enumerate(ctx.params)}
-    total = 0.0
-    for g in opt.param_groups:
-        lr, wd, eps = float(g["lr"]), float(g.get("weight_decay", 0.0)), float(g["eps"])
-        b1, b2 = (float(b) for b in g["betas"])
+    batches: dict[tuple, list[int]] = {}
+    for gi, g in enumerate(opt.param_groups):
         for p in g["params"]:
             i = index.get(id(p))
             if i is None:
                 continue
-            dev = p.device
-            dt = torch.promote_types(torch.promote_types(p.dtype, Xbar[i].dtype), torch.float32)
-            theta = snap.params[i].to(dev, dt)
-            delta = theta * (-lr * wd)
             st = snap.state.get(i)
-            if st is not None and "exp_avg" in st:  # no state yet: m = v = 0, the update is 0
-                step = st["step"][0] if isinstance(st["step"], tuple) else st["step"]
-                t = float(step) + 1.0
-                m, v = st["exp_avg"][0].to(dev, dt), st["exp_avg_sq"][0].to(dev, dt)
-                denom = (v * b2).sqrt_().div_((1.0 - b2 ** t) ** 0.5).add_(eps)
-                delta.addcdiv_(m * b1, denom, value=-lr / (1.0 - b1 ** t))
-            total += float(torch.dot(Xbar[i].to(dev, dt).reshape(-1), delta.reshape(-1)).double())
+            has = st is not None and "exp_avg" in st  # no state yet: m = v = 0, the update is 0
+            step = (st["step"][0] if isinstance(st["step"], tuple) else st["step"]) if has else None
+            dt = torch.promote_types(torch.promote_types(p.dtype, Xbar[i].dtype), torch.float32)
+            key = (gi, None if step is None else float(step), p.device, dt)
+            batches.setdefault(key, []).append(i)
+    total = 0.0
+    for (gi, step, dev, dt), idx in batches.items():
+        g = opt.param_groups[gi]
+        lr, wd, eps = float(g["lr"]), float(g.get("weight_decay", 0.0)), float(g["eps"])
+        b1, b2 = (float(b) for b in g["betas"])
+        delta = torch._foreach_mul([snap.params[i].to(dev, dt) for i in idx], -lr * wd)
+        if step is not None:
+            t = step + 1.0
+            m = torch._foreach_mul([snap.state[i]["exp_avg"][0].to(dev, dt) for i in idx], b1)
+            denom = torch._foreach_mul([snap.state[i]["exp_avg_sq"][0].to(dev, dt) for i in idx], b2)
+            torch._foreach_sqrt_(denom)
+            torch._foreach_div_(denom, (1.0 - b2 ** t) ** 0.5)
+            torch._foreach_add_(denom, eps)
+            torch._foreach_addcdiv_(delta, m, denom, value=-lr / (1.0 - b1 ** t))
+        prods = torch._foreach_mul([Xbar[i].to(dev, dt) for i in idx], delta)
+        total += float(torch.stack([q.sum(dtype=torch.float64) for q in prods]).sum())
     return -total
 
 

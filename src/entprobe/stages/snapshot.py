@@ -33,8 +33,13 @@ def take(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None, de
 @torch.no_grad()
 def restore(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None, snap: Snapshot) -> None:
     """Copy everything back in place (same tensors, same bits); drop state the step created."""
-    for p, s in zip(params, snap.params):
-        p.data.copy_(s)
+    datas = [p.data for p in params]
+    if all(d.device == s.device for d, s in zip(datas, snap.params)):
+        torch._foreach_copy_(datas, snap.params)  # one multi-tensor copy; the same bits
+    else:
+        for d, s in zip(datas, snap.params):
+            d.copy_(s)
+    for p in params:
         p.grad = None
     if optimizer is None:
         return
