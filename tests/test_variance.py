@@ -228,7 +228,7 @@ def test_every_path_equals_backward_through_run_two_batch(ex, mode, tmp_path):
         if proj == "backward":
             continue
         assert res["projection"] == proj and passes == promised[proj], (proj, how)
-        assert res["unit_backward"] == (how if proj != "jvp" else None)
+        assert res.get("unit_backward") == (how if proj != "jvp" else None)
         assert rel(res["bars_dot"], ref["bars_dot"]) < 1e-12, (proj, how)
         for key in VAR_KEYS:
             assert rel(res[key], ref[key]) < 1e-5, (proj, how, key, res[key], ref[key])

@@ -88,7 +88,9 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
             v = est.two_batch_variance(a, b, geo.lr, bars_dot)
         res.update({"V_X": v.V_X, "V_Y": v.V_Y, "SE_deltaH1": v.SE, "SE_jackknife": v.SE_jackknife,
                     "frac_var": v.frac_var, "ci95_low": v.ci95_low, "ci95_high": v.ci95_high,
-                    "projection": mode, "unit_backward": unit_bwd if fused else None})
+                    "projection": mode})
+        if fused:  # per-unit gradients were taken (a backward per unit, or batched)
+            res["unit_backward"] = unit_bwd
 
     names = ctx.names
     flat, rows = summarize(names, pv.dot_each(Xbar, Ybar, geo.P), pcfg.top_k_params)
