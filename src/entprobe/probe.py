@@ -74,12 +74,14 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
             if mode == "stored":
                 a, b = accX.proj, project_stored(accY.unit_grads, PX_dev)
                 accY.unit_grads = None
-            elif mode in ("fused", "jvp"):
-                a = accX.proj if fused else project_jvp(
-                    ctx, E, pv.mul(Ybar, geo.P, device=ctx.device), "X", "a_u over E",
-                    mb_size=ctx.nograd_mb(E, True, pcfg.jvp_mb_size_prompts))
-                b = project_jvp(ctx, U, PX_dev, "Y", "b_u over U",
-                                mb_size=ctx.nograd_mb(U, True, pcfg.jvp_mb_size_prompts))
+            elif mode in ("fused", "jvp"):  # forward mode over U (and over E for jvp)
+                jvp_mb = pcfg.jvp_mb_size_prompts
+                if mode == "fused":
+                    a = accX.proj
+                else:
+                    a = project_jvp(ctx, E, pv.mul(Ybar, geo.P, device=ctx.device), "X", "a_u over E",
+                                    mb_size=ctx.nograd_mb(E, True, jvp_mb))
+                b = project_jvp(ctx, U, PX_dev, "Y", "b_u over U", mb_size=ctx.nograd_mb(U, True, jvp_mb))
             else:
                 a = project_backward(ctx, E, PY, "X", "a_u over E")
                 b = project_backward(ctx, U, pv.mul(Xbar, geo.P), "Y", "b_u over U")
