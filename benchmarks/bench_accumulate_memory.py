@@ -28,7 +28,6 @@ import argparse
 import gc
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from _common import proc_kb
 from entprobe import paramvec as pv
 from entprobe.rollout import RolloutBatch, group_advantages
 
@@ -95,10 +95,6 @@ def default_batches(Bs: list[int], G: int, folder: Path) -> None:
 
 
 # ---------------------------------------------------------------- measurement (in the child)
-def _proc_kb(key: str) -> int:
-    return int(re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
-
-
 def _reset_hwm() -> bool:
     try:
         Path("/proc/self/clear_refs").write_text("5")
@@ -132,7 +128,7 @@ def child(model_name: str, B: int, mb: int, folder: Path) -> dict:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
-        base_kb = _proc_kb("VmRSS")
+        base_kb = proc_kb("VmRSS")
         exact = _reset_hwm()
     t0 = time.perf_counter()
     accY = accumulate(ctx, U, y_loss_of(ctx), "Y over U")
@@ -142,7 +138,7 @@ def child(model_name: str, B: int, mb: int, folder: Path) -> dict:
         torch.cuda.synchronize()
         peak_mib, how = (torch.cuda.max_memory_allocated() - base) / 2**20, "cuda max_memory_allocated"
     elif exact:
-        peak_mib, how = (_proc_kb("VmHWM") - base_kb) / 1024, "VmHWM - VmRSS (clear_refs)"
+        peak_mib, how = (proc_kb("VmHWM") - base_kb) / 1024, "VmHWM - VmRSS (clear_refs)"
     else:  # no resettable high-water mark: ru_maxrss since process start
         import resource
         peak_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_kb) / 1024

@@ -33,12 +33,9 @@ Exit status 1 when the probe takes more than ``--target`` units (default 2.0).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import json
-import os
-import re
 import statistics
 import sys
 import tempfile
@@ -47,6 +44,8 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+
+from _common import PeakMemory, bench_args, reexec_with_bench_env, training_unit
 
 MODELS = {
     "default": [],
@@ -57,35 +56,6 @@ COMMON = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.cons
 
 
 # ---------------------------------------------------------------- memory
-def _proc_kb(key: str) -> int:
-    return int(re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
-
-
-class PeakMemory:
-    """Peak increase (MiB) over the memory in use when the block starts."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.mib = device, float("nan")
-
-    def __enter__(self):
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-        else:
-            self.base = _proc_kb("VmRSS")
-            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.mib = (torch.cuda.max_memory_allocated(self.device) - self.base) / 2**20
-        else:
-            self.mib = (_proc_kb("VmHWM") - self.base) / 1024
-
-
 # ---------------------------------------------------------------- set-up
 def compose(overrides: list[str]):
     from hydra import compose as hcompose, initialize_config_dir
@@ -155,19 +125,6 @@ def build(model: str, extra: list[str]):
 
 
 # ---------------------------------------------------------------- the blocks
-def training_unit(ctx, E, U) -> None:
-    """One forward+backward of the DR-GRPO loss over E ∪ U, microbatched like the probe."""
-    from entprobe.estimators import y_loss
-
-    ctx.zero_grad()
-    n = E.B + U.B
-    for batch in (E, U):
-        for start, mb in ctx.iterate(batch, ctx.mb_size, "train"):
-            S, _, _ = ctx.forward_S(mb, f"train [{start}, {start + mb.B})")
-            (-y_loss(S, mb.advantages.to(S.device), mb.Lmax.to(S.device)) / n).backward()
-    ctx.zero_grad()
-
-
 def timed(fn, device) -> tuple[float, float, float, object]:
     """(wall seconds, process CPU seconds, peak MiB, result) of ``fn()``."""
     with PeakMemory(device) as mem:
@@ -258,17 +215,8 @@ def report(r: dict) -> None:
 
 
 def main() -> int:
-    if "MALLOC_MMAP_THRESHOLD_" not in os.environ or "OMP_NUM_THREADS" not in os.environ:
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # RSS follows live tensors
-        os.environ.setdefault("OMP_NUM_THREADS", "1")  # CPU time = the work of one thread
-        os.execv(sys.executable, [sys.executable, *sys.argv])  # torch reads both at import
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", nargs="+", default=["default"], choices=list(MODELS))
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--target", type=float, default=2.0, help="probe budget in units")
-    ap.add_argument("--json", default=None, help="also write the figures to this file")
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides after --")
-    a = ap.parse_args()
+    reexec_with_bench_env()
+    a = bench_args(__doc__, MODELS, "default", 5, 2.0, "probe budget in units")
     out, ok = [], True
     for m in a.model:
         r = bench(m, a.reps, a.overrides)

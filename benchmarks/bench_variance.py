@@ -35,13 +35,10 @@ Exit status 1 when the path ``auto`` picks costs more than ``--target`` units (d
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import gc
 import json
-import os
-import re
 import statistics
 import sys
 import time
@@ -49,6 +46,8 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+
+from _common import PeakMemory, bench_args, reexec_with_bench_env, training_unit
 
 MODELS = {  # SmolLM2 ships no optimizer state: SGD geometry (P = identity), as experiment=smollm2_smoke
     "builtin": [],
@@ -61,29 +60,16 @@ BLOCKS = ("train", "Y_U", "X_E", "Y_U_keep_loop", "Y_U_keep_vmap", "X_E_fused_lo
 PATHS = ("stored/loop", "stored/vmap", "fused", "jvp", "backward")
 
 
-def _proc_kb(key: str) -> int:
-    return int(re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
-
-
 @contextlib.contextmanager
 def measured(device: torch.device, out: dict, name: str):
-    """Append (seconds, peak MiB over the start) of the block to ``out[name]``."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    else:
-        base = _proc_kb("VmRSS")
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    t0 = time.perf_counter()
-    yield
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    else:
-        peak = (_proc_kb("VmHWM") - base) / 1024
-    out.setdefault(name, []).append((time.perf_counter() - t0, peak))
+    """Append (wall seconds, peak MiB over the start) of the block to ``out[name]``."""
+    with PeakMemory(device) as mem:
+        t0 = time.perf_counter()
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - t0
+    out.setdefault(name, []).append((seconds, mem.mib))
 
 
 def build(model: str, extra: list[str]):
@@ -124,18 +110,6 @@ def build(model: str, extra: list[str]):
             print(f"[bench] all rewards tied in a batch of {B} prompts: synthetic centred advantages")
         return batch
     return lm, ctx, draw(b.B_E, b.seed_E), draw(b.B_U, b.seed_U), geo
-
-
-def training_unit(ctx, E, U) -> None:
-    """One forward+backward of the DR-GRPO loss over E ∪ U, microbatched like the probe."""
-    from entprobe.estimators import y_loss
-
-    ctx.zero_grad()
-    for batch in (E, U):
-        for start, mb in ctx.iterate(batch, ctx.mb_size, "train"):
-            S, _, _ = ctx.forward_S(mb, f"train [{start}, {start + mb.B})")
-            (-y_loss(S, mb.advantages.to(S.device), mb.Lmax.to(S.device)) / (E.B + U.B)).backward()
-    ctx.zero_grad()
 
 
 def rel(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -234,16 +208,8 @@ def report(r: dict, target: float) -> bool:
 
 
 def main() -> int:
-    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # RSS should follow live tensors (see docstring)
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
-        os.execv(sys.executable, [sys.executable, *sys.argv])
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", nargs="+", default=["builtin"], choices=list(MODELS))
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--target", type=float, default=0.6, help="budget of the fused variance phase, in units")
-    ap.add_argument("--json", default=None, help="also write the figures to this file")
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides after --")
-    a = ap.parse_args()
+    reexec_with_bench_env(omp_threads=False)
+    a = bench_args(__doc__, MODELS, "builtin", 7, 0.6, "budget of the variance phase, in units")
     out, ok = [], True
     for m in a.model:
         r = bench(m, a.reps, a.overrides)

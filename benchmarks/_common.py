@@ -1,0 +1,79 @@
+"""What the benchmark scripts share: the training-step unit, peak-memory measurement, the
+environment they re-execute under, and their command line."""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+
+def proc_kb(key: str) -> int:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``)."""
+    return int(re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
+
+
+class PeakMemory:
+    """Peak increase (MiB) over the memory in use when the block starts: on CPU ``VmHWM`` reset
+    to ``VmRSS`` through ``/proc/self/clear_refs``; on CUDA ``max_memory_allocated``."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.mib = device, float("nan")
+
+    def __enter__(self):
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            self.base = proc_kb("VmRSS")
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.mib = (torch.cuda.max_memory_allocated(self.device) - self.base) / 2**20
+        else:
+            self.mib = (proc_kb("VmHWM") - self.base) / 1024
+
+
+def training_unit(ctx, E, U) -> None:
+    """The unit: one forward+backward of the DR-GRPO loss over E ∪ U, microbatched like the probe."""
+    from entprobe.estimators import y_loss
+
+    ctx.zero_grad()
+    n = E.B + U.B
+    for batch in (E, U):
+        for start, mb in ctx.iterate(batch, ctx.mb_size, "train"):
+            S, _, _ = ctx.forward_S(mb, f"train [{start}, {start + mb.B})")
+            (-y_loss(S, mb.advantages.to(S.device), mb.Lmax.to(S.device)) / n).backward()
+    ctx.zero_grad()
+
+
+def reexec_with_bench_env(omp_threads: bool = True) -> None:
+    """Restart the interpreter once with ``MALLOC_MMAP_THRESHOLD_=131072`` (RSS follows live
+    tensors) and, unless told otherwise, ``OMP_NUM_THREADS=1`` (CPU time = one thread's work);
+    torch and glibc read both at start-up. Values already set are kept."""
+    want = {"MALLOC_MMAP_THRESHOLD_": "131072", **({"OMP_NUM_THREADS": "1"} if omp_threads else {})}
+    if all(k in os.environ for k in want):
+        return
+    for k, v in want.items():
+        os.environ.setdefault(k, v)
+    os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
+def bench_args(doc: str, models, default_model: str, reps: int, target: float, target_help: str):
+    """The scripts' common command line: --model, --reps, --target, --json, Hydra overrides."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--model", nargs="+", default=[default_model], choices=list(models))
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--target", type=float, default=target, help=target_help)
+    ap.add_argument("--json", default=None, help="also write the figures to this file")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides after --")
+    return ap.parse_args()
