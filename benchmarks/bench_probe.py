@@ -13,7 +13,8 @@ each repetition runs, in this order:
   unit and a parameter-sized host transfer per unit) and ``importance.reuse_probe_gradient=false``
   (a separate update pass over U).
 
-Units are medians over ``--reps`` interleaved repetitions, taken within this run. On CPU the clock
+Units are medians over ``--reps`` interleaved repetitions, taken within this run, after one
+unrecorded warm-up repetition (the first probe call costs several times a later one). On CPU the clock
 is the process's CPU time (``OMP_NUM_THREADS=1`` is the default here), so that other users' load on
 a shared machine does not enter the ratios; wall-clock ratios are printed beside. Phase breakdowns
 are the phases' shares of the probe's wall time times its units. Peak memory of each block is the increase of the process high-water mark over the RSS at
@@ -155,7 +156,11 @@ def bench(model: str, reps: int, extra: list[str]) -> dict:
     phases = {k: [] for k in schedules}
     results = {}
     tmp = Path(tempfile.mkdtemp(prefix="bench_probe_"))
-    for _ in range(reps):  # interleaved, so that a change of machine load hits every block
+    for rep in range(reps + 1):  # interleaved, so that a change of machine load hits every block
+        if rep == 1:  # the first repetition warms up (lazy initialisation, first-call allocations)
+            for d in (wall, cpu, mem, phases):
+                for v in d.values():
+                    v.clear()
         for name in blocks:
             if name == "train":
                 fn = lambda: training_unit(ctx, E, U)  # noqa: E731
