@@ -78,6 +78,17 @@ def dot(a: Buffer, b: Buffer, P: Buffer | None = None) -> float:
     return float(total) if total is not None else 0.0
 
 
+def dot_rows(rows: Buffer, b: Buffer) -> list[float]:
+    """``[dot(row_u, b) for u]`` for a buffer of stacked rows (``[n, *shape]`` per parameter), as
+    ``dot`` does it: at least fp32 per tensor on the rows' device, the per-tensor terms summed in fp64."""
+    total = None
+    for x, y in zip(rows, b):
+        dt = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
+        term = (x.reshape(x.shape[0], -1).to(dt) @ y.to(x.device).reshape(-1).to(dt)).double()
+        total = term if total is None else total + term
+    return total.cpu().tolist()
+
+
 def dot_each(a: Buffer, b: Buffer, P: Buffer | None = None) -> list[float]:
     """Per-parameter terms of ``dot(a, b, P)`` (for the attribution table)."""
     out = []

@@ -70,22 +70,22 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
 
     if pcfg.variance_enabled:
         with ctx.phase("variance"):
-            PX_dev = pv.mul(Xbar, geo.P, device=ctx.device) if mode != "backward" else None
+            # P Xbar on the model's device (the seed's path dots on the buffers' device instead)
+            PX = pv.mul(Xbar, geo.P, device=None if mode == "backward" else ctx.device)
             if mode == "stored":
-                a, b = accX.proj, project_stored(accY.unit_grads, PX_dev)
+                a, b = accX.proj, project_stored(accY.unit_grads, PX)
                 accY.unit_grads = None
             elif mode in ("fused", "jvp"):  # forward mode over U (and over E for jvp)
                 jvp_mb = pcfg.jvp_mb_size_prompts
                 if mode == "fused":
                     a = accX.proj
                 else:
-                    a = project_jvp(ctx, E, pv.mul(Ybar, geo.P, device=ctx.device), "X", "a_u over E",
-                                    mb_size=ctx.nograd_mb(E, True, jvp_mb))
-                b = project_jvp(ctx, U, PX_dev, "Y", "b_u over U", mb_size=ctx.nograd_mb(U, True, jvp_mb))
+                    a = project_jvp(ctx, E, PY, "X", "a_u over E", mb_size=ctx.nograd_mb(E, True, jvp_mb))
+                b = project_jvp(ctx, U, PX, "Y", "b_u over U", mb_size=ctx.nograd_mb(U, True, jvp_mb))
             else:
                 a = project_backward(ctx, E, PY, "X", "a_u over E")
-                b = project_backward(ctx, U, pv.mul(Xbar, geo.P), "Y", "b_u over U")
-            del PX_dev
+                b = project_backward(ctx, U, PX, "Y", "b_u over U")
+            del PX
             a, b = D.gather_units(a), D.gather_units(b)
             v = est.two_batch_variance(a, b, geo.lr, bars_dot)
         res.update({"V_X": v.V_X, "V_Y": v.V_Y, "SE_deltaH1": v.SE, "SE_jackknife": v.SE_jackknife,

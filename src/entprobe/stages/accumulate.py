@@ -76,17 +76,6 @@ def _vmap_unit_grads(ctx: ProbeContext, mb: RolloutBatch, loss_of, what: str, wi
     return S, lp, ent, gb
 
 
-def _batched_dots(gb: list[torch.Tensor], direction: pv.Buffer) -> list[float]:
-    """``[g_u . direction for u]`` from per-parameter ``[b, *shape]`` gradients (as ``pv.dot``:
-    at least fp32 per tensor, the sum over tensors in fp64)."""
-    total = None
-    for g, d in zip(gb, direction):
-        dt = torch.promote_types(torch.promote_types(g.dtype, d.dtype), torch.float32)
-        term = (g.reshape(g.shape[0], -1).to(dt) @ d.to(g.device).reshape(-1).to(dt)).double()
-        total = term if total is None else total + term
-    return total.cpu().tolist()
-
-
 def _add_units_(buf: pv.Buffer, units: list[pv.Buffer]) -> None:
     """``buf += sum of the units``: in place when the buffers live on the units' device, else
     summed there first so that one parameter-sized transfer per microbatch reaches the buffers."""
@@ -140,7 +129,7 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
                     p.grad = g.sum(0)
                 _check_grads(ctx, what)
                 if direction is not None:
-                    proj.extend(_batched_dots(gb, direction))
+                    proj.extend(pv.dot_rows(gb, direction))
                 if keep_unit_grads:
                     mb_units.extend([g[u] for g in gb] for u in range(piece.B))
                 ctx.stats.count("backward", piece.B * piece.G)

@@ -244,10 +244,11 @@ def _plain_adamw(opt: torch.optim.Optimizer) -> bool:
 
 
 @torch.no_grad()
-def _adamw_zero_grad_part(ctx: ProbeContext, opt, Xbar: pv.Buffer, snap) -> float:
-    """``-Xbar . Delta0`` for AdamW's step with a zero gradient from the snapshot's state, in closed
-    form (no restore, no second step): with ``t = step + 1``, ``bc_k = 1 - beta_k^t``,
-    ``Delta0 = -lr wd theta - (lr / bc1) * beta1 m / (sqrt(beta2 v) / sqrt(bc2) + eps)``.
+def _adamw_zero_grad_parts(ctx: ProbeContext, opt, Xbar: pv.Buffer, snap) -> tuple[float, float]:
+    """Momentum and weight-decay parts of ``-Xbar . Delta0`` for AdamW's step with a zero gradient
+    from the snapshot's state, in closed form (no restore, no second step): with ``t = step + 1``,
+    ``bc_k = 1 - beta_k^t``, ``Delta0 = -lr wd theta - (lr / bc1) * beta1 m / (sqrt(beta2 v) /
+    sqrt(bc2) + eps)``; the first term is the decay part, the second the momentum part.
     On the parameters' device in at least fp32 (multi-tensor ops over the tensors that share a
     param group, step count, device and dtype), per-tensor dots summed in fp64."""
     index = {id(p): i for i, p in enumerate(ctx.params)}
@@ -263,12 +264,18 @@ def _adamw_zero_grad_part(ctx: ProbeContext, opt, Xbar: pv.Buffer, snap) -> floa
             dt = torch.promote_types(torch.promote_types(p.dtype, Xbar[i].dtype), torch.float32)
             key = (gi, None if step is None else float(step), p.device, dt)
             batches.setdefault(key, []).append(i)
-    total = 0.0
+
+    def dot(xs, ys) -> float:
+        return float(torch.stack([q.sum(dtype=torch.float64) for q in torch._foreach_mul(xs, ys)]).sum())
+
+    momentum = decay = 0.0
     for (gi, step, dev, dt), idx in batches.items():
         g = opt.param_groups[gi]
         lr, wd, eps = float(g["lr"]), float(g.get("weight_decay", 0.0)), float(g["eps"])
         b1, b2 = (float(b) for b in g["betas"])
-        delta = torch._foreach_mul([snap.params[i].to(dev, dt) for i in idx], -lr * wd)
+        X = [Xbar[i].to(dev, dt) for i in idx]
+        if wd:
+            decay += lr * wd * dot(X, [snap.params[i].to(dev, dt) for i in idx])  # -Xbar . (-lr wd theta)
         if step is not None:
             t = step + 1.0
             m = torch._foreach_mul([snap.state[i]["exp_avg"][0].to(dev, dt) for i in idx], b1)
@@ -276,49 +283,56 @@ def _adamw_zero_grad_part(ctx: ProbeContext, opt, Xbar: pv.Buffer, snap) -> floa
             torch._foreach_sqrt_(denom)
             torch._foreach_div_(denom, (1.0 - b2 ** t) ** 0.5)
             torch._foreach_add_(denom, eps)
-            torch._foreach_addcdiv_(delta, m, denom, value=-lr / (1.0 - b1 ** t))
-        prods = torch._foreach_mul([Xbar[i].to(dev, dt) for i in idx], delta)
-        total += float(torch.stack([q.sum(dtype=torch.float64) for q in prods]).sum())
-    return -total
+            torch._foreach_div_(m, denom)
+            momentum += lr / (1.0 - b1 ** t) * dot(X, m)  # -Xbar . (-(lr / bc1) m' / denom)
+    return momentum, decay
+
+
+def _repeated_zero_grad_part(ctx: ProbeContext, opt, Xbar: pv.Buffer, snap, decay: bool) -> float:
+    """``-Xbar . Delta0`` from the optimizer's own step with a zero gradient, repeated on the
+    snapshot (weight decay switched off unless ``decay``); leaves theta_0 + Delta0 in place."""
+    restore(ctx.params, opt, snap)
+    saved_wd = [g.get("weight_decay", 0.0) for g in opt.param_groups]
+    if not decay:
+        for g in opt.param_groups:
+            g["weight_decay"] = 0.0
+    for p in ctx.params:
+        p.grad = torch.zeros_like(p)
+    try:
+        opt.step()
+    finally:
+        for g, wd in zip(opt.param_groups, saved_wd):
+            g["weight_decay"] = wd
+    return -_xbar_dot_step(Xbar, ctx.params, snap.params)
 
 
 def _split_step(ctx: ProbeContext, inp: StepInputs, snap, total: float) -> dict[str, float]:
-    """Repeat the step on the snapshot with a zero gradient (momentum + weight decay); the
-    gradient part is the remainder, so the three parts sum to ``deltaH1_step``. Plain AdamW takes
-    that zero-gradient step in closed form (``_adamw_zero_grad_part``). Decoupled decay
-    (AdamW) moves theta by exactly ``-lr * wd * theta``: its part is ``lr * wd * Xbar . theta`` per
-    param group, no second step. Otherwise (e.g. SGD or Adam with coupled decay) the zero-gradient
-    step is repeated with weight decay off. (The zero-gradient step also decays Adam's second
-    moment, so the 'gradient' part carries the change of the denominator the new gradient causes.)"""
+    """Split ``deltaH1_step`` into the step a zero gradient would take from the snapshot
+    (momentum + weight decay) and the remainder (the gradient part), so the three sum to it.
+    Plain AdamW: both parts in closed form (``_adamw_zero_grad_parts``). Other optimizers: the
+    zero-gradient step is repeated with the optimizer itself; decoupled decay (AdamW variants)
+    moves theta by exactly ``-lr * wd * theta``, so its part is ``lr * wd * Xbar . theta`` per param
+    group; otherwise (e.g. SGD or Adam with coupled decay) the step is repeated once more with weight
+    decay off. (The zero-gradient step also decays Adam's second moment, so the 'gradient' part
+    carries the change of the denominator the new gradient causes.)"""
     opt = inp.optimizer
-    runs = (("mom_wd", False),) if _decoupled_decay(opt) else (("mom_wd", False), ("mom", True))
-    parts = {}
     if _plain_adamw(opt) and ANALYTIC_ADAMW_SPLIT:
-        parts["mom_wd"], runs = _adamw_zero_grad_part(ctx, opt, inp.Xbar, snap), ()
-    for name, wd_off in runs:
-        restore(ctx.params, opt, snap)
-        saved_wd = [g.get("weight_decay", 0.0) for g in opt.param_groups]
-        if wd_off:
+        mom, wd_part = _adamw_zero_grad_parts(ctx, opt, inp.Xbar, snap)
+        mom_wd = mom + wd_part
+    else:
+        mom_wd = _repeated_zero_grad_part(ctx, opt, inp.Xbar, snap, decay=True)
+        if _decoupled_decay(opt):
+            index = {id(p): i for i, p in enumerate(ctx.params)}
+            wd_part = 0.0
             for g in opt.param_groups:
-                g["weight_decay"] = 0.0
-        for p in ctx.params:
-            p.grad = torch.zeros_like(p)
-        try:
-            opt.step()
-        finally:
-            for g, wd in zip(opt.param_groups, saved_wd):
-                g["weight_decay"] = wd
-        parts[name] = -_xbar_dot_step(inp.Xbar, ctx.params, snap.params)
-    ctx.zero_grad()
-    if "mom" not in parts:
-        index = {id(p): i for i, p in enumerate(ctx.params)}
-        wd_part = 0.0
-        for g in opt.param_groups:
-            idx = [index[id(p)] for p in g["params"] if id(p) in index]
-            if g.get("weight_decay", 0.0) and idx:
-                xt = pv.dot([inp.Xbar[i] for i in idx], [snap.params[i] for i in idx])
-                wd_part += g["lr"] * g["weight_decay"] * xt  # -Xbar . (-lr wd theta)
-        parts["mom"] = parts["mom_wd"] - wd_part
-    return {"deltaH1_step_gradient": total - parts["mom_wd"],
-            "deltaH1_step_momentum": parts["mom"],
-            "deltaH1_step_weight_decay": parts["mom_wd"] - parts["mom"]}
+                idx = [index[id(p)] for p in g["params"] if id(p) in index]
+                if g.get("weight_decay", 0.0) and idx:
+                    xt = pv.dot([inp.Xbar[i] for i in idx], [snap.params[i] for i in idx])
+                    wd_part += g["lr"] * g["weight_decay"] * xt  # -Xbar . (-lr wd theta)
+            mom = mom_wd - wd_part
+        else:
+            mom = _repeated_zero_grad_part(ctx, opt, inp.Xbar, snap, decay=False)
+            wd_part = mom_wd - mom
+        ctx.zero_grad()
+    return {"deltaH1_step_gradient": total - mom_wd, "deltaH1_step_momentum": mom,
+            "deltaH1_step_weight_decay": wd_part}

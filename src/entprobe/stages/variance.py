@@ -168,6 +168,11 @@ class _Run(torch.nn.Module):
 SMALL_MODEL_PARAMS = 10_000_000  # below this, time per op dominates on any device (benchmarks/README.md)
 
 
+def _host_bound(ctx: ProbeContext) -> bool:
+    """Small enough (< SMALL_MODEL_PARAMS) that host time per op, not arithmetic, sets the cost."""
+    return sum(p.numel() for p in ctx.params) < SMALL_MODEL_PARAMS
+
+
 def resolve_projection(pcfg, ctx: ProbeContext, B_U_local: int) -> str:
     """The projection path for ``probe_rework.projection``. ``auto``: ``jvp`` for models under
     ``SMALL_MODEL_PARAMS`` (host time per op dominates, so one large forward-mode call per side
@@ -177,7 +182,7 @@ def resolve_projection(pcfg, ctx: ProbeContext, B_U_local: int) -> str:
     mode = pcfg.projection.value
     if mode != "auto":
         return mode
-    if sum(p.numel() for p in ctx.params) < SMALL_MODEL_PARAMS:
+    if _host_bound(ctx):
         return "jvp"
     B_max = -(-int(D.reduce_scalars(B_U_local)[0]) // D.world())  # shards differ by at most 1
     need_mb = B_max * sum(p.numel() * p.element_size() for p in ctx.params) / 2**20
@@ -195,7 +200,7 @@ def resolve_unit_backward(pcfg, ctx: ProbeContext) -> str:
     mode = pcfg.unit_backward.value
     if mode != "auto":
         return mode
-    return "vmap" if sum(p.numel() for p in ctx.params) < SMALL_MODEL_PARAMS else "loop"
+    return "vmap" if _host_bound(ctx) else "loop"
 
 
 def project_stored(unit_grads: list[pv.Buffer], direction: pv.Buffer) -> torch.Tensor:
