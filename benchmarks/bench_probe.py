@@ -107,7 +107,7 @@ def build(model: str, extra: list[str]):
     from entprobe import paramvec as pv
     from entprobe.main import build_geometry, get_batches
     from entprobe.models import DTYPES, load_model
-    from entprobe.stages.context import ProbeContext
+    from entprobe.stages.context import ProbeContext, resolve_buffers_device
     from entprobe.tasks import build_task
 
     cfg = compose(COMMON + MODELS[model] + extra)
@@ -116,12 +116,13 @@ def build(model: str, extra: list[str]):
     task = build_task(OmegaConf.structured(cfg.task))
     names, params = pv.trainable(lm.model)
     pcfg = cfg.probe_rework
+    buf_dev = resolve_buffers_device(pcfg.buffers_device, params, DTYPES[pcfg.buffers_dtype.value])
     ctx = ProbeContext(lm.model, names, params, lm.device, lm.autocast_dtype, cfg.sampling.temperature,
-                       pcfg.weighting_mode.value, pcfg.mb_size_prompts,
-                       pv.resolve_device(pcfg.buffers_device, params), DTYPES[pcfg.buffers_dtype.value])
+                       pcfg.weighting_mode.value, pcfg.mb_size_prompts, buf_dev, DTYPES[pcfg.buffers_dtype.value])
     E, U = get_batches(cfg, lm, task, ctx)[:2]
-    has_state = cfg.optimizer.state_path or lm.checkpoint_dir
-    geo = build_geometry(cfg, lm, params)[0] if has_state else adamw_state(cfg, lm, task, ctx)
+    # a model without optimizer state (SmolLM2's GGUF, a bare HF folder) gets one from a real step
+    has_state = cfg.optimizer.state_path or (lm.checkpoint_dir and (Path(lm.checkpoint_dir) / "optimizer.pt").is_file())
+    geo = build_geometry(cfg, lm, params, buf_dev)[0] if has_state else adamw_state(cfg, lm, task, ctx)
     return cfg, lm, ctx, E, U, geo
 
 

@@ -82,7 +82,7 @@ def build(model: str, extra: list[str]):
     from entprobe.main import build_geometry, to_typed
     from entprobe.models import DTYPES, load_model
     from entprobe.rollout import draw_prompt_indices, sample_batch
-    from entprobe.stages.context import ProbeContext
+    from entprobe.stages.context import ProbeContext, resolve_buffers_device
     from entprobe.tasks import build_task
 
     register_configs()
@@ -94,11 +94,11 @@ def build(model: str, extra: list[str]):
     lm = load_model(cfg.model)
     task = build_task(OmegaConf.structured(cfg.task))
     names, params = pv.trainable(lm.model)
-    geo = build_geometry(cfg, lm, params)[0]
     p, b = cfg.probe_rework, cfg.batch
+    buf_dev = resolve_buffers_device(p.buffers_device, params, DTYPES[p.buffers_dtype.value])
+    geo = build_geometry(cfg, lm, params, buf_dev)[0]
     ctx = ProbeContext(lm.model, names, params, lm.device, lm.autocast_dtype, cfg.sampling.temperature,
-                       p.weighting_mode.value, p.mb_size_prompts, pv.resolve_device(p.buffers_device, params),
-                       DTYPES[p.buffers_dtype.value])
+                       p.weighting_mode.value, p.mb_size_prompts, buf_dev, DTYPES[p.buffers_dtype.value])
 
     def draw(B, seed):
         batch = sample_batch(lm.model, lm.tokenizer, task, draw_prompt_indices(len(task.prompts), B, seed), b.G,

@@ -240,7 +240,8 @@ def test_auto_projection_rule():
     from types import SimpleNamespace
 
     def ctx_of(n):
-        return SimpleNamespace(params=[torch.empty(n)], device=torch.device("cpu"))
+        return SimpleNamespace(params=[torch.empty(n)], device=torch.device("cpu"),
+                               buffers_device=torch.device("cpu"), buffers_dtype=torch.float32)
 
     big = SMALL_MODEL_PARAMS  # fp32: 4 bytes a parameter
     need = 8 * big * 4 / 2**20  # 8 units

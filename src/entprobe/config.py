@@ -110,7 +110,7 @@ class ProbeConfig:
     mode: ProbeMode = ProbeMode.two_batch
     mb_size_prompts: int = 2
     weighting_mode: WeightingMode = WeightingMode.dr_grpo
-    buffers_device: str = "cpu"
+    buffers_device: str = "auto"
     buffers_dtype: DType = DType.float32
     variance_enabled: bool = True
     projection: ProjectionMode = ProjectionMode.auto
@@ -136,7 +136,7 @@ class ImportanceConfig:
     training_loss: TrainingLoss = TrainingLoss.rl
     step_mode: StepMode = StepMode.optimizer
     reuse_probe_gradient: bool = True
-    snapshot_device: str = "cpu"
+    snapshot_device: str = "auto"
     importance_microbatch_size: Optional[int] = None
     rl_grad_accum: int = 1
     max_grad_norm: Optional[float] = None
@@ -260,8 +260,8 @@ def validate(cfg: Any) -> None:
              "must be >= 1 (or null: sized from nograd_memory_mb)")
     _require(p.unit_grads_budget_mb >= 0, "probe_rework.unit_grads_budget_mb", "must be >= 0 (0: never store)")
     _require(p.nograd_memory_mb >= 0, "probe_rework.nograd_memory_mb", "must be >= 0")
-    _require(p.buffers_device in ("cpu", "model") or p.buffers_device.startswith("cuda"),
-             "probe_rework.buffers_device", f"is {p.buffers_device!r}; use cpu, model or cuda[:N]")
+    _require(p.buffers_device in ("auto", "cpu", "model") or p.buffers_device.startswith("cuda"),
+             "probe_rework.buffers_device", f"is {p.buffers_device!r}; use auto, cpu, model or cuda[:N]")
     _require(p.block_size >= 0 and p.num_blocks >= 0 and p.pairs_per_block >= 0,
              "probe_rework.block_size/num_blocks/pairs_per_block", "must be >= 0")
     _require(not (p.block_size and p.num_blocks), "probe_rework.block_size",
@@ -271,8 +271,8 @@ def validate(cfg: Any) -> None:
     _require(i.importance_microbatch_size is None or i.importance_microbatch_size >= 1,
              "importance.importance_microbatch_size", "must be >= 1 (or null: sized from nograd_memory_mb)")
     _require(i.rl_grad_accum >= 1, "importance.rl_grad_accum", "must be >= 1")
-    _require(i.snapshot_device in ("cpu", "gpu", "model"), "importance.snapshot_device",
-             f"is {i.snapshot_device!r}; use cpu or gpu")
+    _require(i.snapshot_device in ("auto", "cpu", "gpu", "model"), "importance.snapshot_device",
+             f"is {i.snapshot_device!r}; use auto, cpu or gpu")
     _require(cfg.model.source != ModelSource.hf or bool(cfg.model.path), "model.path",
              "is required with model=hf: the save_pretrained checkpoint folder")
     o = cfg.optimizer

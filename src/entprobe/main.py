@@ -27,7 +27,7 @@ from entprobe.optim_state import load_optimizer
 from entprobe.probe import Geometry, run_two_batch
 from entprobe.report import WandbLogger, console_table, write_json_atomic
 from entprobe.rollout import RolloutBatch, draw_prompt_indices, sample_batch
-from entprobe.stages.context import ProbeContext
+from entprobe.stages.context import ProbeContext, resolve_buffers_device
 from entprobe.tasks import build_task
 
 register_configs()
@@ -47,13 +47,12 @@ def to_typed(cfg: DictConfig) -> EntprobeConfig:
     return obj
 
 
-def build_geometry(cfg: EntprobeConfig, lm, params) -> tuple[Geometry, dict]:
-    """The optimizer to step with, the lr, and Adam's preconditioner P (or identity)."""
+def build_geometry(cfg: EntprobeConfig, lm, params, buf_dev: torch.device) -> tuple[Geometry, dict]:
+    """The optimizer to step with, the lr, and Adam's preconditioner P (or identity) on ``buf_dev``."""
     o = cfg.optimizer
     path = o.state_path or (lm.checkpoint_dir if cfg.model.source.value == "builtin" else None)
     if path is None and lm.checkpoint_dir and (Path(lm.checkpoint_dir) / "optimizer.pt").is_file():
         path = lm.checkpoint_dir
-    buf_dev = pv.resolve_device(cfg.probe_rework.buffers_device, params)
     buf_dtype = DTYPES[cfg.probe_rework.buffers_dtype.value]
     if path is None:
         if o.preconditioner.value == "adam":
@@ -172,13 +171,14 @@ def run(cfg, batch_cache: str | Path | None = None) -> dict:
     lm = load_model(cfg.model)
     task = build_task(OmegaConf.structured(cfg.task))
     names, params = pv.trainable(lm.model)
-    geo, meta = build_geometry(cfg, lm, params)
-    model = D.wrap(lm.model, lm.device, cfg.ddp.find_unused_parameters)  # DDP under torchrun / SLURM
     pcfg = cfg.probe_rework
+    buf_dev = resolve_buffers_device(pcfg.buffers_device, params, DTYPES[pcfg.buffers_dtype.value])
+    geo, meta = build_geometry(cfg, lm, params, buf_dev)
+    model = D.wrap(lm.model, lm.device, cfg.ddp.find_unused_parameters)  # DDP under torchrun / SLURM
     ctx = ProbeContext(model, names, params, lm.device, lm.autocast_dtype, cfg.sampling.temperature,
                        pcfg.weighting_mode.value, pcfg.mb_size_prompts,
-                       pv.resolve_device(pcfg.buffers_device, params), DTYPES[pcfg.buffers_dtype.value],
-                       progress=cfg.logging.progress and D.is_main(), nograd_memory_mb=pcfg.nograd_memory_mb)
+                       buf_dev, DTYPES[pcfg.buffers_dtype.value], progress=cfg.logging.progress and D.is_main(),
+                       nograd_memory_mb=pcfg.nograd_memory_mb)
     E_all, U_all, batch_source = get_batches(cfg, lm, task, ctx, Path(batch_cache) if batch_cache else None)
     E, U = shard(E_all), shard(U_all)
 
@@ -195,7 +195,7 @@ def run(cfg, batch_cache: str | Path | None = None) -> dict:
     results.update(meta)
     results.update(global_pass_counts(ctx.stats.flat()))  # times and memory stay this rank's
     results.update({"model_source": lm.source, "world_size": D.world(), "batch_source": batch_source,
-                    "weighting_mode": ctx.weighting_mode,
+                    "weighting_mode": ctx.weighting_mode, "buffers_device": str(buf_dev),
                     "preconditioner": cfg.optimizer.preconditioner.value, "is_mode": cfg.importance.is_mode.value,
                     "time/total_s": time.perf_counter() - t0})
     if D.is_main():

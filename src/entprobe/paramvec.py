@@ -20,11 +20,6 @@ def trainable(model) -> tuple[list[str], list[torch.nn.Parameter]]:
     return [n for n, _ in pairs], [p for _, p in pairs]
 
 
-def resolve_device(spec: str, params: Sequence[torch.Tensor]) -> torch.device:
-    """``model`` -> the parameters' device; anything else is a torch device string."""
-    return params[0].device if spec == "model" else torch.device(spec)
-
-
 def zeros(params: Sequence[torch.Tensor], device, dtype=torch.float32) -> Buffer:
     return [torch.zeros(p.shape, device=device, dtype=dtype) for p in params]
 

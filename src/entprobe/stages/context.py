@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from entprobe import distributed as D
 from entprobe.logprobs import check_finite, token_logprobs
 from entprobe.rollout import RolloutBatch
 
@@ -36,6 +37,38 @@ def _peak_mb(device: torch.device) -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process high-water mark
     except Exception:
         return float("nan")
+
+
+DEVICE_SHARE = 0.25  # what an ``auto`` placement may take of a CUDA device's free memory
+PROBE_BUFFERS = 5  # parameter-sized buffers of Stages 1-2: P, the Xbar and Ybar sums, P Ybar, P Xbar
+
+
+def device_budget_bytes(device: torch.device, reserved: float = 0.0) -> float:
+    """Bytes an ``auto`` placement may take on ``device``: ``DEVICE_SHARE`` of its free memory
+    less ``reserved`` (placements already decided but not yet allocated). Unbounded off CUDA,
+    where the model's memory is the host's and nothing is moved."""
+    if device.type != "cuda":
+        return float("inf")
+    return max(torch.cuda.mem_get_info(device)[0] - reserved, 0.0) * DEVICE_SHARE
+
+
+def resolve_buffers_device(spec: str, params, dtype: torch.dtype) -> torch.device:
+    """Where the parameter-sized buffers live (``probe_rework.buffers_device``).
+
+    ``auto``: on the model's device when ``PROBE_BUFFERS`` buffers of ``dtype`` fit
+    ``device_budget_bytes`` on every rank (one collective decides for all), else on the CPU,
+    where every gradient sum is a device-to-host copy (about 15x slower on an H100 with
+    SmolLM2, benchmarks/README.md). ``model``: the model's device; else a torch device string."""
+    dev = params[0].device
+    if spec == "model":
+        return dev
+    if spec != "auto":
+        return torch.device(spec)
+    if dev.type != "cuda":
+        return dev
+    need = PROBE_BUFFERS * sum(p.numel() for p in params) * dtype.itemsize
+    fits = need <= device_budget_bytes(dev)
+    return dev if D.reduce_scalars(float(fits))[0] == D.world() else torch.device("cpu")
 
 
 def model_dims(model: torch.nn.Module) -> tuple[int, int, int] | None:

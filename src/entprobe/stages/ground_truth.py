@@ -20,7 +20,7 @@ from entprobe import estimators as est
 from entprobe import paramvec as pv
 from entprobe.rollout import RolloutBatch
 from entprobe.stages.context import ProbeContext
-from entprobe.stages.snapshot import restore, take
+from entprobe.stages.snapshot import resolve_snapshot_device, restore, take
 
 
 @dataclass
@@ -156,7 +156,8 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
     inject an exception there, or read theta_plus). The weights, the optimizer state and the
     model's train/eval mode are restored bit-exactly in every case."""
     res: dict[str, float] = {}
-    snap_dev = "cpu" if icfg.snapshot_device == "cpu" else ctx.device
+    snap_dev = resolve_snapshot_device(icfg.snapshot_device, ctx.device, ctx.params, inp.optimizer)
+    res["snapshot_device"] = str(snap_dev)
     reuse = icfg.reuse_probe_gradient and icfg.training_loss.value == "rl"
     U_lp = inp.U_token_logp
     was_training = ctx.model.training

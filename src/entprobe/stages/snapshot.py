@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from entprobe.stages.context import device_budget_bytes
+
 
 @dataclass
 class Snapshot:
@@ -17,6 +19,28 @@ class Snapshot:
 def _copy(v, device):
     """Tensors become (copy on ``device``, original device); other values are kept as they are."""
     return (v.detach().to(device, copy=True), v.device) if isinstance(v, torch.Tensor) else v
+
+
+def snapshot_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes a snapshot copies: the parameters and every tensor of their optimizer state."""
+    n = sum(p.numel() * p.element_size() for p in params)
+    if optimizer is not None:
+        n += sum(v.numel() * v.element_size() for p in params for v in optimizer.state.get(p, {}).values()
+                 if isinstance(v, torch.Tensor))
+    return n
+
+
+def resolve_snapshot_device(spec: str, device: torch.device, params: list[torch.Tensor],
+                            optimizer: torch.optim.Optimizer | None) -> torch.device:
+    """``importance.snapshot_device``: ``cpu``; ``gpu`` (or ``model``) the model's device; ``auto``
+    the model's device when ``snapshot_bytes`` fit ``device_budget_bytes`` there, else the CPU
+    (then taking the snapshot, the step's first-order terms and the restore cross the host link:
+    ~5 training-step units on an H100 with SmolLM2, benchmarks/README.md)."""
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec in ("gpu", "model") or device.type != "cuda":
+        return device
+    return device if snapshot_bytes(params, optimizer) <= device_budget_bytes(device) else torch.device("cpu")
 
 
 def take(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None, device) -> Snapshot:

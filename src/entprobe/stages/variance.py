@@ -38,7 +38,7 @@ from entprobe import paramvec as pv
 from entprobe.distributed import no_sync
 from entprobe.estimators import weighted_S, x_unit_coeffs, y_unit_coeffs
 from entprobe.rollout import RolloutBatch
-from entprobe.stages.context import ProbeContext
+from entprobe.stages.context import ProbeContext, device_budget_bytes
 
 
 def _math_sdpa():
@@ -185,10 +185,11 @@ def resolve_projection(pcfg, ctx: ProbeContext, B_U_local: int) -> str:
     if _host_bound(ctx):
         return "jvp"
     B_max = -(-int(D.reduce_scalars(B_U_local)[0]) // D.world())  # shards differ by at most 1
+    n = sum(p.numel() for p in ctx.params)
     need_mb = B_max * sum(p.numel() * p.element_size() for p in ctx.params) / 2**20
-    budget = pcfg.unit_grads_budget_mb
-    if ctx.device.type == "cuda":
-        budget = min(budget, torch.cuda.mem_get_info(ctx.device)[0] / 4 / 2**20)
+    # the Xbar and Ybar sums are not allocated yet: on the device they are reserved first
+    reserved = 2 * n * ctx.buffers_dtype.itemsize if ctx.buffers_device == ctx.device else 0
+    budget = min(pcfg.unit_grads_budget_mb, device_budget_bytes(ctx.device, reserved) / 2**20)
     fits = need_mb <= budget
     return "stored" if D.reduce_scalars(float(fits))[0] == D.world() else "fused"
 
