@@ -174,7 +174,7 @@ def bench(model: str, reps: int, extra: list[str]) -> dict:
     per_rep = [phase_units({k: units[k][i] for k in BLOCKS}) for i in range(reps)]
     auto = variance.resolve_projection(ProbeConfig(), ctx, U.B)
     auto_path = auto if auto in ("fused", "jvp", "backward") else \
-        f"stored/{variance.resolve_unit_backward(ProbeConfig(), ctx)}"
+        f"stored/{variance.resolve_unit_backward(ProbeConfig(), ctx, (U, E))}"
     return {"model": model, "device": str(dev), "reps": reps, "n_params": sum(p.numel() for p in ctx.params),
             "B_E": E.B, "B_U": U.B, "G": E.G, "T_E": E.input_ids.shape[-1], "T_U": U.input_ids.shape[-1],
             "mb_size_prompts": ctx.mb_size, "jvp_mb": [ctx.nograd_mb(U, True), ctx.nograd_mb(E, True)],

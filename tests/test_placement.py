@@ -99,3 +99,32 @@ def test_stored_projection_reserves_device_buffers(free_bytes):
     free_bytes(units / DEVICE_SHARE + sums - 4)
     assert resolve_projection(ProbeConfig(), ctx(CUDA), 4) == "fused"
     assert resolve_projection(ProbeConfig(), ctx(CPU), 4) == "stored"  # the sums are host memory
+
+
+def test_unit_backward_rule_on_cuda(free_bytes):
+    """auto on CUDA: vmap while a microbatch backward is host-bound (4 N tokens below
+    CUDA_HOST_BOUND_FLOPS) and its batched unit gradients and logits' gradients fit; else loop."""
+    from entprobe.config import UnitBackward
+    from entprobe.stages.variance import CUDA_HOST_BOUND_FLOPS, resolve_unit_backward
+
+    n, V, mb, G = 135_000_000, 49152, 2, 8
+
+    def ctx():
+        model = SimpleNamespace(config=SimpleNamespace(vocab_size=V, hidden_size=576, intermediate_size=1536))
+        return SimpleNamespace(params=[on_cuda(n)], device=CUDA, mb_size=mb, model=model)
+
+    def batch(T):
+        return SimpleNamespace(G=G, input_ids=torch.zeros(1, G, T, dtype=torch.long))
+
+    T = 290
+    tokens = mb * G * T
+    need = mb * (4 * n + 4 * tokens * V)
+    free_bytes(need / DEVICE_SHARE)
+    assert resolve_unit_backward(ProbeConfig(), ctx(), (batch(66), batch(T))) == "vmap"
+    free_bytes(need / DEVICE_SHARE - 4)
+    assert resolve_unit_backward(ProbeConfig(), ctx(), (batch(T),)) == "loop"  # no room
+    free_bytes(10**12)
+    T_big = int(CUDA_HOST_BOUND_FLOPS / (4 * n * mb * G)) + 1
+    assert resolve_unit_backward(ProbeConfig(), ctx(), (batch(T_big),)) == "loop"  # arithmetic-bound
+    assert resolve_unit_backward(ProbeConfig(), ctx(), (batch(T_big - 2),)) == "vmap"
+    assert resolve_unit_backward(ProbeConfig(unit_backward=UnitBackward.loop), ctx(), (batch(T),)) == "loop"

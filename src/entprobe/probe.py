@@ -43,7 +43,7 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
                   run_dir: Path, resample: Callable[[], RolloutBatch] | None = None) -> dict:
     res: dict = {}
     mode = resolve_projection(pcfg, ctx, U.B) if pcfg.variance_enabled else None
-    unit_bwd = resolve_unit_backward(pcfg, ctx)
+    unit_bwd = resolve_unit_backward(pcfg, ctx, (U, E))
     with ctx.phase("accumulate_Y_U"):
         accY = accumulate(ctx, U, y_loss_of(ctx), "Y over U", keep_unit_grads=mode == "stored",
                           unit_backward=unit_bwd)

@@ -38,7 +38,7 @@ from entprobe import paramvec as pv
 from entprobe.distributed import no_sync
 from entprobe.estimators import weighted_S, x_unit_coeffs, y_unit_coeffs
 from entprobe.rollout import RolloutBatch
-from entprobe.stages.context import ProbeContext, device_budget_bytes
+from entprobe.stages.context import ProbeContext, device_budget_bytes, model_dims
 
 
 def _math_sdpa():
@@ -194,14 +194,32 @@ def resolve_projection(pcfg, ctx: ProbeContext, B_U_local: int) -> str:
     return "stored" if D.reduce_scalars(float(fits))[0] == D.world() else "fused"
 
 
-def resolve_unit_backward(pcfg, ctx: ProbeContext) -> str:
-    """``loop`` or ``vmap`` for ``probe_rework.unit_backward`` (``auto``: vmap for models under
-    ``SMALL_MODEL_PARAMS``, whose time is per-op host time; a batched backward does ``b`` times
-    the arithmetic of one, which larger models pay in full)."""
+CUDA_HOST_BOUND_FLOPS = 2e13  # a microbatch backward below ~4 N tokens FLOPs is host-bound on a GPU
+
+
+def resolve_unit_backward(pcfg, ctx: ProbeContext, batches: tuple[RolloutBatch, ...] = ()) -> str:
+    """``loop`` or ``vmap`` for ``probe_rework.unit_backward``. A batched backward (``vmap``) runs
+    one backward's ops with ``b`` times its arithmetic and memory, a loop ``b`` backwards.
+
+    ``auto``: on the CPU, ``vmap`` for models under ``SMALL_MODEL_PARAMS`` (larger ones pay the
+    arithmetic in full). On CUDA, ``vmap`` while the microbatch backward stays host-bound,
+    ``4 N mb_size G T < CUDA_HOST_BOUND_FLOPS`` over ``batches`` (N parameters, T padded tokens),
+    and its ``mb_size`` unit gradients with their logits' gradients fit ``device_budget_bytes``:
+    on an H100 with SmolLM2 (1 k-5 k tokens a microbatch) the loop costs 1.0-1.2 units a side,
+    vmap 0.64-0.76 (benchmarks/README.md)."""
     mode = pcfg.unit_backward.value
     if mode != "auto":
         return mode
-    return "vmap" if _host_bound(ctx) else "loop"
+    if ctx.device.type != "cuda":
+        return "vmap" if _host_bound(ctx) else "loop"
+    n = sum(p.numel() for p in ctx.params)
+    param_bytes = sum(p.numel() * p.element_size() for p in ctx.params)
+    dims = model_dims(ctx.model)
+    V = dims[0] if dims else 0
+    tokens = max((ctx.mb_size * b.G * b.input_ids.shape[-1] for b in batches), default=0)
+    host_bound = 4.0 * n * tokens < CUDA_HOST_BOUND_FLOPS
+    fits = ctx.mb_size * (param_bytes + 4.0 * tokens * V) <= device_budget_bytes(ctx.device)
+    return "vmap" if host_bound and fits else "loop"
 
 
 def project_stored(unit_grads: list[pv.Buffer], direction: pv.Buffer) -> torch.Tensor:
