@@ -35,6 +35,12 @@ SMALL = ("batch.B_E=5", "batch.B_U=3", "batch.G=4", "batch.seed_U=7")
 DDP_PATHS = ("probe_rework.projection=backward", "importance.reuse_probe_gradient=false", "ddp.timeout_s=120")
 
 
+# deltaH1_step = -Xbar . (theta_plus - theta) reads the step off fp32 weights: a last-bit change of
+# the all-reduced gradient moves theta_plus by an ulp of theta, which is ~1e-5 of the step here
+# (seen at 4.8e-6 with torch 2.11 on a 16-core machine; 1e-6 held only by luck of summation order).
+STEP_TOL = {"deltaH1_step": 1e-4}
+
+
 def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-300)
 
@@ -74,7 +80,7 @@ def test_two_ranks_equal_one_rank_and_each_other(tmp_path):
         assert math.isfinite(one[k]) and one[k] != 0.0, k
         assert _rel(B0[k], one[k]) < 1e-6, (k, B0[k], one[k])
     for k in ("H_orig", "ESS", "deltaH1_step", "batch_E/reward_mean", "batch_U/mean_gen_length"):
-        assert _rel(B0[k], one[k]) < 1e-6, (k, B0[k], one[k])
+        assert _rel(B0[k], one[k]) < STEP_TOL.get(k, 1e-6), (k, B0[k], one[k])
     # Global pass counts: the work of one process, split over two.
     passes = [{k: v for k, v in r.items() if k.startswith("passes/")} for r in (one, B0)]
     assert passes[0] == passes[1] and passes[0]["passes/backward"] > 0
@@ -91,7 +97,7 @@ def test_two_ranks_equal_one_rank_and_each_other(tmp_path):
                             "probe_rework.projection=stored"))
     for k in KEYS + ("H_orig", "ESS", "deltaH1_step"):
         assert math.isfinite(again[k]) and again[k] != 0.0, k
-        assert _rel(C0[k], again[k]) < 1e-6, (k, C0[k], again[k])
+        assert _rel(C0[k], again[k]) < STEP_TOL.get(k, 1e-6), (k, C0[k], again[k])
     # One run directory: both ranks got rank 0's; rank 1's Hydra-only directory was removed.
     shared = {(tmp_path / f"shared_rank{r}.txt").read_text() for r in (0, 1)}
     assert shared == {str((tmp_path / "hydra_rank0" / "12-00-00").resolve())}

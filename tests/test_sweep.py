@@ -27,8 +27,8 @@ from entprobe import sweep
 from entprobe.main import run, to_typed
 
 # seed_U=7: every U group has some reward variance, so deltaH1 != 0
-SMALL = ("batch.B_E=5", "batch.B_U=3", "batch.G=4", "batch.seed_U=7", "logging.wandb.mode=disabled",
-         "logging.progress=false", "logging.console_table=false")
+SMALL = ("batch.B_E=5", "batch.B_U=3", "batch.G=4", "batch.seed_U=7", "model.device=cpu",
+         "logging.wandb.mode=disabled", "logging.progress=false", "logging.console_table=false")
 
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

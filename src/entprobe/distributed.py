@@ -100,15 +100,18 @@ def export_launcher_env() -> None:
         os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
 
 
-def init_from_env(backend: str = "auto", timeout_s: int = 1800) -> bool:
+def init_from_env(backend: str = "auto", timeout_s: int = 1800, model_device: str = "auto") -> bool:
     """Initialise the default process group from torchrun / SLURM / submitit variables.
 
-    ``backend="auto"``: nccl when CUDA is available, else gloo. Returns whether a group exists."""
+    ``backend="auto"``: nccl when the model runs on CUDA (``model_device`` ``auto`` with CUDA
+    available, or ``cuda[:N]``), else gloo (a CPU model on a GPU machine cannot use nccl).
+    Returns whether a group exists."""
     if is_dist() or not launched_distributed():
         return is_dist()
     export_launcher_env()
     if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        on_cuda = model_device.startswith("cuda") or (model_device == "auto" and torch.cuda.is_available())
+        backend = "nccl" if on_cuda else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))

@@ -166,7 +166,7 @@ def run(cfg, batch_cache: str | Path | None = None) -> dict:
     cfg = to_typed(cfg)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    D.init_from_env(cfg.ddp.backend, cfg.ddp.timeout_s)
+    D.init_from_env(cfg.ddp.backend, cfg.ddp.timeout_s, str(cfg.model.device))
     torch.manual_seed(cfg.seed)
     lm = load_model(cfg.model)
     task = build_task(OmegaConf.structured(cfg.task))
@@ -229,7 +229,7 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.types import RunMode
 
     hc = HydraConfig.get()
-    D.init_from_env(cfg.ddp.backend, cfg.ddp.timeout_s)
+    D.init_from_env(cfg.ddp.backend, cfg.ddp.timeout_s, str(cfg.model.device))
     logger, ok = None, False
     try:
         hydra_files = {hc.output_subdir or ".hydra", f"{hc.job.name}.log"}
