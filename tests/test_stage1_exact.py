@@ -238,8 +238,11 @@ def test_attribution_terms_sum_to_bars_dot():
     X, Y = ([torch.randn(p.shape, generator=gen) for p in params] for _ in range(2))
     P = [torch.rand(p.shape, generator=gen) + 0.5 for p in params]
     bars_dot = pv.dot(X, Y, P)
-    terms = pv.dot_each(X, Y, P)
+    terms = pv.dot_terms(X, Y, P).tolist()
+    by_hand = [float((x.double() * p.double() * y.double()).sum()) for x, y, p in zip(X, Y, P)]
+    assert terms == pytest.approx(by_hand, rel=1e-5, abs=1e-6)
     assert sum(terms) == pytest.approx(bars_dot, rel=1e-12)
+    assert pv.norm(X) == pytest.approx(math.sqrt(sum(float(x.double().square().sum()) for x in X)), rel=1e-6)
     flat_res, rows = summarize(names, terms, top_k=5)
     kinds = sum(v for k, v in flat_res.items() if k.startswith("attr/kind/"))
     layers = sum(v for k, v in flat_res.items() if k.startswith("attr/layer/"))

@@ -58,41 +58,38 @@ def _flat_pair(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return x.reshape(-1).to(dt), y.reshape(-1).to(dt)
 
 
-def dot(a: Buffer, b: Buffer, P: Buffer | None = None) -> float:
-    """``sum_i a_i * P_i * b_i`` over all parameters (P None: identity).
+def dot_terms(a: Buffer, b: Buffer, P: Buffer | None = None) -> torch.Tensor:
+    """Per-parameter terms ``a_i . (P_i * b_i)`` as one fp64 tensor on a's first device.
 
-    Each tensor's dot runs on a's device in at least fp32; the per-tensor scalars are summed in
-    fp64 on that device, and only the final scalar moves to the host."""
-    total = None
+    Each tensor's dot runs on its device in at least fp32 (no full-model copy is made); only the
+    stacked terms move, so a caller pays one host sync for all of them."""
+    terms = []
     for i, (x, y) in enumerate(zip(a, b)):
         y = y.to(x.device, non_blocking=True)
         if P is not None:
             y = y * P[i].to(x.device)
-        term = torch.dot(*_flat_pair(x, y)).double()
-        total = term if total is None else total + term.to(total.device)
-    return float(total) if total is not None else 0.0
+        terms.append(torch.dot(*_flat_pair(x, y)).double())
+    if not terms:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.stack([t.to(terms[0].device) for t in terms])
 
 
-def dot_rows(rows: Buffer, b: Buffer) -> list[float]:
+def dot(a: Buffer, b: Buffer, P: Buffer | None = None) -> float:
+    """``sum_i a_i * P_i * b_i`` over all parameters (P None: identity): ``dot_terms`` summed in
+    fp64 on the device; only the final scalar moves to the host."""
+    return float(dot_terms(a, b, P).sum())
+
+
+def dot_rows(rows: Buffer, b: Buffer) -> torch.Tensor:
     """``[dot(row_u, b) for u]`` for a buffer of stacked rows (``[n, *shape]`` per parameter), as
-    ``dot`` does it: at least fp32 per tensor on the rows' device, the per-tensor terms summed in fp64."""
+    ``dot`` does it: at least fp32 per tensor on the rows' device, the per-tensor terms summed in
+    fp64. One matrix-vector product per parameter; returns [n] fp64 on the rows' device."""
     total = None
     for x, y in zip(rows, b):
         dt = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
         term = (x.reshape(x.shape[0], -1).to(dt) @ y.to(x.device).reshape(-1).to(dt)).double()
         total = term if total is None else total + term
-    return total.cpu().tolist()
-
-
-def dot_each(a: Buffer, b: Buffer, P: Buffer | None = None) -> list[float]:
-    """Per-parameter terms of ``dot(a, b, P)`` (for the attribution table)."""
-    out = []
-    for i, (x, y) in enumerate(zip(a, b)):
-        y = y.to(x.device)
-        if P is not None:
-            y = y * P[i].to(x.device)
-        out.append(float(torch.dot(*_flat_pair(x, y))))
-    return out
+    return total
 
 
 def mul(a: Buffer, P: Buffer | None, device=None) -> Buffer:
@@ -103,8 +100,16 @@ def mul(a: Buffer, P: Buffer | None, device=None) -> Buffer:
 
 
 def norm(a: Buffer) -> float:
-    return sum(float(torch.linalg.vector_norm(x.to(torch.promote_types(x.dtype, torch.float32)))) ** 2
-               for x in a) ** 0.5
+    """``sqrt(sum_i |a_i|^2)``: per-tensor norms in at least fp32 (one multi-tensor op when the
+    tensors share a device and dtype), combined in fp64; one host sync."""
+    if not a:
+        return 0.0
+    xs = [x if x.dtype in (torch.float32, torch.float64) else x.float() for x in a]
+    if len({(x.device, x.dtype) for x in xs}) == 1:
+        per = torch.stack(torch._foreach_norm(xs)).double()
+    else:
+        per = torch.stack([torch.linalg.vector_norm(x).double().to(xs[0].device) for x in xs])
+    return float(per.square().sum().sqrt())
 
 
 def adam_preconditioner(exp_avg_sq: Buffer, step: int, beta2: float, eps: float,

@@ -55,7 +55,8 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
                           unit_backward=unit_bwd)
         Xbar, B_E = global_mean(accX.sum_buf, accX.B)
     del PY_dev
-    bars_dot = pv.dot(Xbar, Ybar, geo.P)
+    terms = pv.dot_terms(Xbar, Ybar, geo.P)  # per parameter: bars_dot and the attribution table
+    bars_dot = float(terms.sum())
     PY = pv.mul(Ybar, geo.P)
     nX, nPY = pv.norm(Xbar), pv.norm(PY)
     res.update({"B_E": B_E, "B_U": B_U, "G": E.G, "lr": geo.lr, "bars_dot": bars_dot,
@@ -95,7 +96,7 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
             res["unit_backward"] = unit_bwd
 
     names = ctx.names
-    flat, rows = summarize(names, pv.dot_each(Xbar, Ybar, geo.P), pcfg.top_k_params)
+    flat, rows = summarize(names, terms.tolist(), pcfg.top_k_params)
     res.update(flat)
     if D.is_main():
         write_csv(rows, run_dir / "attribution.csv")

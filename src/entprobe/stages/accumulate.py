@@ -1,8 +1,10 @@
 """Stage 1: microbatched sums of X over E and of Y over U (seed 002), by backward() only.
 
 ``sum_X = sum_{n in E} X_n`` and ``sum_Y = sum_{n in U} Y_n`` land in parameter-sized buffers
-(device/dtype from config). Gradients are zeroed before and after each microbatch; under DDP
-forward and backward run inside ``no_sync()``. When a projection direction is given, each unit is its
+(device/dtype from config). Gradients are zeroed before and after each microbatch -- or, when
+the buffers have the parameters' device and dtype, summed in ``.grad`` across microbatches and
+adopted as the buffer (the same additions; no per-microbatch copy); under DDP forward and backward
+run inside ``no_sync()``. When a projection direction is given, each unit is its
 own backward and ``X_u . direction`` is taken on the device before the gradient is added to the sum
 (the fused variance path: the E side of Stage 2 costs no extra pass). With ``keep_unit_grads`` each
 unit is its own backward too and its gradient is kept on the model's device (the ``stored`` variance
@@ -30,7 +32,8 @@ class Accumulated:
     entropy: torch.Tensor | None  # [B, G, T] exact token entropies (X pass only)
     proj: torch.Tensor | None  # [B] per-unit projections onto the direction, if one was given
     B: int  # local units
-    unit_grads: list[pv.Buffer] | None = None  # per-unit gradients (model device), if kept
+    unit_grads: list[pv.Buffer] | None = None  # kept per-unit gradients (model device) as row chunks:
+    # each chunk a buffer of [b, *shape] tensors, b units (a vmap microbatch, or 1 unit of a loop)
 
 
 def x_loss_of(ctx: ProbeContext) -> Callable[[torch.Tensor, RolloutBatch], torch.Tensor]:
@@ -77,10 +80,11 @@ def _vmap_unit_grads(ctx: ProbeContext, mb: RolloutBatch, loss_of, what: str, wi
 
 
 def _add_units_(buf: pv.Buffer, units: list[pv.Buffer]) -> None:
-    """``buf += sum of the units``: in place when the buffers live on the units' device, else
-    summed there first so that one parameter-sized transfer per microbatch reaches the buffers."""
+    """``buf += sum of the units`` (row chunks, ``[b, *shape]``): in place when the buffers live
+    on the units' device, else summed there first so that one parameter-sized transfer per
+    microbatch reaches the buffers."""
     for i, b in enumerate(buf):
-        gs = [u[i] for u in units]
+        gs = [r[i][0] if r[i].shape[0] == 1 else r[i].sum(0) for r in units]
         if gs[0].device != b.device:
             total = gs[0].clone()
             for g in gs[1:]:
@@ -110,10 +114,14 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
         raise RuntimeError(f"{label}: probe passes cannot run under torch.inference_mode()")
     if unit_backward not in ("loop", "vmap"):
         raise ValueError(f"unit_backward={unit_backward!r}; use loop or vmap")
-    buf = pv.zeros(ctx.params, ctx.buffers_device, ctx.buffers_dtype)
     S_all, lp_all, ent_all, proj, units = [], [], [], [], []
     per_unit = direction is not None or keep_unit_grads
     vmap = per_unit and unit_backward == "vmap"
+    # Buffers of the parameters' own device and dtype: .grad is the sum (backward accumulates
+    # into it, the same additions in the same order), adopted as the buffer at the end.
+    in_grad = not per_unit and all(p.device == ctx.buffers_device and p.dtype == ctx.buffers_dtype
+                                   for p in ctx.params)
+    buf = None if in_grad else pv.zeros(ctx.params, ctx.buffers_device, ctx.buffers_dtype)
     ctx.zero_grad()
     for start, mb in ctx.iterate(batch, ctx.mb_size, label):
         # loop: each unit is its own backward; .grad keeps summing over the microbatch and a
@@ -129,9 +137,9 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
                     p.grad = g.sum(0)
                 _check_grads(ctx, what)
                 if direction is not None:
-                    proj.extend(pv.dot_rows(gb, direction))
+                    proj.extend(pv.dot_rows(gb, direction).tolist())
                 if keep_unit_grads:
-                    mb_units.extend([g[u] for g in gb] for u in range(piece.B))
+                    mb_units.append(gb)
                 ctx.stats.count("backward", piece.B * piece.G)
             else:
                 with torch.enable_grad(), no_sync(ctx.model):  # forward too: DDP arms its all-reduce there
@@ -144,7 +152,7 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
                 ctx.stats.count("backward", piece.B * piece.G)
                 if keep_unit_grads:
                     _check_grads(ctx, what)
-                    mb_units.append([g.detach() for g in pv.grads(ctx.params)])
+                    mb_units.append([g.detach().unsqueeze(0) for g in pv.grads(ctx.params)])  # a view
                     ctx.zero_grad()  # the next unit's backward starts from None: no copy of this one
                     if direction is not None:
                         proj.append(pv.dot(mb_units[-1], direction))
@@ -160,8 +168,12 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
         if keep_unit_grads and not vmap:  # every unit was checked; .grad is empty
             _add_units_(buf, mb_units)
             continue
-        _check_grads(ctx, f"{label} microbatch prompts [{start}, {start + mb.B})")
-        pv.add_grads_(buf, ctx.params)
+        _check_grads(ctx, f"{label} microbatch prompts [{start}, {start + mb.B})")  # the running sum
+        if not in_grad:
+            pv.add_grads_(buf, ctx.params)
+            ctx.zero_grad()
+    if in_grad:
+        buf = [g.detach() for g in pv.grads(ctx.params)]
         ctx.zero_grad()
     return Accumulated(buf, torch.cat(S_all), torch.cat(lp_all), torch.cat(ent_all) if ent_all else None,
                        torch.tensor(proj, dtype=torch.float64) if direction is not None else None, batch.B,

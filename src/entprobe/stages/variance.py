@@ -223,8 +223,10 @@ def resolve_unit_backward(pcfg, ctx: ProbeContext, batches: tuple[RolloutBatch, 
 
 
 def project_stored(unit_grads: list[pv.Buffer], direction: pv.Buffer) -> torch.Tensor:
-    """Per-unit ``V_u . direction`` from kept per-unit gradients (a device dot each); [B] float64."""
-    return torch.tensor([pv.dot(g, direction) for g in unit_grads], dtype=torch.float64)
+    """Per-unit ``V_u . direction`` from kept per-unit gradients (row chunks ``[b, *shape]``, see
+    ``Accumulated.unit_grads``): one matrix-vector product per parameter and chunk on the device,
+    one host transfer; [B] float64."""
+    return torch.cat([pv.dot_rows(rows, direction) for rows in unit_grads]).cpu()
 
 
 def project_jvp(ctx: ProbeContext, batch: RolloutBatch, direction: pv.Buffer, side: str,
