@@ -26,7 +26,6 @@ models host time per op dominates; ``_DualOperands`` keeps forward mode on PyTor
 from __future__ import annotations
 
 import contextlib
-import numbers
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -136,21 +135,23 @@ class _DualOperands(TorchFunctionMode):
 
     def _call(self, func, args, kwargs):
         """The host-time part: same values as ``func(*args, **kwargs)``, C++ formulas only."""
-        if func is _linear and args[0].dim() > 2 and not args[0].is_contiguous():
+        a0 = args[0]
+        if func is _linear and a0.dim() > 2 and not a0.is_contiguous():
             # a sliced input ([b, T_kept, h] of the logits) sends linear's forward formula to a
             # batched matmul against the weight expanded per row: ~8x slower than one 2-D matmul
-            args = (args[0].contiguous(), *args[1:])
-        if (func in _SCALAR_OPS and not kwargs and len(args) == 2 and isinstance(args[0], _T)
-                and isinstance(args[1], numbers.Number) and not isinstance(args[1], bool)
-                and _has_tangent(args[0])):
-            return _SCALAR_OPS[func](args[0], args[1])
-        tensors = [a for a in args if isinstance(a, _T)]
-        if len(tensors) >= 2 and "out" not in kwargs:
-            dual = [_has_tangent(t) for t in tensors]
-            if any(dual) and not all(dual):
-                keep = 1 if _writes_first_arg(func) else 0
-                args = tuple(self._dual_of(a) if i >= keep and isinstance(a, _T) and a.is_floating_point()
-                             and not _has_tangent(a) else a for i, a in enumerate(args))
+            args = (a0.contiguous(), *args[1:])
+        scalar_op = _SCALAR_OPS.get(func)
+        if (scalar_op is not None and not kwargs and len(args) == 2 and isinstance(args[1], (int, float))
+                and not isinstance(args[1], bool) and isinstance(a0, _T) and _unpack_dual(a0, 0)[1] is not None):
+            return scalar_op(a0, args[1])
+        if "out" in kwargs:
+            return func(*args, **kwargs)
+        # per argument: True (dual), False (plain tensor), None (not a tensor); one check each
+        flags = [(_unpack_dual(a, 0)[1] is not None) if isinstance(a, _T) else None for a in args]
+        if True in flags and False in flags:
+            keep = 1 if _writes_first_arg(func) else 0
+            args = tuple(self._dual_of(a) if f is False and i >= keep and a.is_floating_point() else a
+                         for i, (a, f) in enumerate(zip(args, flags)))
         return func(*args, **kwargs)
 
 
