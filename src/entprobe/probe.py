@@ -49,15 +49,15 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
                           unit_backward=unit_bwd)
         Ybar, B_U = global_mean(accY.sum_buf, accY.B)
     fused = mode in ("stored", "fused")  # a_u taken during the X pass
-    PY_dev = pv.mul(Ybar, geo.P, device=ctx.device) if fused else None
+    PY = pv.mul(Ybar, geo.P)  # P Ybar on the buffers' device (and on the model's for the X pass)
+    PY_dev = (PY if ctx.buffers_device == ctx.device else pv.mul(Ybar, geo.P, device=ctx.device)) if fused else None
     with ctx.phase("accumulate_X_E"):
         accX = accumulate(ctx, E, x_loss_of(ctx), "X over E", direction=PY_dev, with_entropy=True,
                           unit_backward=unit_bwd)
         Xbar, B_E = global_mean(accX.sum_buf, accX.B)
     del PY_dev
-    terms = pv.dot_terms(Xbar, Ybar, geo.P)  # per parameter: bars_dot and the attribution table
+    terms = pv.dot_terms(Xbar, PY)  # Xbar . P Ybar per parameter: bars_dot and the attribution table
     bars_dot = float(terms.sum())
-    PY = pv.mul(Ybar, geo.P)
     nX, nPY = pv.norm(Xbar), pv.norm(PY)
     res.update({"B_E": B_E, "B_U": B_U, "G": E.G, "lr": geo.lr, "bars_dot": bars_dot,
                 "deltaH1": est.delta_h1(geo.lr, bars_dot), "norm_Xbar": nX, "norm_PYbar": nPY,

@@ -266,8 +266,8 @@ def _adamw_zero_grad_parts(ctx: ProbeContext, opt, Xbar: pv.Buffer, snap) -> tup
             key = (gi, None if step is None else float(step), p.device, dt)
             batches.setdefault(key, []).append(i)
 
-    def dot(xs, ys) -> float:
-        return float(torch.stack([q.sum(dtype=torch.float64) for q in torch._foreach_mul(xs, ys)]).sum())
+    def dot(xs, ys) -> float:  # as pv.dot: per tensor in dt, no product tensor, summed in fp64
+        return float(torch.stack([torch.dot(x.reshape(-1), y.reshape(-1)).double() for x, y in zip(xs, ys)]).sum())
 
     momentum = decay = 0.0
     for (gi, step, dev, dt), idx in batches.items():
@@ -279,13 +279,13 @@ def _adamw_zero_grad_parts(ctx: ProbeContext, opt, Xbar: pv.Buffer, snap) -> tup
             decay += lr * wd * dot(X, [snap.params[i].to(dev, dt) for i in idx])  # -Xbar . (-lr wd theta)
         if step is not None:
             t = step + 1.0
-            m = torch._foreach_mul([snap.state[i]["exp_avg"][0].to(dev, dt) for i in idx], b1)
-            denom = torch._foreach_mul([snap.state[i]["exp_avg_sq"][0].to(dev, dt) for i in idx], b2)
-            torch._foreach_sqrt_(denom)
-            torch._foreach_div_(denom, (1.0 - b2 ** t) ** 0.5)
-            torch._foreach_add_(denom, eps)
-            torch._foreach_div_(m, denom)
-            momentum += lr / (1.0 - b1 ** t) * dot(X, m)  # -Xbar . (-(lr / bc1) m' / denom)
+            # one parameter-sized temporary: q = beta1 m / (sqrt(beta2 v / bc2) + eps), built in place
+            q = torch._foreach_mul([snap.state[i]["exp_avg_sq"][0].to(dev, dt) for i in idx], b2 / (1.0 - b2 ** t))
+            torch._foreach_sqrt_(q)
+            torch._foreach_add_(q, eps)
+            torch._foreach_reciprocal_(q)
+            torch._foreach_mul_(q, [snap.state[i]["exp_avg"][0].to(dev, dt) for i in idx])
+            momentum += lr * b1 / (1.0 - b1 ** t) * dot(X, q)  # -Xbar . (-(lr / bc1) beta1 m / denom)
     return momentum, decay
 
 
