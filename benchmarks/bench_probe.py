@@ -29,6 +29,7 @@ geometry with a real AdamW step. Its E/U seeds are swapped (U = seed 1) so that 
     OMP_NUM_THREADS=1 python benchmarks/bench_probe.py                      # default model, ~1 min
     OMP_NUM_THREADS=1 python benchmarks/bench_probe.py --model smollm2 --reps 3   # ~15 min on 2 cores
     python benchmarks/bench_probe.py --model default -- batch.B_E=16 batch.B_U=16  # extra overrides
+    python benchmarks/bench_probe.py --model smollm2 --default-malloc   # allocation costs as a user's run
 
 Exit status 1 when the probe takes more than ``--target`` units (default 2.0).
 """
@@ -37,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -187,6 +189,7 @@ def bench(model: str, reps: int, extra: list[str]) -> dict:
     unit = statistics.median(clock["train"])
     units = {k: statistics.median(v) / unit for k, v in clock.items()}
     return {"model": model, "device": str(lm.device), "reps": reps, "clock": "cpu" if clock is cpu else "wall",
+            "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default"),
             "n_params": sum(p.numel() for p in ctx.params),
             "B_E": E.B, "B_U": U.B, "G": E.G, "T_E": E.input_ids.shape[-1], "T_U": U.input_ids.shape[-1],
             "mb_size_prompts": ctx.mb_size, "optimizer_step_s": opt_s, "unit_s": unit,
@@ -204,7 +207,8 @@ def bench(model: str, reps: int, extra: list[str]) -> dict:
 def report(r: dict) -> None:
     print(f"\n== {r['model']} on {r['device']}: {r['n_params']:,} params; B_E={r['B_E']} B_U={r['B_U']} "
           f"G={r['G']} T_E={r['T_E']} T_U={r['T_U']} mb_size_prompts={r['mb_size_prompts']}; "
-          f"U groups with zero reward variance {r['U_frac_zero_var_groups']:.2f}; median of {r['reps']}")
+          f"U groups with zero reward variance {r['U_frac_zero_var_groups']:.2f}; median of {r['reps']}; "
+          f"MALLOC_MMAP_THRESHOLD_ {r['malloc_mmap_threshold']}")
     print(f"1 unit (fwd+bwd over E ∪ U) = {r['unit_s']:.3f} s ({r['clock']} time); "
           f"AdamW step alone {r['optimizer_step_s']:.3f} s wall")
     print(f"{'block':<9}{'units':>7}{'paired':>8}{'wall':>7}{'peak MiB':>10}   {r['clock']} s / wall s per repetition")
