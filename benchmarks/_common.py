@@ -87,3 +87,23 @@ def bench_args(doc: str, models, default_model: str, reps: int, target: float, t
                     help="keep glibc's mmap threshold (times as a user's run; looser peak memory)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides after --")
     return ap.parse_args()
+
+
+def compose(overrides: list[str]):
+    """The typed config the CLI would build from the package's conf/ and ``overrides``."""
+    from importlib import resources
+
+    from hydra import compose as hcompose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from entprobe.config import register_configs
+    from entprobe.main import to_typed
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    conf = str(resources.files("entprobe") / "conf")
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=conf):
+            return to_typed(hcompose(config_name="config", overrides=overrides))
+    finally:
+        GlobalHydra.instance().clear()

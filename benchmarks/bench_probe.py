@@ -43,12 +43,11 @@ import statistics
 import sys
 import tempfile
 import time
-from importlib import resources
 from pathlib import Path
 
 import torch
 
-from _common import PeakMemory, bench_args, reexec_with_bench_env, training_unit
+from _common import PeakMemory, bench_args, compose, reexec_with_bench_env, training_unit
 
 MODELS = {
     "default": [],
@@ -58,25 +57,7 @@ MODELS = {
 COMMON = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.console_table=false"]
 
 
-# ---------------------------------------------------------------- memory
 # ---------------------------------------------------------------- set-up
-def compose(overrides: list[str]):
-    from hydra import compose as hcompose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from entprobe.config import register_configs
-    from entprobe.main import to_typed
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    conf = str(resources.files("entprobe") / "conf")
-    try:
-        with initialize_config_dir(version_base="1.3", config_dir=conf):
-            return to_typed(hcompose(config_name="config", overrides=overrides))
-    finally:
-        GlobalHydra.instance().clear()
-
-
 def adamw_state(cfg, lm, task, ctx):
     """An AdamW state from one real step on a batch disjoint from E and U (seed 3). The loss is the
     mean token NLL of the sampled responses: SmolLM2 rarely earns an arithmetic reward, and a
@@ -104,27 +85,15 @@ def adamw_state(cfg, lm, task, ctx):
 
 
 def build(model: str, extra: list[str]):
-    from omegaconf import OmegaConf
-
-    from entprobe import paramvec as pv
-    from entprobe.main import build_geometry, get_batches
-    from entprobe.models import DTYPES, load_model
-    from entprobe.stages.context import ProbeContext, resolve_buffers_device
-    from entprobe.tasks import build_task
+    from entprobe.main import build_geometry, get_batches, load_probe
 
     cfg = compose(COMMON + MODELS[model] + extra)
     torch.manual_seed(cfg.seed)
-    lm = load_model(cfg.model)
-    task = build_task(OmegaConf.structured(cfg.task))
-    names, params = pv.trainable(lm.model)
-    pcfg = cfg.probe_rework
-    buf_dev = resolve_buffers_device(pcfg.buffers_device, params, DTYPES[pcfg.buffers_dtype.value])
-    ctx = ProbeContext(lm.model, names, params, lm.device, lm.autocast_dtype, cfg.sampling.temperature,
-                       pcfg.weighting_mode.value, pcfg.mb_size_prompts, buf_dev, DTYPES[pcfg.buffers_dtype.value])
+    lm, task, ctx = load_probe(cfg)
     E, U = get_batches(cfg, lm, task, ctx)[:2]
     # a model without optimizer state (SmolLM2's GGUF, a bare HF folder) gets one from a real step
     has_state = cfg.optimizer.state_path or (lm.checkpoint_dir and (Path(lm.checkpoint_dir) / "optimizer.pt").is_file())
-    geo = build_geometry(cfg, lm, params, buf_dev)[0] if has_state else adamw_state(cfg, lm, task, ctx)
+    geo = build_geometry(cfg, lm, ctx.params, ctx.buffers_device)[0] if has_state else adamw_state(cfg, lm, task, ctx)
     return cfg, lm, ctx, E, U, geo
 
 

@@ -42,12 +42,11 @@ import json
 import statistics
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
 import torch
 
-from _common import PeakMemory, bench_args, reexec_with_bench_env, training_unit
+from _common import PeakMemory, bench_args, compose, reexec_with_bench_env, training_unit
 
 MODELS = {  # SmolLM2 ships no optimizer state: SGD geometry (P = identity), as experiment=smollm2_smoke
     "builtin": [],
@@ -73,32 +72,14 @@ def measured(device: torch.device, out: dict, name: str):
 
 
 def build(model: str, extra: list[str]):
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
-
-    from entprobe import paramvec as pv
-    from entprobe.config import register_configs
-    from entprobe.main import build_geometry, to_typed
-    from entprobe.models import DTYPES, load_model
+    from entprobe.main import build_geometry, load_probe
     from entprobe.rollout import draw_prompt_indices, sample_batch
-    from entprobe.stages.context import ProbeContext, resolve_buffers_device
-    from entprobe.tasks import build_task
 
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(version_base="1.3", config_dir=str(resources.files("entprobe") / "conf")):
-        cfg = to_typed(compose(config_name="config", overrides=COMMON + MODELS[model] + extra))
-    GlobalHydra.instance().clear()
+    cfg = compose(COMMON + MODELS[model] + extra)
     torch.manual_seed(cfg.seed)
-    lm = load_model(cfg.model)
-    task = build_task(OmegaConf.structured(cfg.task))
-    names, params = pv.trainable(lm.model)
-    p, b = cfg.probe_rework, cfg.batch
-    buf_dev = resolve_buffers_device(p.buffers_device, params, DTYPES[p.buffers_dtype.value])
-    geo = build_geometry(cfg, lm, params, buf_dev)[0]
-    ctx = ProbeContext(lm.model, names, params, lm.device, lm.autocast_dtype, cfg.sampling.temperature,
-                       p.weighting_mode.value, p.mb_size_prompts, buf_dev, DTYPES[p.buffers_dtype.value])
+    lm, task, ctx = load_probe(cfg)
+    b = cfg.batch
+    geo = build_geometry(cfg, lm, ctx.params, ctx.buffers_device)[0]
 
     def draw(B, seed):
         batch = sample_batch(lm.model, lm.tokenizer, task, draw_prompt_indices(len(task.prompts), B, seed), b.G,

@@ -15,7 +15,6 @@ entropies of a random model mean nothing.
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
 from entprobe.tasks.arithmetic import ArithmeticTask

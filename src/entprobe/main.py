@@ -22,13 +22,13 @@ from entprobe import distributed as D
 from entprobe import paramvec as pv
 from entprobe import sweep
 from entprobe.config import ConfigError, EntprobeConfig, register_configs, validate
-from entprobe.models import DTYPES, load_model
+from entprobe.models import DTYPES, LoadedModel, load_model
 from entprobe.optim_state import load_optimizer
 from entprobe.probe import Geometry, run_two_batch
 from entprobe.report import WandbLogger, console_table, write_json_atomic
 from entprobe.rollout import RolloutBatch, draw_prompt_indices, sample_batch
 from entprobe.stages.context import ProbeContext, resolve_buffers_device
-from entprobe.tasks import build_task
+from entprobe.tasks import Task, build_task
 
 register_configs()
 
@@ -159,6 +159,23 @@ def shard(batch: RolloutBatch) -> RolloutBatch:
     return batch.select(chunks[D.rank()])
 
 
+def load_probe(cfg: EntprobeConfig) -> tuple[LoadedModel, Task, ProbeContext]:
+    """The model (DDP-wrapped in the context when a process group exists), the task, and the
+    probe's context: trainable parameters, microbatching, where the buffers live (``auto``:
+    ``resolve_buffers_device``)."""
+    lm = load_model(cfg.model)
+    task = build_task(OmegaConf.structured(cfg.task))
+    names, params = pv.trainable(lm.model)
+    pcfg = cfg.probe_rework
+    dtype = DTYPES[pcfg.buffers_dtype.value]
+    buf_dev = resolve_buffers_device(pcfg.buffers_device, params, dtype)
+    model = D.wrap(lm.model, lm.device, cfg.ddp.find_unused_parameters)  # DDP under torchrun / SLURM
+    ctx = ProbeContext(model, names, params, lm.device, lm.autocast_dtype, cfg.sampling.temperature,
+                       pcfg.weighting_mode.value, pcfg.mb_size_prompts, buf_dev, dtype,
+                       progress=cfg.logging.progress and D.is_main(), nograd_memory_mb=pcfg.nograd_memory_mb)
+    return lm, task, ctx
+
+
 def run(cfg, batch_cache: str | Path | None = None) -> dict:
     """The whole job: load -> sample -> probe -> write results. Returns flat results (identical on
     every rank; only rank 0 writes). ``batch_cache``: a folder shared by the jobs of a sweep."""
@@ -168,17 +185,9 @@ def run(cfg, batch_cache: str | Path | None = None) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     D.init_from_env(cfg.ddp.backend, cfg.ddp.timeout_s, str(cfg.model.device))
     torch.manual_seed(cfg.seed)
-    lm = load_model(cfg.model)
-    task = build_task(OmegaConf.structured(cfg.task))
-    names, params = pv.trainable(lm.model)
+    lm, task, ctx = load_probe(cfg)
     pcfg = cfg.probe_rework
-    buf_dev = resolve_buffers_device(pcfg.buffers_device, params, DTYPES[pcfg.buffers_dtype.value])
-    geo, meta = build_geometry(cfg, lm, params, buf_dev)
-    model = D.wrap(lm.model, lm.device, cfg.ddp.find_unused_parameters)  # DDP under torchrun / SLURM
-    ctx = ProbeContext(model, names, params, lm.device, lm.autocast_dtype, cfg.sampling.temperature,
-                       pcfg.weighting_mode.value, pcfg.mb_size_prompts,
-                       buf_dev, DTYPES[pcfg.buffers_dtype.value], progress=cfg.logging.progress and D.is_main(),
-                       nograd_memory_mb=pcfg.nograd_memory_mb)
+    geo, meta = build_geometry(cfg, lm, ctx.params, ctx.buffers_device)
     E_all, U_all, batch_source = get_batches(cfg, lm, task, ctx, Path(batch_cache) if batch_cache else None)
     E, U = shard(E_all), shard(U_all)
 
@@ -195,7 +204,7 @@ def run(cfg, batch_cache: str | Path | None = None) -> dict:
     results.update(meta)
     results.update(global_pass_counts(ctx.stats.flat()))  # times and memory stay this rank's
     results.update({"model_source": lm.source, "world_size": D.world(), "batch_source": batch_source,
-                    "weighting_mode": ctx.weighting_mode, "buffers_device": str(buf_dev),
+                    "weighting_mode": ctx.weighting_mode, "buffers_device": str(ctx.buffers_device),
                     "preconditioner": cfg.optimizer.preconditioner.value, "is_mode": cfg.importance.is_mode.value,
                     "time/total_s": time.perf_counter() - t0})
     if D.is_main():
