@@ -149,3 +149,35 @@ def adamw_with_state(setup: ExactSetup, steps: int = 20, lr: float = 1e-2, weigh
         opt.step()
     opt.zero_grad(set_to_none=True)
     return opt
+
+
+# ------------------------------------------------------------------ every response's gradient
+@dataclass
+class Enumerated:
+    """Every response of every prompt at the current parameters, prompt-major ([3 K] rows)."""
+    J: torch.Tensor  # [3K, D] grad S of every response (flat over setup.params)
+    S: torch.Tensor  # [3K] log-prob of every response
+    R: torch.Tensor  # [3K] reward
+    L: torch.Tensor  # [3K] generated length (EOS counts)
+    K: int  # responses per prompt (156)
+
+
+def enumerate_responses(setup: ExactSetup, with_grad: bool = True) -> Enumerated:
+    tok, resp = setup.tokenizer, setup.all_responses()
+    K = len(resp)
+    Js, Ss, Rs = [], [], []
+    for pr in setup.task.prompts:
+        if with_grad:
+            S = setup.response_logprobs(pr.text)  # [K]
+            g = torch.autograd.grad(S, setup.params, torch.eye(K, dtype=S.dtype), is_grads_batched=True,
+                                    allow_unused=True)
+            Js.append(torch.cat([(x if x is not None else torch.zeros(K, *q.shape, dtype=S.dtype)).reshape(K, -1)
+                                 for x, q in zip(g, setup.params)], 1))
+        else:
+            with torch.no_grad():
+                S = setup.response_logprobs(pr.text)
+        Ss.append(S.detach())
+        Rs.append(torch.tensor([setup.task.reward(tok.decode(t, skip_special_tokens=True), pr) for t in resp],
+                               dtype=torch.float64))
+    L = torch.tensor([len(r) for r in resp], dtype=torch.float64).repeat(len(setup.task.prompts))
+    return Enumerated(torch.cat(Js) if with_grad else torch.empty(0), torch.cat(Ss), torch.cat(Rs), L, K)

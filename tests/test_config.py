@@ -52,7 +52,7 @@ def test_bad_choice_names_key_and_lists_allowed_values(tmp_path):
     with pytest.raises(ConfigCompositionException) as info:
         compose_cfg(tmp_path, "importance.is_mode=foo")
     msg = error_chain(info.value)
-    assert "importance.is_mode" in msg and "expected one of [snis, clip, psis]" in msg
+    assert "importance.is_mode" in msg and "expected one of [cv, snis, clip, psis]" in msg
     with pytest.raises(MissingConfigException) as info:
         compose_cfg(tmp_path, "model=nope")
     msg = str(info.value)
@@ -89,8 +89,14 @@ def test_validate_range_checks_name_the_key(tmp_path, override, key):
 
 def test_validate_accepts_defaults_and_single_batch_with_one_E_prompt(tmp_path):
     assert validate(compose_cfg(tmp_path)) is None  # raises ConfigError on any range violation
-    single = compose_cfg(tmp_path, "probe_rework.mode=single_batch", "batch.B_E=1")  # E unused there
+    # E is unused by single_batch without the ground truth ...
+    single = compose_cfg(tmp_path, "probe_rework.mode=single_batch", "batch.B_E=1", "importance.enabled=false")
     assert validate(single) is None and single.batch.B_E == 1
+    # ... and is the held-out batch the step is measured on with it
+    with pytest.raises(ConfigError, match="batch.B_E"):
+        validate(compose_cfg(tmp_path, "probe_rework.mode=single_batch", "batch.B_E=1"))
+    with pytest.raises(ConfigError, match="probe_rework.cross_fit"):
+        validate(compose_cfg(tmp_path, "probe_rework.cross_fit=true"))  # default mode dr_grpo
 
 
 def _plain(v):

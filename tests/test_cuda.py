@@ -13,7 +13,7 @@ from entprobe.stages.snapshot import restored_after, state_fingerprint
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 PATHS = ("stored", "fused", "jvp", "backward")
-KEYS = ("deltaH1", "V_X", "V_Y", "SE_deltaH1", "SE_jackknife")
+KEYS = ("deltaH1", "V_X", "V_Y", "SE_deltaH1", "deltaH_pred", "SE_deltaH_pred")
 
 
 def rel(a: float, b: float) -> float:

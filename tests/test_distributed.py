@@ -29,7 +29,7 @@ from entprobe.main import concat_batches, run
 from entprobe.rollout import RolloutBatch
 
 REPO = Path(__file__).resolve().parents[1]
-KEYS = ("deltaH1", "SE_deltaH1", "V_X", "V_Y", "deltaH_true")
+KEYS = ("deltaH1", "SE_deltaH1", "V_X", "V_Y", "deltaH_true", "SE_deltaH_true", "deltaH_pred", "SE_deltaH_pred")
 # 5 = 3 + 2 and 3 = 2 + 1 prompts on 2 ranks; seed_U=7 gives every U group some reward variance
 SMALL = ("batch.B_E=5", "batch.B_U=3", "batch.G=4", "batch.seed_U=7")
 DDP_PATHS = ("probe_rework.projection=backward", "importance.reuse_probe_gradient=false", "ddp.timeout_s=120")
@@ -38,7 +38,12 @@ DDP_PATHS = ("probe_rework.projection=backward", "importance.reuse_probe_gradien
 # deltaH1_step = -Xbar . (theta_plus - theta) reads the step off fp32 weights: a last-bit change of
 # the all-reduced gradient moves theta_plus by an ulp of theta, which is ~1e-5 of the step here
 # (seen at 4.8e-6 with torch 2.11 on a 16-core machine; 1e-6 held only by luck of summation order).
-STEP_TOL = {"deltaH1_step": 1e-4}
+# deltaH_pred sums its gradient, momentum and decay parts, which cancel to ~1e-2 of each here, so
+# an fp32 last-bit difference in Xbar reaches ~1e-5 of it (seen 8.4e-6).
+# V_X, V_Y are spreads of per-unit projections onto the all-reduced Xbar / Ybar: (b_u - mean b)
+# cancels, so a last-bit difference of the all-reduced buffer reaches ~1e-6 of them (seen 1.4e-6).
+STEP_TOL = {"deltaH1_step": 1e-4, "deltaH_pred": 1e-4, "V_X": 1e-5, "V_Y": 1e-5, "SE_deltaH1": 1e-5,
+            "SE_deltaH_pred": 1e-5}
 
 
 def _rel(a: float, b: float) -> float:
@@ -78,7 +83,7 @@ def test_two_ranks_equal_one_rank_and_each_other(tmp_path):
     assert _numbers(B0) == _numbers(B1) and _numbers(C0) == _numbers(C1)  # every rank, bit for bit
     for k in KEYS:
         assert math.isfinite(one[k]) and one[k] != 0.0, k
-        assert _rel(B0[k], one[k]) < 1e-6, (k, B0[k], one[k])
+        assert _rel(B0[k], one[k]) < STEP_TOL.get(k, 1e-6), (k, B0[k], one[k])
     for k in ("H_orig", "ESS", "deltaH1_step", "batch_E/reward_mean", "batch_U/mean_gen_length"):
         assert _rel(B0[k], one[k]) < STEP_TOL.get(k, 1e-6), (k, B0[k], one[k])
     # Global pass counts: the work of one process, split over two.

@@ -110,20 +110,24 @@ def test_snis_delta_h_true_matches_exact_change_over_E_draws(world):
         E = w.setup.sample(8, G, seed=10_000 + i)
         fresh = lambda E=E, i=i: w.setup.sample(E.B, G, seed=90_000 + i, prompt_index=E.prompt_index)
         r = run_ground_truth(w.ctx, E, w.U, inputs(w, E, lr), icfg, resample=fresh, fail_after_step=hook)
-        rows.append([r["deltaH_snis"], r["deltaH_psis"], r["deltaH_resample"], r["deltaH1_step"]])
+        rows.append([r["deltaH_cv"], r["deltaH_snis"], r["deltaH_psis"], r["deltaH_resample"], r["deltaH1_step"],
+                     r["SE_deltaH_cv"]])
         thetas.append(hook.theta)
-        assert r["deltaH_true"] == r["deltaH_snis"] and 0 < r["ESS_frac"] <= 1
+        assert r["deltaH_true"] == r["deltaH_cv"] and r["SE_deltaH_true"] == r["SE_deltaH_cv"]
+        assert 0 < r["ESS_frac"] <= 1
     assert all(torch.equal(t, thetas[0]) for t in thetas)  # the same theta_plus every draw
     exact = hook.H - H0  # measured: +0.0499
     first_order = float(flat(w.grad_H) @ (thetas[0] - flat(w.setup.params)))  # grad H . step: +0.0494
     v = torch.tensor(rows, dtype=torch.float64)
     mean, se = v.mean(0), v.std(0) / math.sqrt(R)
-    for j, (name, target) in enumerate([("snis", exact), ("psis", exact), ("resample", exact),
+    for j, (name, target) in enumerate([("cv", exact), ("snis", exact), ("psis", exact), ("resample", exact),
                                         ("deltaH1_step", first_order)]):
         if name == "psis":  # PSIS degenerates on tied weights for some draws (k-hat nan, = SNIS)
             assert torch.isfinite(v[:, j]).all()
         assert abs(float(mean[j]) - target) < 4 * float(se[j]), (name, float(mean[j]), target, float(se[j]))
     assert abs(exact) > 6 * float(se[0])  # power: a zero estimate would fail (measured ~8 SE)
+    # the reported SE (prompts as units) matches the spread over draws
+    assert 0.6 < float((v[:, 5] ** 2).mean() / v[:, 0].var()) < 1.6
 
 
 # ---------------------------------------------------------------- first order in lr

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from entprobe import estimators as est
+from entprobe import importance_math as est
 
 N = 10_000
 

@@ -144,19 +144,22 @@ def test_buffers_do_not_depend_on_microbatch_size(mode):
 # sequence:      row 1 sum -12: c = [-3+6, -6+6, -9+6] = [3, 0, -3];        / 3 = [1, 0, -1]
 #                row 2 sum -12: c = [-1.5+6, -4.5+6, -12+6] = [4.5, 1.5, -6]; / 3 = [1.5, 0.5, -2]
 #                x_loss = (3*-2 + 0 + -3*-6)/3 + (4.5*-1 + 1.5*-3 + -6*-8)/3 = 4 + 13 = 17
-# dr_grpo:       S_w = [[-2/3, -4/3, -2], [-1/4, -3/4, -2]]
-#                row 1 sum -4: c = 1.5 S_w + 2 = [1, 0, -1];                / 3 = [1/3, 0, -1/3]
-#                row 2 sum -3: c = 1.5 S_w + 1.5 = [1.125, 0.375, -1.5];    / 3 = [0.375, 0.125, -0.5]
-# per_token_avg: S_w = [[-2, -2, -2], [-1, -1.5, -2]]
-#                row 1 constant: c = 0; row 2 sum -4.5: c = 1.5 S_w + 2.25 = [0.75, 0, -0.75]; / 3
+# per_token_avg: w = LOO-centred((S + 1) / L) / G (the grad S_w = grad S / L term is the + 1)
+#                row 1: x = [-1, -3/2, -5/3], sum -25/6: c = 1.5 x + 25/12 = [7, -2, -5]/12;  / 3
+#                row 2: x = [0, -1, -7/4],    sum -11/4: c = 1.5 x + 11/8  = [11, -1, -10]/8; / 3
+# dr_grpo:       w = F + 1/(G Lmax) - m_{-g} - 1/(G Lmax_{-g}), F = mean S/Lmax, m_{-g} = mean_{h!=g} S_h / Lmax_{-g}
+#                row 1: F = -4/3, Lmax_{-g} = [3, 3, 2], m_{-g} = [-5/3, -4/3, -3/2]
+#                       w = [-4/3 + 5/3, -4/3 + 4/3, -4/3 + 1/9 + 3/2 - 1/6] = [1/3, 0, 1/9]
+#                row 2: F = -1, Lmax_{-g} = [4, 4, 2], m_{-g} = [-11/8, -9/8, -1]
+#                       w = [-1 + 11/8, -1 + 9/8, -1 + 1/12 + 1 - 1/6] = [3/8, 1/8, -1/12]
 # y_loss with A = [[1, 0, -1], [-0.5, 1, -0.5]]: d/dS = A / (G Lmax) = [[1/9, 0, -1/9], [-1/24, 1/12, -1/24]]
 #                y_loss = (1*-2 + -1*-6)/9 + (-0.5*-1 + 1*-3 + -0.5*-8)/12 = 4/9 + 1/8
 S_HAND = [[-2.0, -4.0, -6.0], [-1.0, -3.0, -8.0]]
 L_HAND, LMAX_HAND = [[1, 2, 3], [1, 2, 4]], [3, 4]
 X_GRAD_HAND = {
     "sequence": [[1.0, 0.0, -1.0], [1.5, 0.5, -2.0]],
-    "dr_grpo": [[1 / 3, 0.0, -1 / 3], [0.375, 0.125, -0.5]],
-    "per_token_avg": [[0.0, 0.0, 0.0], [0.25, 0.0, -0.25]],
+    "dr_grpo": [[1 / 3, 0.0, 1 / 9], [3 / 8, 1 / 8, -1 / 12]],
+    "per_token_avg": [[7 / 36, -1 / 18, -5 / 36], [11 / 24, -1 / 24, -10 / 24]],
 }
 SW_HAND = {
     "sequence": S_HAND,
@@ -172,10 +175,11 @@ def test_weighting_modes_and_probe_loss_gradients_by_hand(mode):
     L, Lmax = torch.tensor(L_HAND), torch.tensor(LMAX_HAND)
     Sw = est.weighted_S(S, L, Lmax, mode)
     torch.testing.assert_close(Sw.detach(), t(SW_HAND[mode]), rtol=0, atol=1e-15)
-    loss = est.x_loss(S, Sw)
-    (grad,) = torch.autograd.grad(loss, S)  # c is detached: the gradient is exactly c / G
+    loss = est.x_loss(S, L, Lmax, mode)
+    (grad,) = torch.autograd.grad(loss, S)  # the weights are detached: the gradient is exactly w
     torch.testing.assert_close(grad, t(X_GRAD_HAND[mode]), rtol=0, atol=1e-15)
-    torch.testing.assert_close(est.x_unit_coeffs(Sw.detach()), t(X_GRAD_HAND[mode]), rtol=0, atol=1e-15)
+    torch.testing.assert_close(est.x_unit_coeffs(S.detach(), L, Lmax, mode), t(X_GRAD_HAND[mode]),
+                               rtol=0, atol=1e-15)
     if mode == "sequence":
         assert float(loss.detach()) == pytest.approx(17.0, abs=1e-12)
 

@@ -106,8 +106,8 @@ class World:
         i = torch.multinomial(probs, G, replacement=True, generator=gen).view(n, B, G)
         gidx = pr.unsqueeze(-1) * N_RESP + i
         r = self.R[gidx]
-        c = um.unit_coefficients(self.S[gidx].view(-1, G), (r - r.mean(-1, keepdim=True)).view(-1, G),
-                                 self.L[i].amax(-1).view(-1), cross_fit)
+        c = um.unit_coefficients(self.S[gidx].view(-1, G), self.L[i].view(-1, G), self.L[i].amax(-1).view(-1),
+                                 (r - r.mean(-1, keepdim=True)).view(-1, G), "sequence", cross_fit)
         Cx = torch.zeros(n, B, self.K.shape[0], dtype=torch.float64).scatter_add_(2, gidx, c.cx.view(n, B, G))
         Cy = torch.zeros_like(Cx).scatter_add_(2, gidx, c.cy.view(n, B, G))
         return Cx, Cy
@@ -173,11 +173,11 @@ def build_world(table: bool = True) -> World:
                  {tuple(t): i for i, t in enumerate(resp)})
 
 
-def stage(world: World, batch, mb_size: int = 2, gt: bool = False, mode: str = "sequence", **pkw) -> dict:
+def stage(world: World, batch, mb_size: int = 2, gt: bool = False, mode: str = "sequence", E=None, **pkw) -> dict:
     ctx = world.setup.ctx(mode, mb_size=mb_size)
     geo = Geometry(world.opt, LR, world.P)
     return run_single_batch(ctx, batch, geo, ProbeConfig(mode="single_batch", **pkw),
-                            ImportanceConfig(enabled=gt), Path(tempfile.mkdtemp(prefix="ustat_")))
+                            ImportanceConfig(enabled=gt), Path(tempfile.mkdtemp(prefix="ustat_")), E=E)
 
 
 # Stage vs enumeration: P reaches 1/eps = 1e8 on embedding rows the 20 training steps never
@@ -220,18 +220,20 @@ def test_u_statistic_matches_brute_force_on_random_vectors():
 def test_unit_coefficients_hand_case():
     S = torch.tensor([[-1.0, -2.0, -4.0, -5.0]], dtype=torch.float64)
     A = torch.tensor([[0.5, -0.5, 0.5, -0.5]], dtype=torch.float64)
-    Lmax = torch.tensor([2])
-    c = um.unit_coefficients(S, A, Lmax, cross_fit=False)
+    L, Lmax = torch.tensor([[1, 2, 2, 1]]), torch.tensor([2])
+    c = um.unit_coefficients(S, L, Lmax, A, "sequence", cross_fit=False)
     # LOO means (-11/3, -10/3, -8/3, -7/3) -> c = (8/3, 4/3, -4/3, -8/3), over G = 4
     assert torch.allclose(c.cx, torch.tensor([[2 / 3, 1 / 3, -1 / 3, -2 / 3]], dtype=torch.float64))
     assert torch.allclose(c.cy, torch.tensor([[1, -1, 1, -1]], dtype=torch.float64) / 16)  # A / (G Lmax)
-    f = um.unit_coefficients(S, A, Lmax, cross_fit=True)
+    f = um.unit_coefficients(S, L, Lmax, A, "sequence", cross_fit=True)
     # X half {0, 1}: c = (-1 - -2, -2 - -1) / 2 = (0.5, -0.5); Y half {2, 3}: A / (2 * 2) = (0.125, -0.125)
     assert torch.allclose(f.cx, torch.tensor([[0.5, -0.5, 0, 0]], dtype=torch.float64))
     assert torch.allclose(f.cy, torch.tensor([[0, 0, 0.125, -0.125]], dtype=torch.float64))
     assert torch.equal(f.cy_full, c.cy)
     with pytest.raises(ValueError, match="G >= 3"):
-        um.unit_coefficients(S[:, :2], A[:, :2], Lmax, cross_fit=True)
+        um.unit_coefficients(S[:, :2], L[:, :2], Lmax, A[:, :2], "sequence", cross_fit=True)
+    with pytest.raises(ValueError, match="dr_grpo"):
+        um.unit_coefficients(S, L, Lmax, A, "dr_grpo", cross_fit=True)
 
 
 def test_unit_plan_errors():
@@ -300,23 +302,33 @@ def test_incomplete_design(world):
         stage(world, batch, pairs_per_block=6)
 
 
-def test_ground_truth_on_the_same_batch(world):
-    batch = world.setup.sample(8, 4, seed=17)
+def test_ground_truth_on_a_held_out_batch(world):
+    """The real step is this batch's; it is measured on a fresh E sampled at theta (responses the
+    step was not fit to): the prediction -Xbar_E . Delta theta with its E-side SE, the measured
+    change with its SE, and their paired difference."""
+    batch, E = world.setup.sample(8, 4, seed=17), world.setup.sample(6, 4, seed=18)
     before = state_fingerprint(world.setup.params, world.opt)
-    res = stage(world, batch, gt=True)
+    res = stage(world, batch, gt=True, E=E)
     after = state_fingerprint(world.setup.params, world.opt)
     assert all(torch.equal(x, y) for x, y in zip(before, after))  # restored bit for bit
-    S = world.S[world.gidx(batch)]
-    assert close(res["H_orig"], float(-S.mean()), 1e-10)  # E is the batch itself (sequence mode)
-    for key in ("deltaH_true", "deltaH1_step", "ESS", "ratio_deltaH1_to_true", "z_true_vs_deltaH1"):
-        assert math.isfinite(res[key]), key
-    assert res["is/N"] == 32
+    assert close(res["gt/B_E"], 6) and res["is/N"] == 24  # measured on E, not on the batch
+    S_E = world.S[world.gidx(E)]
+    assert close(res["H_orig"], float(-S_E.mean()), 1e-10)  # the change is measured from E's entropy
+    for key in ("deltaH_true", "SE_deltaH_true", "deltaH1_step", "ESS", "deltaH_pred", "SE_deltaH_pred",
+                "deltaH_true_minus_pred", "SE_deltaH_true_minus_pred"):
+        assert math.isfinite(res[key]) and (not key.startswith("SE") or res[key] > 0), key
+    assert math.isnan(res["SE_deltaH_pred_U"])  # U is the step's own batch: the E side only
+    assert close(res["SE_deltaH_pred"], res["SE_deltaH_pred_E"], 1e-12)
+    # the prediction is the first-order change of the step taken (the same Xbar_E, the same update)
+    assert close(res["deltaH_pred"], res["deltaH1_step"], 1e-6)
     # cross-fitting changes X and Y of the U-statistic but the real step still uses the full-group
     # gradient: the same theta_plus, so the same measured entropy change
-    xf = stage(world, batch, gt=True, cross_fit=True)
+    xf = stage(world, batch, gt=True, cross_fit=True, E=E)
     assert close(xf["deltaH_true"], res["deltaH_true"], 1e-9) and close(xf["H_upd"], res["H_upd"], 1e-12)
     assert not close(xf["U_cross"], res["U_cross"], 1e-3)
     assert xf["ustat/backward_per_seq"] == 5.0  # the full-group Y costs one more backward in pass 1
+    with pytest.raises(ValueError, match="fresh evaluation batch"):
+        stage(world, batch, gt=True)
 
 
 # ---------------------------------------------------------------- Monte Carlo over the exact distribution
@@ -400,13 +412,14 @@ def _ddp_worker(rank: int, world_size: int, port: int, out: str) -> None:
         w = build_world(table=False)
         batch = w.setup.sample(8, 4, seed=23)
         mine = batch.select(slice(rank * 4, rank * 4 + 4))  # contiguous shares, as main.shard does
+        E = w.setup.sample(6, 4, seed=24).select(slice(rank * 3, rank * 3 + 3))
         model = torch.nn.parallel.DistributedDataParallel(w.setup.model, find_unused_parameters=True,
                                                           broadcast_buffers=False)
         ctx = ProbeContext(model, w.setup.names, w.setup.params, torch.device("cpu"), None, 1.0, "sequence", 2,
                            torch.device("cpu"), torch.float64)
         geo = Geometry(w.opt, LR, w.P)
         res = {label: run_single_batch(ctx, mine, geo, ProbeConfig(mode="single_batch", **kw),
-                                       ImportanceConfig(enabled=gt), Path(tempfile.mkdtemp()))
+                                       ImportanceConfig(enabled=gt), Path(tempfile.mkdtemp()), E=E if gt else None)
                for label, kw, gt in (("units", {}, True), ("blocks", {"block_size": 2}, False))}
         if rank == 0:
             torch.save(res, out)
@@ -429,12 +442,14 @@ def test_ddp_two_ranks_equal_one_process(world, tmp_path):
     launch_fresh("test_ustat", "_ddp_worker", 2, str(out))
     ddp = torch.load(out, weights_only=False)
     batch = world.setup.sample(8, 4, seed=23)
-    single = {"units": stage(world, batch, gt=True), "blocks": stage(world, batch, block_size=2)}
+    single = {"units": stage(world, batch, gt=True, E=world.setup.sample(6, 4, seed=24)),
+              "blocks": stage(world, batch, block_size=2)}
     for label in ("units", "blocks"):
         for key in ("U_cross", "SE_plugin", "SE_jack", "diag_sum", "bars_dot", "top_units/01/phi"):
             assert close(ddp[label][key], single[label][key], REL_STAGE), (label, key)
         assert all(ddp[label][k] == single[label][k] for k in ("M", "top_units/01/unit", "top_units/02/unit"))
-    for key in ("deltaH_true", "deltaH1_step", "H_orig", "ESS"):
+    for key in ("deltaH_true", "SE_deltaH_true", "deltaH1_step", "H_orig", "ESS", "deltaH_pred", "SE_deltaH_pred",
+                "SE_deltaH_true_minus_pred"):
         assert close(ddp["units"][key], single["units"][key], REL_STAGE), key
     # per rank 1 + 1 forward, 2 + 2 backward per sequence, summed over ranks
     assert (ddp["units"]["ustat/forward_per_seq"], ddp["units"]["ustat/backward_per_seq"]) == (2.0, 4.0)

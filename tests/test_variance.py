@@ -38,17 +38,20 @@ from entprobe.probe import Geometry, run_two_batch
 from entprobe.stages.context import nograd_prompts
 from entprobe.stages.variance import (SMALL_MODEL_PARAMS, project_backward, project_jvp, resolve_projection,
                                       resolve_unit_backward)
-from exact_model import adamw_with_state, make_setup
+from exact_model import adamw_with_state, enumerate_responses, make_setup
 
 MODES = ("sequence", "dr_grpo", "per_token_avg")
 SETUP_SEED = 1  # success rates 0.64 / 0.46 / 0.85 after the AdamW steps: rewards neither rare nor sure
 Z95 = 1.959963984540054
-VAR_KEYS = ("V_X", "V_Y", "SE_deltaH1", "SE_jackknife", "frac_var", "ci95_low", "ci95_high")
+VAR_KEYS = ("V_X", "V_Y", "SE_deltaH1", "frac_var", "ci95_low", "ci95_high", "deltaH_pred", "SE_deltaH_pred",
+            "SE_deltaH_pred_E", "SE_deltaH_pred_U", "ci95_pred_low", "ci95_pred_high", "SE_deltaH_pred_gradient",
+            "SE_deltaH_pred_momentum", "SE_deltaH_pred_weight_decay")
 
 
 @dataclass
 class Exact:
     setup: object
+    opt: torch.optim.Optimizer  # AdamW with the state of 20 real DR-GRPO steps
     lr: float
     P: pv.Buffer  # Adam preconditioner, fp64
     Pf: torch.Tensor  # [D] the same, flat
@@ -79,20 +82,9 @@ def ex() -> Exact:
     st = [opt.state[p] for p in setup.params]
     P = pv.adam_preconditioner([s["exp_avg_sq"] for s in st], int(st[0]["step"]), 0.999, 1e-8,
                                dtype=torch.float64)
-    tok, resp = setup.tokenizer, setup.all_responses()
-    K = len(resp)
-    L = torch.tensor([len(r) for r in resp], dtype=torch.float64)
-    Js, Ss, Rs = [], [], []
-    for pr in setup.task.prompts:
-        S = setup.response_logprobs(pr.text)  # [K]
-        g = torch.autograd.grad(S, setup.params, torch.eye(K, dtype=S.dtype), is_grads_batched=True,
-                                allow_unused=True)
-        Js.append(torch.cat([(x if x is not None else torch.zeros(K, *q.shape, dtype=S.dtype)).reshape(K, -1)
-                             for x, q in zip(g, setup.params)], 1))
-        Ss.append(S.detach())
-        Rs.append(torch.tensor([setup.task.reward(tok.decode(t, skip_special_tokens=True), pr) for t in resp],
-                               dtype=torch.float64))
-    J, S, R = torch.cat(Js), torch.cat(Ss), torch.cat(Rs)
+    en = enumerate_responses(setup)
+    J, S, R, K = en.J, en.S, en.R, en.K
+    L = en.L[:K]
     p, Sn, Rn, Pf = S.exp().view(3, K), S.view(3, K), R.view(3, K), _flat(P)
     pp = p[:, :, None] * p[:, None, :]  # [3, K, K] probability of an ordered response pair
     Lmax = torch.maximum(L[:, None], L[None, :])
@@ -106,7 +98,7 @@ def ex() -> Exact:
     SX = sum(_pair_second_moment(J[n * K:(n + 1) * K], WX[n]) for n in range(3)) / 3 - torch.outer(muX, muX)
     SY = sum(_pair_second_moment(J[n * K:(n + 1) * K], WY[n]) for n in range(3)) / 3 - torch.outer(muY, muY)
     lr = opt.param_groups[0]["lr"]
-    return Exact(setup, lr, P, Pf, J, S, R, L.repeat(3), K, -lr * float(muX @ (Pf * muY)),
+    return Exact(setup, opt, lr, P, Pf, J, S, R, L.repeat(3), K, -lr * float(muX @ (Pf * muY)),
                  float((Pf * muY) @ SX @ (Pf * muY)), float((Pf * muX) @ SY @ (Pf * muX)),
                  float(((Pf[:, None] * SX * Pf[None, :]) * SY).sum()))
 
@@ -171,10 +163,10 @@ def fused(ctx, E: RolloutBatch, U: RolloutBatch, P):
     """Stage 1 + the fused Stage 2 exactly as ``run_two_batch`` orders them."""
     accY = accumulate(ctx, U, y_loss_of(ctx), "Y over U")
     Ybar = pv.scale_(accY.sum_buf, 1.0 / U.B)
-    accX = accumulate(ctx, E, x_loss_of(ctx), "X over E", direction=pv.mul(Ybar, P))
+    accX = accumulate(ctx, E, x_loss_of(ctx), "X over E", directions=pv.stack_directions([pv.mul(Ybar, P)]))
     Xbar = pv.scale_(accX.sum_buf, 1.0 / E.B)
-    b = project_jvp(ctx, U, pv.mul(Xbar, P), "Y", "b_u over U")
-    return accX.proj, b, pv.dot(Xbar, Ybar, P), Xbar, Ybar
+    b = project_jvp(ctx, U, pv.stack_directions([pv.mul(Xbar, P)]), "Y", "b_u over U")[:, 0]
+    return accX.proj[:, 0], b, pv.dot(Xbar, Ybar, P), Xbar, Ybar
 
 
 def rel(x, y) -> float:
@@ -190,8 +182,8 @@ def test_fused_equals_backward_on_exact_model(ex, mode):
     ctx = setup.ctx(mode, mb_size=2)
     a, b, bars, Xbar, Ybar = fused(ctx, E, U, ex.P)
     assert ctx.stats.passes == {"forward": 3 * 11 + 3 * 5, "backward": 3 * 11, "jvp": 3 * 5}
-    a_ref = project_backward(ctx, E, pv.mul(Ybar, ex.P), "X", "a_u over E")
-    b_ref = project_backward(ctx, U, pv.mul(Xbar, ex.P), "Y", "b_u over U")
+    a_ref = project_backward(ctx, E, pv.stack_directions([pv.mul(Ybar, ex.P)]), "X", "a_u over E")[:, 0]
+    b_ref = project_backward(ctx, U, pv.stack_directions([pv.mul(Xbar, ex.P)]), "Y", "b_u over U")[:, 0]
     assert ctx.stats.passes["backward"] == 2 * 3 * 11
     # fp64 model, but HF's eager attention takes its softmax in fp32: forward and reverse mode
     # round differently there (measured ~1e-7 relative on b; a is the same backward: 0)
@@ -213,7 +205,7 @@ def test_every_path_equals_backward_through_run_two_batch(ex, mode, tmp_path):
     per-unit backward's V_X, V_Y, SE and interval, with the passes it promises."""
     setup = ex.setup
     E, U = setup.sample(6, 3, seed=11), setup.sample(5, 3, seed=12)
-    geo, icfg = Geometry(None, ex.lr, ex.P), ImportanceConfig(enabled=False)
+    geo, icfg = Geometry(ex.opt, ex.lr, ex.P), ImportanceConfig(enabled=False)
     out = {}
     for proj, how in (*((p, h) for p in PATHS for h in ("loop", "vmap")), ("backward", "loop")):
         ctx = setup.ctx(mode, mb_size=2)
@@ -221,9 +213,11 @@ def test_every_path_equals_backward_through_run_two_batch(ex, mode, tmp_path):
         out[proj, how] = (run_two_batch(ctx, E, U, geo, pcfg, icfg, tmp_path), ctx.stats.passes)
     ref, ref_passes = out["backward", "loop"]
     assert ref_passes == {"forward": 3 * 11 * 2, "backward": 3 * 11 * 2}
+    # forward mode carries one direction a pass: E projects onto P Ybar and the update's gradient,
+    # momentum and weight-decay parts (4), U onto P Xbar and J * Xbar of the gradient and momentum parts (3)
     promised = {"stored": {"forward": 3 * 11, "backward": 3 * 11},  # one backward per unit, no extra pass
-                "fused": {"forward": 3 * 11 + 3 * 5, "backward": 3 * 11, "jvp": 3 * 5},
-                "jvp": {"forward": 3 * 11 * 2, "backward": 3 * 11, "jvp": 3 * 11}}
+                "fused": {"forward": 3 * 11 + 3 * 3 * 5, "backward": 3 * 11, "jvp": 3 * 3 * 5},
+                "jvp": {"forward": 3 * 11 + 3 * (4 * 6 + 3 * 5), "backward": 3 * 11, "jvp": 3 * (4 * 6 + 3 * 5)}}
     for (proj, how), (res, passes) in out.items():
         if proj == "backward":
             continue
@@ -286,7 +280,8 @@ def test_jvp_matches_backward_with_tied_embeddings():
     ctx = setup.ctx("sequence", mb_size=2)
     v = pv.scale_(accumulate(ctx, E, x_loss_of(ctx), "X over E").sum_buf, 1.0 / E.B)
     assert v[0][0].abs().sum() > 0  # the padding row has a direction (from lm_head)
-    b, b_ref = project_jvp(ctx, U, v, "Y", "b_u"), project_backward(ctx, U, v, "Y", "b_u")
+    d = pv.stack_directions([v])
+    b, b_ref = project_jvp(ctx, U, d, "Y", "b_u")[:, 0], project_backward(ctx, U, d, "Y", "b_u")[:, 0]
     assert (b_ref != 0).sum() >= 2 and rel(b, b_ref) < 1e-5
 
 
@@ -307,8 +302,9 @@ def test_every_path_equals_backward_on_builtin(builtin_runs, mode):
     b = builtin_runs[mode, "backward"]
     n, G, B_U = b["B_E"] + b["B_U"], b["G"], b["B_U"]
     assert b["projection"] == "backward" and b["passes/backward"] == 2 * n * G and "passes/jvp" not in b
-    # backward and forward-mode passes beyond Stage 1's one backward per response
-    extra = {"stored": (0, None), "fused": (0, B_U * G), "jvp": (0, n * G)}
+    # backward and forward-mode passes beyond Stage 1's one backward per response (forward mode:
+    # one pass per direction, 4 on E and 3 on U with AdamW's decay, see above)
+    extra = {"stored": (0, None), "fused": (0, 3 * B_U * G), "jvp": (0, (4 * b["B_E"] + 3 * B_U) * G)}
     assert builtin_runs[mode, "auto"]["projection"] == "jvp"  # 76 k parameters: host-bound
     for proj in ("auto", *PATHS):
         f = builtin_runs[mode, proj]
@@ -327,8 +323,11 @@ def test_frac_var_and_ci95_follow_the_se(builtin_runs, mode):
         assert r["deltaH1"] == pytest.approx(-lr * r["bars_dot"], rel=1e-12)
         assert r["SE_deltaH1"] == pytest.approx(lr * math.sqrt(V), rel=1e-12)
         assert r["frac_var"] == pytest.approx(V / r["bars_dot"] ** 2, rel=1e-12)
-        assert r["ci95_low"] == pytest.approx(r["deltaH1"] - Z95 * r["SE_deltaH1"], rel=1e-12)
-        assert r["ci95_high"] == pytest.approx(r["deltaH1"] + Z95 * r["SE_deltaH1"], rel=1e-12)
+        # Student-t with Welch-Satterthwaite degrees of freedom (between min(B) - 1 and B_E + B_U - 2)
+        q = est.t_quantile(r["deltaH1_df"])
+        assert min(r["B_E"], r["B_U"]) - 1 <= r["deltaH1_df"] <= r["B_E"] + r["B_U"] - 2 and q > Z95
+        assert r["ci95_low"] == pytest.approx(r["deltaH1"] - q * r["SE_deltaH1"], rel=1e-12)
+        assert r["ci95_high"] == pytest.approx(r["deltaH1"] + q * r["SE_deltaH1"], rel=1e-12)
     # bars_dot = 0: frac_var divides by the 1e-12 floor instead of failing
     v = est.two_batch_variance(torch.tensor([1.0, 3.0]), torch.tensor([0.0, 2.0]), 0.1, 0.0)
     assert v.frac_var == pytest.approx((2.0 + 2.0) / 2 / 1e-12)  # V_X = V_Y = (1 + 1)/(2 * 1) = 1
@@ -403,13 +402,15 @@ def test_jackknife_equals_delta_method(ex):
     """Deleting unit u of E changes only Xbar: Xbar_{-u}.P.Ybar = (B m - a_u)/(B - 1), linear in
     a_u, so theta_{-u} - mean theta_{-.} = -(a_u - mean a)/(B - 1) and the delete-1 jackknife
     (B-1)/B sum (theta_{-u} - mean)^2 = sum (a_u - mean a)^2 / (B (B-1)) = V_X exactly; likewise
-    for U. No linearisation is involved: the statistic is linear in each batch separately."""
+    for U. No linearisation is involved: the statistic is linear in each batch separately, which is
+    why the jackknife is not reported as a second SE."""
     # by hand: a = [1, 2, 3, 6] (mean 3 = bars_dot) -> V_X = (4 + 1 + 0 + 9)/(4 * 3) = 7/6;
     # b = [2, 4] (mean 3) -> V_Y = (1 + 1)/(2 * 1) = 1; lr = 0.5 -> SE = 0.5 sqrt(13/6)
     v = est.two_batch_variance(torch.tensor([1.0, 2.0, 3.0, 6.0]), torch.tensor([2.0, 4.0]), 0.5, 3.0)
     assert (v.V_X, v.V_Y) == pytest.approx((7 / 6, 1.0), rel=1e-15)
     assert v.SE == pytest.approx(0.5 * math.sqrt(13 / 6), rel=1e-15)
-    assert v.SE_jackknife == pytest.approx(v.SE, rel=1e-14)
+    # Welch-Satterthwaite: (7/6 + 1)^2 / ((7/6)^2 / 3 + 1^2 / 1) = (169/36) / (49/108 + 1) = 507/157
+    assert v.df == pytest.approx(507 / 157, rel=1e-14)
     # brute force on explicit unit vectors: recompute Xbar_{-u}.P.Ybar and Xbar.P.Ybar_{-v}
     gen = torch.Generator().manual_seed(6)
     fE, fU = draw(ex, 1, 7, 2, gen)[0], draw(ex, 1, 5, 2, gen)[0]
@@ -423,5 +424,4 @@ def test_jackknife_equals_delta_method(ex):
         jack += (B - 1) / B * float(((theta - theta.mean()) ** 2).sum())
     a, b, bars = simulate(ex, fE[None], fU[None])
     v = est.two_batch_variance(a[0], b[0], ex.lr, float(bars[0]))
-    assert v.SE_jackknife == pytest.approx(ex.lr * math.sqrt(jack), rel=1e-10)
-    assert v.SE_jackknife == pytest.approx(v.SE, rel=1e-12)
+    assert v.SE == pytest.approx(ex.lr * math.sqrt(jack), rel=1e-10)

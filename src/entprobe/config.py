@@ -50,6 +50,7 @@ class Preconditioner(str, Enum):
 
 
 class ISMode(str, Enum):
+    cv = "cv"
     snis = "snis"
     clip = "clip"
     psis = "psis"
@@ -131,7 +132,7 @@ class ProbeConfig:
 @dataclass
 class ImportanceConfig:
     enabled: bool = True
-    is_mode: ISMode = ISMode.snis
+    is_mode: ISMode = ISMode.cv
     clip_c: float = 10.0
     training_loss: TrainingLoss = TrainingLoss.rl
     step_mode: StepMode = StepMode.optimizer
@@ -250,6 +251,8 @@ def validate(cfg: Any) -> None:
         _require(b.B_U >= 2, "batch.B_U", f"is {b.B_U}; need >= 2 prompts for a variance")
     else:
         _require(b.B_U >= 2, "batch.B_U", f"is {b.B_U}; single_batch mode uses B_U prompts, need >= 2")
+        _require(not i.enabled or b.B_E >= 2, "batch.B_E", f"is {b.B_E}; single_batch measures the step on a "
+                 "fresh batch of B_E prompts (importance.enabled), need >= 2")
     _require(s.temperature > 0, "sampling.temperature", "must be > 0")
     _require(s.top_k >= 0, "sampling.top_k", "must be >= 0 (0 disables top-k)")
     _require(0 < s.top_p <= 1, "sampling.top_p", "must be in (0, 1]")
@@ -267,6 +270,9 @@ def validate(cfg: Any) -> None:
     _require(not (p.block_size and p.num_blocks), "probe_rework.block_size",
              "set block_size or num_blocks, not both")
     _require(i.clip_c > 0, "importance.clip_c", "must be > 0")
+    _require(not (p.cross_fit and p.weighting_mode == WeightingMode.dr_grpo), "probe_rework.cross_fit",
+             "needs a weighting mode whose functional is a mean over responses (sequence or "
+             "per_token_avg): dr_grpo's couples the whole group through Lmax, so X cannot use half of it")
     _require(0 <= i.ess_threshold <= 1, "importance.ess_threshold", "is a fraction ESS/N in [0, 1]")
     _require(i.importance_microbatch_size is None or i.importance_microbatch_size >= 1,
              "importance.importance_microbatch_size", "must be >= 1 (or null: sized from nograd_memory_mb)")

@@ -38,13 +38,53 @@ def loo_centred(S_w: torch.Tensor) -> torch.Tensor:
     return S_w - (total - S_w) / (G - 1)
 
 
-def x_loss(S: torch.Tensor, S_w: torch.Tensor) -> torch.Tensor:
-    """``sum_n (1/G) sum_g detach(c[n,g]) * S[n,g]``: its gradient is ``sum_n X_n``.
+def leave_one_out_max(L: torch.Tensor) -> torch.Tensor:
+    """``Lmax_{-g}[n, g] = max_{h != g} L[n, h]`` (the group's longest response without g)."""
+    G = L.shape[-1]
+    others = L.unsqueeze(-2).expand(*L.shape[:-1], G, G).clone()  # [n, g, h]
+    others.diagonal(dim1=-2, dim2=-1).fill_(0)
+    return others.amax(-1)
 
-    E[X_n] = -grad H_n exactly in ``sequence`` mode (H = -E[S]). A sum over prompts, not a mean.
+
+def x_unit_coeffs(S: torch.Tensor, L: torch.Tensor, Lmax: torch.Tensor, mode: str) -> torch.Tensor:
+    """Per-response weights w [n, G] of X_n = sum_g w[n,g] grad S[n,g], with E[X_n] = -grad H_n
+    exactly in every weighting mode (values are treated as constants: detach S).
+
+    H_n = -E[F], F = (1/G) sum_g S_w[g] over a group of G responses, so (score identity)
+    ``-grad H_n = E[sum_g (F - b_g) grad S_g] + E[grad F]`` for any baseline b_g that does not
+    depend on response g. With ``c`` the leave-one-out centring (``loo_centred``):
+
+    - ``sequence`` (S_w = S): ``w = c(S) / G`` (grad F = mean_g grad S has mean 0 and is dropped);
+    - ``per_token_avg`` (S_w = S / L): ``w = c((S + 1) / L) / G`` -- the LOO-centred 1/L is the
+      ``grad S_w = grad S / L`` term, which does not vanish in expectation;
+    - ``dr_grpo`` (S_w = S / Lmax, Lmax the group's longest response: the functional couples the
+      group): ``w = F + 1/(G Lmax) - m_{-g} - 1/(G Lmax_{-g})`` with ``m_{-g} = mean_{h != g}
+      S_h / Lmax_{-g}``, ``Lmax_{-g} = max_{h != g} L_h`` (baselines from the other responses only).
+    All three reduce to ``c(S)/(G L)`` when every response has the same length L.
     """
-    c = loo_centred(S_w.detach())
-    return (c * S).sum() / S.shape[-1]
+    mode = getattr(mode, "value", mode)
+    G = S.shape[-1]
+    if G < 2:
+        raise ValueError("G must be >= 2 for the leave-one-out baseline")
+    S = S.detach()
+    if mode == "sequence":
+        return loo_centred(S) / G
+    Lf = L.clamp(min=1).to(S.dtype)
+    if mode == "per_token_avg":
+        return loo_centred((S + 1) / Lf) / G
+    if mode == "dr_grpo":
+        Lm = Lmax.clamp(min=1).to(S.dtype).unsqueeze(-1)  # [n, 1]
+        Lm_out = leave_one_out_max(Lf).clamp(min=1)  # [n, G]
+        F = (S / Lm).mean(-1, keepdim=True)
+        m_out = ((S.sum(-1, keepdim=True) - S) / (G - 1)) / Lm_out
+        return F + 1 / (G * Lm) - m_out - 1 / (G * Lm_out)
+    raise ValueError(f"unknown weighting_mode {mode!r}")
+
+
+def x_loss(S: torch.Tensor, L: torch.Tensor, Lmax: torch.Tensor, mode: str) -> torch.Tensor:
+    """``sum_n sum_g detach(w[n,g]) * S[n,g]`` with ``w = x_unit_coeffs``: its gradient is
+    ``sum_n X_n`` (E[X_n] = -grad H_n in every mode). A sum over prompts, not a mean."""
+    return (x_unit_coeffs(S, L, Lmax, mode) * S).sum()
 
 
 def y_loss(S: torch.Tensor, A: torch.Tensor, Lmax: torch.Tensor) -> torch.Tensor:
@@ -54,11 +94,6 @@ def y_loss(S: torch.Tensor, A: torch.Tensor, Lmax: torch.Tensor) -> torch.Tensor
     """
     w = A.to(S.dtype) / Lmax.clamp(min=1).unsqueeze(-1).to(S.dtype)
     return (w * S).sum() / S.shape[-1]
-
-
-def x_unit_coeffs(S_w: torch.Tensor) -> torch.Tensor:
-    """Per-response weights of X_n: ``c / G`` [n, g] (X_n = sum_g weight * grad S)."""
-    return loo_centred(S_w) / S_w.shape[-1]
 
 
 def y_unit_coeffs(A: torch.Tensor, Lmax: torch.Tensor) -> torch.Tensor:
@@ -73,10 +108,10 @@ def delta_h1(lr: float, bars_dot: float) -> float:
 
 
 class TwoBatchVariance(NamedTuple):
-    V_X: float
-    V_Y: float
-    SE: float
-    SE_jackknife: float
+    V_X: float  # variance of the E-side mean (the a_u)
+    V_Y: float  # variance of the U-side mean (the b_u)
+    SE: float  # sqrt(V_X + V_Y), times lr for deltaH1
+    df: float  # Welch-Satterthwaite degrees of freedom of the interval
     frac_var: float
     ci95_low: float
     ci95_high: float
@@ -90,27 +125,43 @@ def mean_variance(x: torch.Tensor) -> float:
     return float(((x - x.mean()) ** 2).sum() / (B * (B - 1)))
 
 
-def jackknife_var_of_mean_product(a: torch.Tensor) -> float:
-    """Delete-1 jackknife variance of ``mean(a)`` : ``(B-1)/B sum (theta_{-u} - mean theta_{-.})^2``
-    with ``theta_{-u} = (B mean(a) - a_u) / (B - 1)``."""
-    B = a.numel()
-    loo = (a.sum() - a) / (B - 1)
-    return float((B - 1) / B * ((loo - loo.mean()) ** 2).sum())
+def welch_df(parts: list[tuple[float, int]]) -> float:
+    """Welch-Satterthwaite degrees of freedom of ``sum_k V_k`` for variances of means of
+    ``B_k`` units: ``(sum V_k)^2 / sum V_k^2 / (B_k - 1)``; inf when every V_k is 0."""
+    num = sum(max(V, 0.0) for V, _ in parts) ** 2
+    den = sum(max(V, 0.0) ** 2 / (B - 1) for V, B in parts if B > 1)
+    return num / den if den > 0 else math.inf
+
+
+def t_quantile(df: float, level: float = 0.95) -> float:
+    """Two-sided Student-t quantile ``t_{df}((1 + level)/2)`` (the normal one for df = inf)."""
+    from scipy.stats import norm, t
+
+    q = 0.5 + level / 2
+    return float(norm.ppf(q) if not math.isfinite(df) else t.ppf(q, df))
+
+
+def interval(estimate: float, se: float, df: float, level: float = 0.95) -> tuple[float, float]:
+    """``estimate -+ t_{df} SE``: a small-sample interval (t with ``df`` degrees of freedom)."""
+    h = t_quantile(df, level) * se
+    return estimate - h, estimate + h
 
 
 def two_batch_variance(a: torch.Tensor, b: torch.Tensor, lr: float, bars_dot: float) -> TwoBatchVariance:
     """Delta-method variance of ``deltaH1`` from per-unit projections.
 
     a[u] = X_u . P Ybar (u in E), b[v] = Y_v . P Xbar (v in U); V_X = Var(mean a), V_Y = Var(mean b),
-    SE = lr sqrt(V_X + V_Y). The delete-1 jackknife deletes one unit of E or of U at a time; for
-    this bilinear statistic it coincides with the delta method up to rounding.
+    SE = lr sqrt(V_X + V_Y); the 95% interval uses the Student-t quantile with Welch-Satterthwaite
+    degrees of freedom (``welch_df``): per-unit projections are heavy-tailed, and at B = 8 the
+    normal quantile under-covers. (The delete-1 jackknife of this bilinear statistic equals the
+    delta method exactly, so it is not reported as a second estimate.)
     """
     V_X, V_Y = mean_variance(a.double()), mean_variance(b.double())
     se = lr * math.sqrt(max(V_X, 0.0) + max(V_Y, 0.0))
-    jk = lr * math.sqrt(jackknife_var_of_mean_product(a.double()) + jackknife_var_of_mean_product(b.double()))
+    df = welch_df([(V_X, a.numel()), (V_Y, b.numel())])
     d = delta_h1(lr, bars_dot)
-    return TwoBatchVariance(V_X, V_Y, se, jk, (V_X + V_Y) / max(bars_dot ** 2, 1e-12),
-                            d - 1.959963984540054 * se, d + 1.959963984540054 * se)
+    lo, hi = interval(d, se, df)
+    return TwoBatchVariance(V_X, V_Y, se, df, (V_X + V_Y) / max(bars_dot ** 2, 1e-12), lo, hi)
 
 
 # ---------------------------------------------------------------- single-batch U-statistic (seed 001)
@@ -145,105 +196,6 @@ def u_statistic(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor) -> UStat:
     var_jack = float((B - 1) / B * ((U_loo - U_loo.mean()) ** 2).sum())
     return UStat(float(U), float(B / (B - 1) * m), float(d.sum()), zeta1, math.sqrt(4 * zeta1 / B),
                  B * var_jack / 4, math.sqrt(var_jack), 2 * (r - U))
-
-
-# ---------------------------------------------------------------- importance sampling
-def ess(logw: torch.Tensor) -> float:
-    """Kish effective sample size ``(sum w)^2 / sum w^2`` computed from log-weights."""
-    lw = logw.double() - logw.double().max()
-    w = lw.exp()
-    return float(w.sum() ** 2 / (w ** 2).sum())
-
-
-def snis_weights(logw: torch.Tensor) -> torch.Tensor:
-    """Self-normalised weights ``w / sum w`` in the log domain (shift by max)."""
-    lw = logw.double() - logw.double().max()
-    w = lw.exp()
-    return w / w.sum()
-
-
-def clipped_log_weights(logw: torch.Tensor, clip_c: float) -> torch.Tensor:
-    """``log min(w, c)`` elementwise: truncated raw weights (before normalisation), never above c."""
-    return logw.double().clamp(max=math.log(clip_c))
-
-
-def clipped_weights(logw: torch.Tensor, clip_c: float) -> torch.Tensor:
-    """Self-normalised truncated weights ``min(w, c) / sum min(w, c)``, normalised in the log domain
-    (shift by the max), so very negative log-weights do not underflow to 0/0."""
-    return snis_weights(clipped_log_weights(logw, clip_c))
-
-
-def psis_weights(logw: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Pareto-smoothed self-normalised weights and k-hat (arviz-stats ``psislw``).
-
-    arviz-stats' ``_psislw`` negates its input before fitting the right tail (it was written for
-    LOO, where the input is the log-likelihood and the log-ratio is its negative), so it receives
-    ``-logw``; the large weights are then the ones smoothed (tests/test_importance.py checks k-hat
-    against the textbook Gaussian cases, where k = 1 - 1/sigma^2). Needs >= 25 weights.
-    """
-    import numpy as np
-    from arviz_stats.base import array_stats
-
-    if logw.numel() < 25:  # arviz fits the tail to floor(N/5) >= 5 draws: PSIS is undefined below
-        warnings.warn(f"PSIS needs >= 25 importance weights, got {logw.numel()}: psis = SNIS, k-hat = nan")
-        return snis_weights(logw), float("nan")
-    with np.errstate(divide="ignore", invalid="ignore"):  # degenerate fits are handled below
-        lw, khat = array_stats.psislw(-logw.double().cpu().numpy(), r_eff=1.0)
-    lw = torch.as_tensor(np.asarray(lw), dtype=torch.float64)
-    if not torch.isfinite(lw).all():  # degenerate tail fit (sigma <= 0), e.g. tied weights from
-        # repeated identical responses: arviz returns all-NaN log-weights
-        warnings.warn("PSIS tail fit failed (tied or degenerate largest weights): psis = SNIS, k-hat = nan")
-        return snis_weights(logw), float("nan")
-    w = (lw - lw.max()).exp()
-    return w / w.sum(), float(np.asarray(khat))
-
-
-def is_estimate(f: torch.Tensor, wn: torch.Tensor) -> float:
-    """``sum_i wn_i f_i`` for normalised weights wn."""
-    return float((wn * f.double()).sum())
-
-
-def ratio_estimate(num: torch.Tensor, den: torch.Tensor, wn: torch.Tensor) -> float:
-    """``sum wn num / sum wn den`` (per-token entropy: num = -S, den = L)."""
-    return float((wn * num.double()).sum() / (wn * den.double()).sum())
-
-
-class TokenRatioSums(NamedTuple):
-    """Additive pieces of the seed-003 token diagnostics (sum over ranks, then divide)."""
-    n_tokens: float  # response tokens
-    n_finite_old: float  # of which the old log-prob is finite (not NaN / inf)
-    sum_ratio: float  # sum of exp(new - old) after the NaN fill
-    n_clipped: float  # tokens with ratio outside [1 - eps, 1 + eps_high]
-
-
-def token_ratio_sums(new_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
-                     eps: float, eps_high: float) -> TokenRatioSums:
-    """Sums over response tokens (``mask`` 1) of the quantities behind ``token_ratio_stats``.
-
-    Old log-probs that are not finite are counted, then replaced by the new ones (ratio 1), as
-    seed 003 describes for missing sampler log-probs."""
-    m = mask.bool()
-    new, old = new_logp[m].double(), old_logp[m].double()
-    finite = torch.isfinite(old)
-    ratio = (new - torch.where(finite, old, new)).exp()
-    clipped = (ratio < 1 - eps) | (ratio > 1 + eps_high)
-    return TokenRatioSums(float(m.sum()), float(finite.sum()), float(ratio.sum()), float(clipped.sum()))
-
-
-def token_ratio_stats_from_sums(s: TokenRatioSums) -> dict[str, float]:
-    """Fractions and means from (possibly globally reduced) ``TokenRatioSums``; nan without tokens."""
-    n = s.n_tokens
-    nan = float("nan")
-    return {"frac_old_logprobs_valid": s.n_finite_old / n if n else nan,
-            "mean_importance_ratio": s.sum_ratio / n if n else nan,
-            "clip_fraction": s.n_clipped / n if n else nan}
-
-
-def token_ratio_stats(new_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
-                      eps: float, eps_high: float) -> dict[str, float]:
-    """Seed 003 observability over response tokens: finite fraction of old log-probs (before any
-    fill), mean ratio exp(new - old), and the fraction of tokens outside [1 - eps, 1 + eps_high]."""
-    return token_ratio_stats_from_sums(token_ratio_sums(new_logp, old_logp, mask, eps, eps_high))
 
 
 def group_covariance(S_w: torch.Tensor, A: torch.Tensor) -> torch.Tensor:

@@ -121,7 +121,9 @@ def sample_global(cfg: EntprobeConfig, lm, task, ctx: ProbeContext) -> tuple[Rol
                                 b.adv_eps, cfg.task.chat_template.value, cfg.task.system_prompt)
         return concat_batches(D.gather_objects(mine), lm.tokenizer.pad_token_id) if D.is_dist() else mine
 
-    E = draw(b.B_E, b.seed_E, "E") if cfg.probe_rework.mode.value == "two_batch" else None
+    # single_batch measures its step on a fresh E too (responses the step was not fit to)
+    need_E = cfg.probe_rework.mode.value == "two_batch" or cfg.importance.enabled
+    E = draw(b.B_E, b.seed_E, "E") if need_E else None
     U = draw(b.B_U, b.seed_U, "U")
     return (E if E is not None else U), U
 
@@ -196,7 +198,8 @@ def run(cfg, batch_cache: str | Path | None = None) -> dict:
 
     if pcfg.mode.value == "single_batch":
         from entprobe.stages.ustat import run_single_batch
-        results = run_single_batch(ctx, U, geo, pcfg, cfg.importance, run_dir, resample=resample)
+        results = run_single_batch(ctx, U, geo, pcfg, cfg.importance, run_dir, resample=resample,
+                                   E=E if cfg.importance.enabled else None)
     else:
         results = run_two_batch(ctx, E, U, geo, pcfg, cfg.importance, run_dir, resample=resample)
     for label, batch in (("E", E_all), ("U", U_all)):

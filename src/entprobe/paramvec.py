@@ -120,3 +120,48 @@ def adam_preconditioner(exp_avg_sq: Buffer, step: int, beta2: float, eps: float,
     bc = 1.0 - beta2 ** step
     return [(1.0 / ((v.to(device=device, dtype=torch.float64) / bc).sqrt() + eps)).to(dtype)
             for v in exp_avg_sq]
+
+
+# ---------------------------------------------------------------- several directions at once
+DirectionSet = list[torch.Tensor]  # per parameter a [numel, k] matrix: k directions, column j is one
+
+
+def stack_directions(bufs: Sequence[Buffer], device=None, dtype=None) -> DirectionSet:
+    """k buffers -> one ``[numel, k]`` matrix per parameter (on ``device`` in ``dtype``, default
+    the first buffer's), so that a gradient is read once for all k dots."""
+    out = []
+    for ts in zip(*bufs):
+        dev, dt = device or ts[0].device, dtype or ts[0].dtype
+        out.append(torch.stack([t.reshape(-1).to(dev, dt) for t in ts], 1))
+    return out
+
+
+def num_directions(dset: DirectionSet) -> int:
+    return dset[0].shape[1] if dset else 0
+
+
+def column(dset: DirectionSet, j: int, like: Sequence[torch.Tensor]) -> Buffer:
+    """Direction j as a buffer shaped like ``like`` (a copy)."""
+    return [d[:, j].reshape(p.shape).contiguous() for d, p in zip(dset, like)]
+
+
+def dot_set(a: Buffer, dset: DirectionSet) -> torch.Tensor:
+    """``[dot(a, direction_j) for j]`` as [k] fp64 on the directions' first device: per tensor one
+    vector-matrix product in at least fp32, the terms summed in fp64."""
+    total = None
+    for x, d in zip(a, dset):
+        dt = torch.promote_types(torch.promote_types(x.dtype, d.dtype), torch.float32)
+        term = (x.reshape(-1).to(d.device, dt) @ d.to(dt)).double()
+        total = term if total is None else total + term.to(total.device)
+    return total
+
+
+def dot_rows_set(rows: Buffer, dset: DirectionSet) -> torch.Tensor:
+    """Per-unit dots of stacked rows (``[n, *shape]`` per parameter) with k directions: [n, k] fp64
+    on the rows' device, one matrix product per parameter."""
+    total = None
+    for x, d in zip(rows, dset):
+        dt = torch.promote_types(torch.promote_types(x.dtype, d.dtype), torch.float32)
+        term = (x.reshape(x.shape[0], -1).to(dt) @ d.to(x.device, dt)).double()
+        total = term if total is None else total + term
+    return total

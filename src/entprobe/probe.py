@@ -7,6 +7,7 @@ for the ground truth comes out of the same E pass, and the update step reuses ``
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -21,6 +22,8 @@ from entprobe.rollout import RolloutBatch
 from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
 from entprobe.stages.context import ProbeContext
 from entprobe.stages.ground_truth import StepInputs, run_ground_truth
+from entprobe.stages.prediction import (build_step_model, e_directions, prediction_results, u_direction_buffers,
+                                        u_directions)
 from entprobe.stages.variance import (project_backward, project_jvp, project_stored, resolve_projection,
                                       resolve_unit_backward)
 
@@ -48,16 +51,22 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
         accY = accumulate(ctx, U, y_loss_of(ctx), "Y over U", keep_unit_grads=mode == "stored",
                           unit_backward=unit_bwd)
         Ybar, B_U = global_mean(accY.sum_buf, accY.B)
+    # The update the optimizer will apply to this gradient (known before the step is taken)
+    step = build_step_model(ctx, geo.optimizer, geo.lr, Ybar, geo.P, icfg.step_mode.value, icfg.max_grad_norm)
     fused = mode in ("stored", "fused")  # a_u taken during the X pass
-    PY = pv.mul(Ybar, geo.P)  # P Ybar on the buffers' device (and on the model's for the X pass)
-    PY_dev = (PY if ctx.buffers_device == ctx.device else pv.mul(Ybar, geo.P, device=ctx.device)) if fused else None
+    on_model = mode in ("stored", "fused", "jvp")
+    PY = pv.mul(Ybar, geo.P)  # P Ybar on the buffers' device: deltaH1 and the attribution table
+    # E-side directions: P Ybar (deltaH1), then each part of the update (the prediction)
+    dirE = pv.stack_directions([PY] + [step.parts[k] for k in e_directions(step)],
+                               device=ctx.device if on_model else None)
+    step.parts = dict.fromkeys(step.parts)  # the columns of dirE hold them now
     with ctx.phase("accumulate_X_E"):
-        accX = accumulate(ctx, E, x_loss_of(ctx), "X over E", direction=PY_dev, with_entropy=True,
-                          unit_backward=unit_bwd)
+        accX = accumulate(ctx, E, x_loss_of(ctx), "X over E", directions=dirE if fused else None,
+                          with_entropy=True, unit_backward=unit_bwd)
         Xbar, B_E = global_mean(accX.sum_buf, accX.B)
-    del PY_dev
     terms = pv.dot_terms(Xbar, PY)  # Xbar . P Ybar per parameter: bars_dot and the attribution table
     bars_dot = float(terms.sum())
+    step_dots = pv.dot_set(Xbar, dirE)[1:].tolist()  # Xbar . Delta theta_part
     nX, nPY = pv.norm(Xbar), pv.norm(PY)
     res.update({"B_E": B_E, "B_U": B_U, "G": E.G, "lr": geo.lr, "bars_dot": bars_dot,
                 "deltaH1": est.delta_h1(geo.lr, bars_dot), "norm_Xbar": nX, "norm_PYbar": nPY,
@@ -69,31 +78,39 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
     res["H_orig"] = float(-est.weighted_S(S_E, D.gather_units(E.gen_lengths), D.gather_units(E.Lmax),
                                           ctx.weighting_mode).double().mean())
 
+    e = u = None
     if pcfg.variance_enabled:
         with ctx.phase("variance"):
-            # P Xbar on the model's device (the seed's path dots on the buffers' device instead)
-            PX = pv.mul(Xbar, geo.P, device=None if mode == "backward" else ctx.device)
+            # U-side directions: P Xbar (deltaH1), then J_part * Xbar (the prediction's delta method)
+            PX = pv.mul(Xbar, geo.P)
+            dirU = pv.stack_directions([PX] + u_direction_buffers(step, Xbar),
+                                       device=ctx.device if on_model else None)
+            del PX
+            step.jacobian = dict.fromkeys(step.jacobian) if step.jacobian is not None else None
             if mode == "stored":
-                a, b = accX.proj, project_stored(accY.unit_grads, PX)
+                a, b = accX.proj, project_stored(accY.unit_grads, dirU)
                 accY.unit_grads = None
             elif mode in ("fused", "jvp"):  # forward mode over U (and over E for jvp)
                 jvp_mb = pcfg.jvp_mb_size_prompts
                 if mode == "fused":
                     a = accX.proj
                 else:
-                    a = project_jvp(ctx, E, PY, "X", "a_u over E", mb_size=ctx.nograd_mb(E, True, jvp_mb))
-                b = project_jvp(ctx, U, PX, "Y", "b_u over U", mb_size=ctx.nograd_mb(U, True, jvp_mb))
+                    a = project_jvp(ctx, E, dirE, "X", "a_u over E", mb_size=ctx.nograd_mb(E, True, jvp_mb))
+                b = project_jvp(ctx, U, dirU, "Y", "b_u over U", mb_size=ctx.nograd_mb(U, True, jvp_mb))
             else:
-                a = project_backward(ctx, E, PY, "X", "a_u over E")
-                b = project_backward(ctx, U, PX, "Y", "b_u over U")
-            del PX
+                a = project_backward(ctx, E, dirE, "X", "a_u over E")
+                b = project_backward(ctx, U, dirU, "Y", "b_u over U")
+            del dirU
             a, b = D.gather_units(a), D.gather_units(b)
-            v = est.two_batch_variance(a, b, geo.lr, bars_dot)
-        res.update({"V_X": v.V_X, "V_Y": v.V_Y, "SE_deltaH1": v.SE, "SE_jackknife": v.SE_jackknife,
-                    "frac_var": v.frac_var, "ci95_low": v.ci95_low, "ci95_high": v.ci95_high,
+            v = est.two_batch_variance(a[:, 0], b[:, 0], geo.lr, bars_dot)
+            e, u = -a[:, 1:], -b[:, 1:]  # per-unit contributions to deltaH_pred (minus X_u . Delta)
+        res.update({"V_X": v.V_X, "V_Y": v.V_Y, "SE_deltaH1": v.SE, "frac_var": v.frac_var,
+                    "ci95_low": v.ci95_low, "ci95_high": v.ci95_high, "deltaH1_df": v.df,
                     "projection": mode})
         if fused:  # per-unit gradients were taken (a backward per unit, or batched)
             res["unit_backward"] = unit_bwd
+    del dirE
+    res.update(prediction_results(step, step_dots, e, u))
 
     names = ctx.names
     flat, rows = summarize(names, terms.tolist(), pcfg.top_k_params)
@@ -107,11 +124,26 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
         inp = StepInputs(geo.optimizer, geo.lr, Xbar, Ybar, geo.P, B_U, accX.S, accY.token_logp,
                          accX.entropy)
         res.update(run_ground_truth(ctx, E, U, inp, icfg, resample=resample))
-        d1 = res["deltaH1"]
-        res["ratio_deltaH1_to_true"] = d1 / res["deltaH_true"] if res["deltaH_true"] else float("nan")
-        if "SE_deltaH1" in res and res["SE_deltaH1"] > 0:
-            res["z_true_vs_deltaH1"] = (res["deltaH_true"] - d1) / res["SE_deltaH1"]
+        res.update(compare_with_prediction(res, res.pop("gt/psi"), e))
     return res
+
+
+def compare_with_prediction(res: dict, psi: torch.Tensor, e: torch.Tensor | None) -> dict:
+    """``deltaH_true - deltaH_pred`` on the same E responses, with its paired SE: per prompt of E
+    the measured contribution psi_n minus the predicted one e_n (both for the step taken on this
+    U, so the U side cancels): ``SE = sd(psi - e) / sqrt(B_E)``, Student-t with B_E - 1 degrees of
+    freedom. ``pred_consistent``: the difference's 95% interval contains 0."""
+    diff = res["deltaH_true"] - res["deltaH_pred"]
+    out = {"deltaH_true_minus_pred": diff}
+    if e is None:
+        return out
+    d = psi.double() - e.sum(1).double()
+    se = math.sqrt(est.mean_variance(d)) if torch.isfinite(d).all() else float("nan")
+    lo, hi = est.interval(diff, se, d.numel() - 1)
+    out.update({"SE_deltaH_true_minus_pred": se, "ci95_true_minus_pred_low": lo,
+                "ci95_true_minus_pred_high": hi, "z_true_minus_pred": diff / se if se > 0 else float("nan"),
+                "pred_consistent": bool(lo <= 0.0 <= hi) if math.isfinite(se) else False})
+    return out
 
 
 def save_buffers(path: Path, names: list[str], Xbar, Ybar, P) -> None:

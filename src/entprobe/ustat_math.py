@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from entprobe.estimators import UStat, loo_centred, x_unit_coeffs, y_unit_coeffs
+from entprobe.estimators import UStat, x_unit_coeffs, y_unit_coeffs
 
 
 class UnitCoeffs(NamedTuple):
@@ -31,25 +31,29 @@ def cross_fit_split(G: int) -> int:
     return G1
 
 
-def unit_coefficients(S_w: torch.Tensor, A: torch.Tensor, Lmax: torch.Tensor, cross_fit: bool) -> UnitCoeffs:
+def unit_coefficients(S: torch.Tensor, L: torch.Tensor, Lmax: torch.Tensor, A: torch.Tensor, mode: str,
+                      cross_fit: bool) -> UnitCoeffs:
     """Per-response weights of X_n and Y_n [n, G].
 
-    Plain: cx = (S_w - LOO mean S_w) / G, cy = A / (G Lmax) (= ``x_unit_coeffs`` / ``y_unit_coeffs``).
-    Cross-fit (seed 001 §VI): X from the first G1 = ceil(G/2) responses with the leave-one-out
-    baseline inside that half, ``cx = (S_w - LOO_{half} mean S_w) / G1`` there and 0 elsewhere;
-    Y from the other G2 = G - G1, ``cy = A / (G2 Lmax)`` there and 0 elsewhere, with the batch's
-    advantages A and group Lmax unchanged. By exchangeability of the G responses both halves keep
-    the expectations of the full-group vectors (E[X^half] = E[X], E[Y^half] = E[Y]), so the
-    U-statistic's target is unchanged; X_n and Y_n then share no response of prompt n.
+    Plain: cx = ``x_unit_coeffs`` (E[X_n] = -grad H_n in the weighting mode), cy = A / (G Lmax).
+    Cross-fit (seed 001 §VI; modes whose functional is a mean over responses, not ``dr_grpo``):
+    X from the first G1 = ceil(G/2) responses, its weights computed within that half and 0
+    elsewhere; Y from the other G2 = G - G1, ``cy = A / (G2 Lmax)`` there and 0 elsewhere, with the
+    batch's advantages A and group Lmax unchanged. By exchangeability of the G responses both
+    halves keep the expectations of the full-group vectors (E[X^half] = E[X], E[Y^half] = E[Y]),
+    so the U-statistic's target is unchanged; X_n and Y_n then share no response of prompt n.
     """
-    S_w = S_w.detach()
-    cy_full = y_unit_coeffs(A.to(S_w.dtype), Lmax)
+    S = S.detach()
+    cy_full = y_unit_coeffs(A.to(S.dtype), Lmax)
     if not cross_fit:
-        return UnitCoeffs(x_unit_coeffs(S_w), cy_full, cy_full)
-    G = S_w.shape[-1]
+        return UnitCoeffs(x_unit_coeffs(S, L, Lmax, mode), cy_full, cy_full)
+    if getattr(mode, "value", mode) == "dr_grpo":
+        raise ValueError("cross_fit needs a weighting mode whose functional is a mean over responses "
+                         "(sequence or per_token_avg); dr_grpo's couples the whole group through Lmax")
+    G = S.shape[-1]
     G1 = cross_fit_split(G)
-    cx = torch.zeros_like(S_w)
-    cx[:, :G1] = loo_centred(S_w[:, :G1]) / G1
+    cx = torch.zeros_like(S)
+    cx[:, :G1] = x_unit_coeffs(S[:, :G1], L[:, :G1], Lmax, mode)
     cy = torch.zeros_like(cy_full)
     cy[:, G1:] = cy_full[:, G1:] * (G / (G - G1))
     return UnitCoeffs(cx, cy, cy_full)

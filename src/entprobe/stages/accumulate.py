@@ -19,7 +19,7 @@ import torch
 
 from entprobe import paramvec as pv
 from entprobe.distributed import no_sync
-from entprobe.estimators import weighted_S, x_loss, y_loss
+from entprobe.estimators import x_loss, y_loss
 from entprobe.rollout import RolloutBatch
 from entprobe.stages.context import ProbeContext
 
@@ -30,18 +30,16 @@ class Accumulated:
     S: torch.Tensor  # [B, G] sequence log-probs at theta (detached, CPU fp32)
     token_logp: torch.Tensor  # [B, G, T] token log-probs at theta
     entropy: torch.Tensor | None  # [B, G, T] exact token entropies (X pass only)
-    proj: torch.Tensor | None  # [B] per-unit projections onto the direction, if one was given
+    proj: torch.Tensor | None  # [B, k] per-unit projections onto the k directions, if given
     B: int  # local units
     unit_grads: list[pv.Buffer] | None = None  # kept per-unit gradients (model device) as row chunks:
     # each chunk a buffer of [b, *shape] tensors, b units (a vmap microbatch, or 1 unit of a loop)
 
 
 def x_loss_of(ctx: ProbeContext) -> Callable[[torch.Tensor, RolloutBatch], torch.Tensor]:
-    """``L_X(S, mb) = sum_n (1/G) sum_g detach(S_w - LOO mean S_w) * S`` for the context's mode."""
-    def fn(S, mb):
-        Sw = weighted_S(S, mb.gen_lengths.to(S.device), mb.Lmax.to(S.device), ctx.weighting_mode)
-        return x_loss(S, Sw)
-    return fn
+    """``L_X(S, mb) = sum_n sum_g detach(w) * S`` with X's unit weights in the context's mode
+    (``estimators.x_unit_coeffs``): its gradient is ``sum_n X_n``, E[X_n] = -grad H_n."""
+    return lambda S, mb: x_loss(S, mb.gen_lengths.to(S.device), mb.Lmax.to(S.device), ctx.weighting_mode)
 
 
 def y_loss_of(ctx: ProbeContext) -> Callable[[torch.Tensor, RolloutBatch], torch.Tensor]:
@@ -49,7 +47,7 @@ def y_loss_of(ctx: ProbeContext) -> Callable[[torch.Tensor, RolloutBatch], torch
     return lambda S, mb: y_loss(S, mb.advantages.to(S.device), mb.Lmax.to(S.device))
 
 
-def _check_grads(ctx: ProbeContext, what: str) -> None:
+def check_grads(ctx: ProbeContext, what: str) -> None:
     gs = [p.grad for p in ctx.params if p.grad is not None]
     if not gs:
         raise RuntimeError(f"{what}: the probe loss produced no gradient for any trainable parameter")
@@ -95,12 +93,13 @@ def _add_units_(buf: pv.Buffer, units: list[pv.Buffer]) -> None:
 
 
 def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
-               direction: pv.Buffer | None = None, with_entropy: bool = False,
+               directions: pv.DirectionSet | None = None, with_entropy: bool = False,
                keep_unit_grads: bool = False, unit_backward: str = "loop") -> Accumulated:
     """Sum the probe gradients of ``batch`` into a buffer, microbatch by microbatch.
 
-    With ``direction`` (a buffer on the model's device) every unit gets its own gradient and its
-    projection ``grad_u . direction`` is recorded on the device; parameter-sized data still moves to
+    With ``directions`` (k directions stacked per parameter on the model's device,
+    ``paramvec.stack_directions``) every unit gets its own gradient and its projections
+    ``grad_u . direction_j`` are recorded on the device (one read of the gradient for all k); parameter-sized data still moves to
     the buffers only once per microbatch. With ``keep_unit_grads`` every unit's gradient tensors
     are kept on the model's device (no copy); the microbatch's sum is formed there and reaches the
     buffers once per microbatch. Per-unit gradients come from one backward per unit
@@ -115,7 +114,7 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
     if unit_backward not in ("loop", "vmap"):
         raise ValueError(f"unit_backward={unit_backward!r}; use loop or vmap")
     S_all, lp_all, ent_all, proj, units = [], [], [], [], []
-    per_unit = direction is not None or keep_unit_grads
+    per_unit = directions is not None or keep_unit_grads
     vmap = per_unit and unit_backward == "vmap"
     # Buffers of the parameters' own device and dtype: .grad is the sum (backward accumulates
     # into it, the same additions in the same order), adopted as the buffer at the end.
@@ -135,9 +134,9 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
                 S, lp, ent, gb = _vmap_unit_grads(ctx, piece, loss_of, what, with_entropy)
                 for p, g in zip(ctx.params, gb):
                     p.grad = g.sum(0)
-                _check_grads(ctx, what)
-                if direction is not None:
-                    proj.extend(pv.dot_rows(gb, direction).tolist())
+                check_grads(ctx, what)
+                if directions is not None:
+                    proj.append(pv.dot_rows_set(gb, directions))
                 if keep_unit_grads:
                     mb_units.append(gb)
                 ctx.stats.count("backward", piece.B * piece.G)
@@ -151,14 +150,14 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
                     loss.backward()
                 ctx.stats.count("backward", piece.B * piece.G)
                 if keep_unit_grads:
-                    _check_grads(ctx, what)
+                    check_grads(ctx, what)
                     mb_units.append([g.detach().unsqueeze(0) for g in pv.grads(ctx.params)])  # a view
                     ctx.zero_grad()  # the next unit's backward starts from None: no copy of this one
-                    if direction is not None:
-                        proj.append(pv.dot(mb_units[-1], direction))
-                elif direction is not None:  # a NaN here fails the microbatch's check below
-                    now = pv.dot(pv.grads(ctx.params), direction)
-                    proj.append(now - before)
+                    if directions is not None:
+                        proj.append(pv.dot_rows_set(mb_units[-1], directions))
+                elif directions is not None:  # a NaN here fails the microbatch's check below
+                    now = pv.dot_set(pv.grads(ctx.params), directions)
+                    proj.append((now - before).unsqueeze(0))
                     before = now
             S_all.append(S.detach().cpu())
             lp_all.append(lp.detach().cpu())
@@ -168,7 +167,7 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
         if keep_unit_grads and not vmap:  # every unit was checked; .grad is empty
             _add_units_(buf, mb_units)
             continue
-        _check_grads(ctx, f"{label} microbatch prompts [{start}, {start + mb.B})")  # the running sum
+        check_grads(ctx, f"{label} microbatch prompts [{start}, {start + mb.B})")  # the running sum
         if not in_grad:
             pv.add_grads_(buf, ctx.params)
             ctx.zero_grad()
@@ -176,5 +175,5 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
         buf = [g.detach() for g in pv.grads(ctx.params)]
         ctx.zero_grad()
     return Accumulated(buf, torch.cat(S_all), torch.cat(lp_all), torch.cat(ent_all) if ent_all else None,
-                       torch.tensor(proj, dtype=torch.float64) if direction is not None else None, batch.B,
+                       torch.cat([x.cpu() for x in proj]) if directions is not None else None, batch.B,
                        units if keep_unit_grads else None)

@@ -10,6 +10,7 @@ do not deadlock). IS sums use gathered per-response scalars, token diagnostics g
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,6 +18,7 @@ import torch
 
 from entprobe import distributed as D
 from entprobe import estimators as est
+from entprobe import importance_math as im
 from entprobe import paramvec as pv
 from entprobe.rollout import RolloutBatch
 from entprobe.stages.context import ProbeContext
@@ -114,36 +116,56 @@ def _xbar_dot_step(Xbar: pv.Buffer, params, snap_params) -> float:
     return float(total) if total is not None else 0.0
 
 
-def importance_estimates(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Tensor,
-                         Lmax: torch.Tensor, mode: str, clip_c: float) -> dict[str, float]:
-    """H(theta) and IS estimates of H(theta_plus) on the same samples, [B, G] inputs.
+IS_MODES = ("cv", "snis", "clip", "psis")
 
-    H = -E[S_w] in the weighting mode's functional; per-token: H_tok = -sum w S / sum w L.
-    logw = S_upd - S_orig; SNIS, clipped (weights capped at clip_c) and PSIS.
+
+def importance_estimates(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Tensor,
+                         Lmax: torch.Tensor, mode: str, clip_c: float,
+                         warn_psis: bool = True) -> tuple[dict[str, float], dict]:
+    """H(theta) and stratified IS estimates of the change on the same samples, [B, G] inputs.
+
+    H = -E[S_w] in the weighting mode's functional (importance_math.py: each prompt's responses
+    are reweighted among themselves; ``dr_grpo``'s functional is one of the whole group). Returns
+    flat results (``deltaH_<est>``, ``SE_deltaH_<est>`` for ``IS_MODES``, per-token SNIS, weight
+    diagnostics) and the per-prompt contributions ``{est: psi [B]}`` for paired comparisons.
     """
-    f_orig = -est.weighted_S(S_orig, L, Lmax, mode).reshape(-1)
-    f_upd = -est.weighted_S(S_upd, L, Lmax, mode).reshape(-1)
-    logw = (S_upd - S_orig).reshape(-1).double()
-    Lf = L.reshape(-1).double()
+    mode = getattr(mode, "value", mode)
+    f_orig = -est.weighted_S(S_orig, L, Lmax, mode).double()  # [B, G]
+    f_upd = -est.weighted_S(S_upd, L, Lmax, mode).double()
+    logw = (S_upd - S_orig).double()
+    group = mode == "dr_grpo"
+    with warnings.catch_warnings():
+        if not warn_psis:  # PSIS is a diagnostic here: its fallbacks matter only when it is reported
+            warnings.simplefilter("ignore")
+        smoothed, khat = im.psis_log_weights(logw.sum(-1) if group else logw)
+    if group:  # one item per prompt: the group functional and the group's weight
+        changes = im.prompt_changes(f_orig.mean(-1), f_upd.mean(-1), logw.sum(-1), smoothed, True, clip_c)
+        ess_items = im.stratified_ess(logw.sum(-1))  # over prompts' groups
+        ess_frac = float(ess_items) / logw.shape[0]
+    else:
+        changes = im.prompt_changes(f_orig, f_upd, logw, smoothed, False, clip_c)
+        ess_items = im.stratified_ess(logw)  # [B] per prompt
+        ess_frac = float(ess_items.mean()) / logw.shape[1]
+    Lf = L.double()
     N = logw.numel()
-    out = {"H_orig": float(f_orig.double().mean()),
-           "H_orig_per_token": float(-S_orig.double().sum() / Lf.sum())}
-    w_psis, khat = est.psis_weights(logw)
-    for name, wn in (("snis", est.snis_weights(logw)), ("clip", est.clipped_weights(logw, clip_c)),
-                     ("psis", w_psis)):
-        out[f"H_upd_{name}"] = est.is_estimate(f_upd, wn)
-        out[f"deltaH_{name}"] = out[f"H_upd_{name}"] - out["H_orig"]
-        out[f"H_upd_per_token_{name}"] = est.ratio_estimate(-S_upd.reshape(-1), Lf, wn)
-        out[f"deltaH_per_token_{name}"] = out[f"H_upd_per_token_{name}"] - out["H_orig_per_token"]
+    out = {"H_orig": float(f_orig.mean()), "H_orig_per_token": float(-S_orig.double().sum() / Lf.sum())}
+    for name, ch in changes.items():
+        out[f"deltaH_{name}"] = ch.estimate
+        out[f"SE_deltaH_{name}"] = ch.SE
+        out[f"H_upd_{name}"] = out["H_orig"] + ch.estimate
+    # per-token entropy (a ratio over all tokens): SNIS weights normalised within each prompt
+    wn = torch.softmax(logw, -1)
+    out["H_upd_per_token"] = float((wn * -S_upd.double()).sum() / (wn * Lf).sum())
+    out["deltaH_per_token"] = out["H_upd_per_token"] - out["H_orig_per_token"]
     w = logw.exp()
-    ess = est.ess(logw)
-    out.update({"ESS": ess, "ESS_frac": ess / N, "psis_khat": khat, "is/N": N,
+    out.update({"ESS_frac": ess_frac, "ESS": ess_frac * (logw.shape[0] if group else N),
+                "psis_khat": khat, "is/N": N, "is/stratified_by": "group" if group else "prompt",
                 "is/w_min": float(w.min()), "is/w_max": float(w.max()),
                 "is/logw_std": float(logw.std()) if N > 1 else 0.0,
                 "is/mean_importance_ratio": float(w.mean()),
                 "is/frac_old_logprobs_valid": float(torch.isfinite(S_orig).double().mean()),
                 "is/clip_fraction": float((w > clip_c).double().mean())})
-    return out
+    return out, {k: v.psi for k, v in changes.items()}
 
 
 def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: StepInputs, icfg,
@@ -191,7 +213,8 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
         ent_upd = torch.cat([o[2].cpu() for o in outs])
         S_orig_g, S_upd_g = D.gather_units(inp.S_orig), D.gather_units(S_upd)
         L_g, Lmax_g = D.gather_units(E.gen_lengths), D.gather_units(E.Lmax)
-        est_res = importance_estimates(S_orig_g, S_upd_g, L_g, Lmax_g, ctx.weighting_mode, icfg.clip_c)
+        est_res, psi = importance_estimates(S_orig_g, S_upd_g, L_g, Lmax_g, ctx.weighting_mode, icfg.clip_c,
+                                            warn_psis=icfg.is_mode.value == "psis")
         res.update(est_res)
         if resample is not None and icfg.resample_on_low_ess and est_res["ESS_frac"] < icfg.ess_threshold:
             with ctx.phase("gt_resample"):
@@ -202,8 +225,10 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
             res["deltaH_resample"] = Hr - est_res["H_orig"]
         mode = icfg.is_mode.value
         res["deltaH_true"] = est_res[f"deltaH_{mode}"]
+        res["SE_deltaH_true"] = est_res[f"SE_deltaH_{mode}"]
         res["H_upd"] = est_res[f"H_upd_{mode}"]
-        res["deltaH_true_per_token"] = est_res[f"deltaH_per_token_{mode}"]
+        res["deltaH_true_per_token"] = est_res["deltaH_per_token"]
+        res["gt/psi"] = psi[mode]  # [B_E] per-prompt contributions (popped by the caller)
         # Token-level entropy over the vocabulary on E's generated positions (as verl / TRL log it).
         m = E.response_mask.bool()
         if inp.token_entropy_orig is not None:
@@ -215,10 +240,10 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
         # sampler's, summed over ranks.
         T = U.sampler_logprobs.shape[-1]
         new_lp = U_lp.reshape(-1, T) if U_lp is not None else U.sampler_logprobs.reshape(-1, T)
-        sums = est.token_ratio_sums(new_lp, U.sampler_logprobs.reshape(-1, T), U.response_mask.reshape(-1, T),
+        sums = im.token_ratio_sums(new_lp, U.sampler_logprobs.reshape(-1, T), U.response_mask.reshape(-1, T),
                                     icfg.update_clip_eps, icfg.update_clip_eps_high)
-        sums = est.TokenRatioSums(*D.reduce_scalars(*sums))
-        res.update({f"update/{k}": v for k, v in est.token_ratio_stats_from_sums(sums).items()})
+        sums = im.TokenRatioSums(*D.reduce_scalars(*sums))
+        res.update({f"update/{k}": v for k, v in im.token_ratio_stats_from_sums(sums).items()})
         if icfg.split_step and icfg.step_mode.value == "optimizer":
             with ctx.phase("gt_split"):
                 res.update(_split_step(ctx, inp, snap, res["deltaH1_step"]))

@@ -41,11 +41,13 @@ import torch
 from entprobe import distributed as D
 from entprobe import estimators as est
 from entprobe import paramvec as pv
-from entprobe.probe import Geometry
+from entprobe.probe import Geometry, compare_with_prediction, global_mean
 from entprobe.rollout import RolloutBatch
-from entprobe.stages.accumulate import _check_grads
+from entprobe.stages.accumulate import accumulate, check_grads, x_loss_of
 from entprobe.stages.context import ProbeContext
 from entprobe.stages.ground_truth import StepInputs, run_ground_truth
+from entprobe.stages.prediction import build_step_model, e_directions, prediction_results
+from entprobe.stages.variance import resolve_unit_backward
 from entprobe.ustat_math import UnitCoeffs, cyclic_partners, incomplete_u_statistic, top_units, unit_coefficients
 
 
@@ -78,8 +80,8 @@ def plan_units(B_local: int, block_size: int, num_blocks: int) -> UnitPlan:
 
 
 def _coeffs(ctx: ProbeContext, S: torch.Tensor, mb: RolloutBatch, cross_fit: bool) -> UnitCoeffs:
-    Sw = est.weighted_S(S.detach(), mb.gen_lengths.to(S.device), mb.Lmax.to(S.device), ctx.weighting_mode)
-    return unit_coefficients(Sw, mb.advantages.to(S.device), mb.Lmax.to(S.device), cross_fit)
+    return unit_coefficients(S, mb.gen_lengths.to(S.device), mb.Lmax.to(S.device), mb.advantages.to(S.device),
+                             ctx.weighting_mode, cross_fit)
 
 
 def _backward(ctx: ProbeContext, loss: torch.Tensor, mb: RolloutBatch, retain: bool = False) -> None:
@@ -129,7 +131,7 @@ def bars_pass(ctx: ProbeContext, batch: RolloutBatch, cross_fit: bool, full_y: b
             losses = [(c.cx * S).sum(), (c.cy * S).sum()] + ([(c.cy_full * S).sum()] if full_y else [])
             for i, (loss, buf) in enumerate(zip(losses, sums)):
                 _backward(ctx, loss, mb, retain=i < len(losses) - 1)
-                _check_grads(ctx, what)
+                check_grads(ctx, what)
                 pv.add_grads_(buf, ctx.params)
                 ctx.zero_grad()
         S_all.append(S.detach().cpu())
@@ -177,7 +179,7 @@ def units_pass(ctx: ProbeContext, batch: RolloutBatch, plan: UnitPlan, cross_fit
             x.zero_()
         ctx.zero_grad()
         _unit_grads(ctx, unit, plan.k, cross_fit, f"U-stat unit {plan.offset + u}", X_dev, True)
-        _check_grads(ctx, f"U-stat unit {plan.offset + u}")
+        check_grads(ctx, f"U-stat unit {plan.offset + u}")
         Y = pv.grads(ctx.params)
         out.append(torch.stack([_dot_dev(X_dev, PY), _dot_dev(Y, PX), _dot_dev(X_dev, Y, P_dev)]))
         ctx.zero_grad()
@@ -212,8 +214,9 @@ def _probe_passes(ctx: ProbeContext) -> tuple[float, float]:
 
 
 def run_single_batch(ctx: ProbeContext, batch: RolloutBatch, geo: Geometry, pcfg, icfg, run_dir: Path,
-                     resample: Callable[[], RolloutBatch] | None = None) -> dict:
-    """The single-batch probe on ``batch`` (this rank's prompts). Returns flat global results."""
+                     resample: Callable[[], RolloutBatch] | None = None, E: RolloutBatch | None = None) -> dict:
+    """The single-batch probe on ``batch`` (this rank's prompts). Returns flat global results. With
+    the ground truth on, ``E`` is a fresh batch sampled at theta on which the step is measured."""
     if batch.G < 2:
         raise ValueError(f"single_batch: G={batch.G}; need >= 2 responses per prompt")
     if torch.is_inference_mode_enabled():
@@ -268,13 +271,38 @@ def run_single_batch(ctx: ProbeContext, batch: RolloutBatch, geo: Geometry, pcfg
     res["H_orig"] = float(-Sw_g.double().mean())
     res["deltaH_cov"] = est.delta_h_cov(lr, Sw_g, A_g)
 
-    if icfg.enabled:  # seed 001 §V: the real step on this batch, entropy re-estimated on it
-        inp = StepInputs(geo.optimizer, lr, bars.Xbar, bars.Ybar_full, geo.P, plan.B, bars.S,
-                         bars.token_logp, bars.entropy)
-        res.update(run_ground_truth(ctx, batch, batch, inp, icfg, resample=resample))
-        t = res["deltaH_true"]
-        res["ratio_deltaH1_to_true"] = d1 / t if t else float("nan")
-        res["z_true_vs_deltaH1"] = (t - d1) / se if se > 0 else float("nan")
+    if icfg.enabled:
+        if E is None:
+            raise ValueError("single_batch with importance.enabled needs a fresh evaluation batch E: the "
+                             "step is fit to this batch, so its change is measured on responses it was not fit to")
+        res.update(held_out_ground_truth(ctx, E, batch, bars, geo, pcfg, icfg, resample))
+    return res
+
+
+def held_out_ground_truth(ctx: ProbeContext, E: RolloutBatch, batch: RolloutBatch, bars: Bars, geo: Geometry,
+                          pcfg, icfg, resample) -> dict:
+    """The real step on ``batch`` (its full-group gradient), predicted and measured on a fresh E
+    sampled at theta: an X pass over E projects each unit onto the update's parts (``e_u``), so
+    ``deltaH_pred = -Xbar_E . Delta theta`` has its E-side SE (the step is this batch's: U is
+    fixed, as in the comparison), and the ground truth re-weights E's responses. On the batch the
+    step was fit to, the measured change is biased (-78% measured on the exact model)."""
+    step = build_step_model(ctx, geo.optimizer, geo.lr, bars.Ybar_full, geo.P, icfg.step_mode.value,
+                            icfg.max_grad_norm)
+    names = e_directions(step)
+    dirE = pv.stack_directions([step.parts[k] for k in names], device=ctx.device)
+    step.parts = dict.fromkeys(names)
+    with ctx.phase("accumulate_X_E"):
+        accX = accumulate(ctx, E, x_loss_of(ctx), "X over held-out E", directions=dirE, with_entropy=True,
+                          unit_backward=resolve_unit_backward(pcfg, ctx, (E,)))
+        Xbar, B_E = global_mean(accX.sum_buf, accX.B)
+    step_dots = pv.dot_set(Xbar, dirE).tolist()
+    del dirE
+    e = -D.gather_units(accX.proj)
+    res = {"gt/B_E": B_E, **prediction_results(step, step_dots, e, None)}
+    inp = StepInputs(geo.optimizer, geo.lr, Xbar, bars.Ybar_full, geo.P, batch.B, accX.S, bars.token_logp,
+                     accX.entropy)
+    res.update(run_ground_truth(ctx, E, batch, inp, icfg, resample=resample))
+    res.update(compare_with_prediction(res, res.pop("gt/psi"), e))
     return res
 
 

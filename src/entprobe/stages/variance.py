@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from entprobe import distributed as D
 from entprobe import paramvec as pv
 from entprobe.distributed import no_sync
-from entprobe.estimators import weighted_S, x_unit_coeffs, y_unit_coeffs
+from entprobe.estimators import x_unit_coeffs, y_unit_coeffs
 from entprobe.rollout import RolloutBatch
 from entprobe.stages.context import ProbeContext, device_budget_bytes, model_dims
 
@@ -52,8 +52,7 @@ def _math_sdpa():
 def unit_coeffs(ctx: ProbeContext, S: torch.Tensor, mb: RolloutBatch, side: str) -> torch.Tensor:
     """Per-response weights w [b, G] such that the unit vector is ``sum_g w[n,g] grad S[n,g]``."""
     if side == "X":
-        Sw = weighted_S(S, mb.gen_lengths.to(S.device), mb.Lmax.to(S.device), ctx.weighting_mode)
-        return x_unit_coeffs(Sw)
+        return x_unit_coeffs(S, mb.gen_lengths.to(S.device), mb.Lmax.to(S.device), ctx.weighting_mode)
     return y_unit_coeffs(mb.advantages.to(S.device), mb.Lmax.to(S.device))
 
 
@@ -223,16 +222,17 @@ def resolve_unit_backward(pcfg, ctx: ProbeContext, batches: tuple[RolloutBatch, 
     return "vmap" if host_bound and fits else "loop"
 
 
-def project_stored(unit_grads: list[pv.Buffer], direction: pv.Buffer) -> torch.Tensor:
-    """Per-unit ``V_u . direction`` from kept per-unit gradients (row chunks ``[b, *shape]``, see
-    ``Accumulated.unit_grads``): one matrix-vector product per parameter and chunk on the device,
-    one host transfer; [B] float64."""
-    return torch.cat([pv.dot_rows(rows, direction) for rows in unit_grads]).cpu()
+def project_stored(unit_grads: list[pv.Buffer], directions: pv.DirectionSet) -> torch.Tensor:
+    """Per-unit ``V_u . direction_j`` from kept per-unit gradients (row chunks ``[b, *shape]``, see
+    ``Accumulated.unit_grads``): one matrix product per parameter and chunk on the device, one host
+    transfer; [B, k] float64."""
+    return torch.cat([pv.dot_rows_set(rows, directions) for rows in unit_grads]).cpu()
 
 
-def project_jvp(ctx: ProbeContext, batch: RolloutBatch, direction: pv.Buffer, side: str,
+def project_jvp(ctx: ProbeContext, batch: RolloutBatch, directions: pv.DirectionSet, side: str,
                 label: str, mb_size: int | None = None) -> torch.Tensor:
-    """Per-unit ``V_u . direction`` (V = X or Y) from one forward-mode pass; returns [B] float64.
+    """Per-unit ``V_u . direction_j`` (V = X or Y) from one forward-mode pass per direction
+    (a tangent carries one direction); returns [B, k] float64.
 
     ``dS[n, g] = grad S[n, g] . direction`` is the tangent of S; ``V_u . direction =
     sum_g w[u, g] dS[u, g]`` with the unit's coefficients w (``unit_coeffs``). Microbatches of
@@ -244,6 +244,14 @@ def project_jvp(ctx: ProbeContext, batch: RolloutBatch, direction: pv.Buffer, si
     base = getattr(ctx.model, "module", ctx.model)  # DDP: call the wrapped module functionally
     names = [f"model.{n.removeprefix('module.')}" for n in ctx.names]
 
+    return torch.stack([_project_jvp_one(ctx, batch, pv.column(directions, j, ctx.params), side, label,
+                                         mb_size, base, names)
+                        for j in range(pv.num_directions(directions))], 1)
+
+
+def _project_jvp_one(ctx: ProbeContext, batch: RolloutBatch, direction: pv.Buffer, side: str, label: str,
+                     mb_size: int | None, base: torch.nn.Module, names: list[str]) -> torch.Tensor:
+    """One forward-mode pass along one direction: [B] float64."""
     operands = _DualOperands()
 
     def passes(model):
@@ -264,9 +272,9 @@ def project_jvp(ctx: ProbeContext, batch: RolloutBatch, direction: pv.Buffer, si
     return proj.cpu()
 
 
-def project_backward(ctx: ProbeContext, batch: RolloutBatch, direction: pv.Buffer, side: str,
+def project_backward(ctx: ProbeContext, batch: RolloutBatch, directions: pv.DirectionSet, side: str,
                      label: str) -> torch.Tensor:
-    """Reference: per-unit backward, gradient copied to the direction's device, dotted there."""
+    """Reference: per-unit backward, gradient copied to the directions' device, dotted there; [B, k]."""
     out = []
     ctx.zero_grad()
     for start, mb in ctx.iterate(batch, 1, label):
@@ -275,7 +283,7 @@ def project_backward(ctx: ProbeContext, batch: RolloutBatch, direction: pv.Buffe
             w = unit_coeffs(ctx, S.detach(), mb, side)
             (w * S).sum().backward()
         ctx.stats.count("backward", mb.B * mb.G)
-        host = [g.detach().to(d.device, d.dtype) for g, d in zip(pv.grads(ctx.params), direction)]
-        out.append(pv.dot(host, direction))
+        host = [g.detach().to(d.device, d.dtype) for g, d in zip(pv.grads(ctx.params), directions)]
+        out.append(pv.dot_set(host, directions).cpu())
         ctx.zero_grad()
-    return torch.tensor(out, dtype=torch.float64)
+    return torch.stack(out)
