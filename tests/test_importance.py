@@ -157,3 +157,48 @@ def test_psis_with_tied_tail_weights_falls_back_to_snis():
     with pytest.warns(UserWarning, match="tail fit failed"):
         wn, khat = est.psis_weights(logw)
     assert math.isnan(khat) and torch.equal(wn, est.snis_weights(logw))
+
+
+# ---------------------------------------------------------------- no optional diagnostic can lose a run
+def _repeat_first_response(batch):
+    """Every prompt's G responses replaced by its first one (the low-entropy regime: a prompt
+    that drew the same response G times); rewards equal within each group, advantages 0."""
+    from entprobe.rollout import RolloutBatch
+
+    kw = {}
+    for k in ("input_ids", "attention_mask", "response_mask", "sampler_logprobs", "rewards"):
+        v = getattr(batch, k)
+        kw[k] = v[:, :1].expand_as(v).clone()
+    kw["advantages"] = torch.zeros_like(batch.advantages)
+    return RolloutBatch(**kw, prompt_index=batch.prompt_index, temperature=batch.temperature)
+
+
+@pytest.mark.parametrize("is_mode", ["psis", "cv"])
+def test_tied_weights_and_an_empty_update_run_to_the_end(tmp_path, is_mode):
+    """E with every response repeated (tied importance weights: arviz's tail fit fails) and U whose
+    groups all have equal rewards (a zero gradient: the step is momentum and decay only). The run
+    writes results.json; PSIS falls back with a warning and k-hat nan; nothing else is lost."""
+    import json
+
+    from conftest import compose_cfg
+    from entprobe.main import run
+    from entprobe.rollout import RolloutBatch
+
+    saved, tied = tmp_path / "saved", tmp_path / "tied"
+    run(compose_cfg(tmp_path / "first", f"batch.save='{saved}'", "importance.enabled=false"))
+    E, U = RolloutBatch.load(saved / "E.pt"), RolloutBatch.load(saved / "U.pt")
+    _repeat_first_response(E).save(tied / "E.pt")
+    _repeat_first_response(U).save(tied / "U.pt")
+    out = tmp_path / "run"
+    with pytest.warns(UserWarning):
+        res = run(compose_cfg(out, f"batch.load='{tied}'", f"importance.is_mode={is_mode}"))
+    written = json.loads((out / "results.json").read_text())
+    assert written["deltaH_true"] == pytest.approx(res["deltaH_true"])
+    assert math.isnan(res["psis_khat"]) and math.isfinite(res["deltaH_psis"])
+    assert res["batch_U/frac_zero_var_groups"] == 1.0 and res["bars_dot"] == 0.0  # Ybar = 0
+    # the step is momentum + decay only, and the prediction says so
+    assert res["deltaH_pred_gradient"] == 0.0 and res["deltaH_pred"] != 0.0
+    for k in ("deltaH_true", "SE_deltaH_true", "deltaH_pred", "SE_deltaH_pred", "deltaH_true_minus_pred",
+              "ESS_frac"):
+        assert math.isfinite(res[k]), k
+    assert 0 < res["ESS_frac"] <= 1 and res["is/stratified_by"] == "group"  # dr_grpo: one item per prompt

@@ -80,18 +80,6 @@ def dot(a: Buffer, b: Buffer, P: Buffer | None = None) -> float:
     return float(dot_terms(a, b, P).sum())
 
 
-def dot_rows(rows: Buffer, b: Buffer) -> torch.Tensor:
-    """``[dot(row_u, b) for u]`` for a buffer of stacked rows (``[n, *shape]`` per parameter), as
-    ``dot`` does it: at least fp32 per tensor on the rows' device, the per-tensor terms summed in
-    fp64. One matrix-vector product per parameter; returns [n] fp64 on the rows' device."""
-    total = None
-    for x, y in zip(rows, b):
-        dt = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
-        term = (x.reshape(x.shape[0], -1).to(dt) @ y.to(x.device).reshape(-1).to(dt)).double()
-        total = term if total is None else total + term
-    return total
-
-
 def mul(a: Buffer, P: Buffer | None, device=None) -> Buffer:
     """Elementwise ``P * a`` (a copy), optionally moved to ``device``."""
     if P is None:
@@ -123,45 +111,70 @@ def adam_preconditioner(exp_avg_sq: Buffer, step: int, beta2: float, eps: float,
 
 
 # ---------------------------------------------------------------- several directions at once
-DirectionSet = list[torch.Tensor]  # per parameter a [numel, k] matrix: k directions, column j is one
+FLAT_MAX_NUMEL = 10_000_000  # below this, per-tensor loops cost more host time than one flat copy
+
+
+class DirectionSet:
+    """k parameter-sized directions as one ``[k, N]`` matrix (N = total numel, parameters in order):
+    a gradient is read once for all k dots. Parameter i's block is ``mat[:, off_i:off_i + n_i]``."""
+
+    def __init__(self, mat: torch.Tensor, shapes: list[torch.Size]):
+        self.mat, self.shapes = mat, shapes
+        self.offsets = [0]
+        for sh in shapes:
+            self.offsets.append(self.offsets[-1] + sh.numel())
+
+    @property
+    def k(self) -> int:
+        return self.mat.shape[0]
+
+    def block(self, i: int) -> torch.Tensor:
+        return self.mat[:, self.offsets[i]:self.offsets[i + 1]]
+
+    def column(self, j: int) -> Buffer:
+        """Direction j as a buffer of views shaped like the parameters."""
+        return [self.mat[j, self.offsets[i]:self.offsets[i + 1]].view(sh) for i, sh in enumerate(self.shapes)]
 
 
 def stack_directions(bufs: Sequence[Buffer], device=None, dtype=None) -> DirectionSet:
-    """k buffers -> one ``[numel, k]`` matrix per parameter (on ``device`` in ``dtype``, default
-    the first buffer's), so that a gradient is read once for all k dots."""
-    out = []
-    for ts in zip(*bufs):
-        dev, dt = device or ts[0].device, dtype or ts[0].dtype
-        out.append(torch.stack([t.reshape(-1).to(dev, dt) for t in ts], 1))
-    return out
+    """k buffers -> a ``DirectionSet`` on ``device`` in ``dtype`` (default: the first tensor's)."""
+    first = bufs[0][0]
+    dev, dt = device or first.device, dtype or first.dtype
+    shapes = [t.shape for t in bufs[0]]
+    mat = torch.empty((len(bufs), sum(sh.numel() for sh in shapes)), device=dev, dtype=dt)
+    for j, buf in enumerate(bufs):
+        torch.cat([t.reshape(-1).to(dev, dt) for t in buf], out=mat[j])
+    return DirectionSet(mat, shapes)
 
 
-def num_directions(dset: DirectionSet) -> int:
-    return dset[0].shape[1] if dset else 0
-
-
-def column(dset: DirectionSet, j: int, like: Sequence[torch.Tensor]) -> Buffer:
-    """Direction j as a buffer shaped like ``like`` (a copy)."""
-    return [d[:, j].reshape(p.shape).contiguous() for d, p in zip(dset, like)]
+def _dt(x: torch.Tensor, d: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(torch.promote_types(x.dtype, d.dtype), torch.float32)
 
 
 def dot_set(a: Buffer, dset: DirectionSet) -> torch.Tensor:
-    """``[dot(a, direction_j) for j]`` as [k] fp64 on the directions' first device: per tensor one
-    vector-matrix product in at least fp32, the terms summed in fp64."""
-    total = None
-    for x, d in zip(a, dset):
-        dt = torch.promote_types(torch.promote_types(x.dtype, d.dtype), torch.float32)
-        term = (x.reshape(-1).to(d.device, dt) @ d.to(dt)).double()
-        total = term if total is None else total + term.to(total.device)
+    """``[dot(a, direction_j) for j]`` as [k] fp64 on the directions' device: one matrix-vector
+    product over the concatenated tensors for small models, else one per tensor (terms in fp64)."""
+    mat = dset.mat
+    dt = _dt(a[0], mat)
+    if mat.shape[1] <= FLAT_MAX_NUMEL:
+        flat = torch.cat([x.reshape(-1).to(mat.device, dt) for x in a])
+        return (mat.to(dt) @ flat).double()
+    total = torch.zeros(dset.k, dtype=torch.float64, device=mat.device)
+    for i, x in enumerate(a):
+        total += (dset.block(i).to(dt) @ x.reshape(-1).to(mat.device, dt)).double()
     return total
 
 
 def dot_rows_set(rows: Buffer, dset: DirectionSet) -> torch.Tensor:
-    """Per-unit dots of stacked rows (``[n, *shape]`` per parameter) with k directions: [n, k] fp64
-    on the rows' device, one matrix product per parameter."""
-    total = None
-    for x, d in zip(rows, dset):
-        dt = torch.promote_types(torch.promote_types(x.dtype, d.dtype), torch.float32)
-        term = (x.reshape(x.shape[0], -1).to(dt) @ d.to(x.device, dt)).double()
-        total = term if total is None else total + term
+    """Per-unit dots of stacked rows (``[n, *shape]`` per parameter) with the k directions:
+    [n, k] fp64 on the rows' device (one matrix product, per tensor for large models)."""
+    mat = dset.mat.to(rows[0].device)
+    dt = _dt(rows[0], mat)
+    n = rows[0].shape[0]
+    if mat.shape[1] <= FLAT_MAX_NUMEL:
+        flat = torch.cat([x.reshape(n, -1).to(dt) for x in rows], 1)
+        return (flat @ mat.to(dt).T).double()
+    total = torch.zeros((n, dset.k), dtype=torch.float64, device=mat.device)
+    for i, x in enumerate(rows):
+        total += (x.reshape(n, -1).to(dt) @ dset.block(i).to(rows[0].device, dt).T).double()
     return total

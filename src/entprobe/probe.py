@@ -22,8 +22,7 @@ from entprobe.rollout import RolloutBatch
 from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
 from entprobe.stages.context import ProbeContext
 from entprobe.stages.ground_truth import StepInputs, run_ground_truth
-from entprobe.stages.prediction import (build_step_model, e_directions, prediction_results, u_direction_buffers,
-                                        u_directions)
+from entprobe.stages.prediction import build_step_model, e_directions, prediction_results, u_direction
 from entprobe.stages.variance import (project_backward, project_jvp, project_stored, resolve_projection,
                                       resolve_unit_backward)
 
@@ -81,12 +80,13 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
     e = u = None
     if pcfg.variance_enabled:
         with ctx.phase("variance"):
-            # U-side directions: P Xbar (deltaH1), then J_part * Xbar (the prediction's delta method)
+            # U-side directions: P Xbar (deltaH1), then J * Xbar (the prediction's delta method)
             PX = pv.mul(Xbar, geo.P)
-            dirU = pv.stack_directions([PX] + u_direction_buffers(step, Xbar),
+            JX = u_direction(step, Xbar)
+            dirU = pv.stack_directions([PX] + ([JX] if JX is not None else []),
                                        device=ctx.device if on_model else None)
-            del PX
-            step.jacobian = dict.fromkeys(step.jacobian) if step.jacobian is not None else None
+            del PX, JX
+            step.jacobian = None  # dirU holds what the U side needs
             if mode == "stored":
                 a, b = accX.proj, project_stored(accY.unit_grads, dirU)
                 accY.unit_grads = None
@@ -103,7 +103,8 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
             del dirU
             a, b = D.gather_units(a), D.gather_units(b)
             v = est.two_batch_variance(a[:, 0], b[:, 0], geo.lr, bars_dot)
-            e, u = -a[:, 1:], -b[:, 1:]  # per-unit contributions to deltaH_pred (minus X_u . Delta)
+            e = -a[:, 1:]  # per-unit contributions to deltaH_pred: -X_u . Delta theta_part
+            u = -b[:, 1] if b.shape[1] > 1 else None  # -Y_v . (J * Xbar)
         res.update({"V_X": v.V_X, "V_Y": v.V_Y, "SE_deltaH1": v.SE, "frac_var": v.frac_var,
                     "ci95_low": v.ci95_low, "ci95_high": v.ci95_high, "deltaH1_df": v.df,
                     "projection": mode})

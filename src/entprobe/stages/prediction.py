@@ -42,6 +42,11 @@ def _state_of(opt: torch.optim.Optimizer, p: torch.Tensor, dev, dt):
     return st["exp_avg"].to(dev, dt), st["exp_avg_sq"].to(dev, dt), float(step)
 
 
+def _step_of(opt: torch.optim.Optimizer, p: torch.Tensor) -> float:
+    st = opt.state.get(p)
+    return float(st["step"]) if st and "exp_avg" in st else 0.0
+
+
 def _plain_sgd(opt: torch.optim.Optimizer) -> bool:
     return type(opt) is torch.optim.SGD and all(
         not g.get("momentum", 0.0) and not g.get("nesterov", False) and not g.get("maximize", False)
@@ -64,37 +69,8 @@ def build_step_model(ctx: ProbeContext, optimizer: torch.optim.Optimizer, lr: fl
         jac = {"gradient": [torch.full_like(parts["gradient"][i], lr) if P is None else lr * P[i].to(dev, dt)
                             for i, dt in enumerate(dts)]}
         return StepModel(parts, jac, "preconditioned_sgd")
-    index = {id(p): i for i, p in enumerate(ctx.params)}
     if not max_grad_norm and (_plain_adamw(optimizer) or _plain_sgd(optimizer)):
-        adam = _plain_adamw(optimizer)
-        parts = {k: [None] * len(ctx.params) for k in PARTS}
-        jac = {k: [None] * len(ctx.params) for k in ("gradient", "momentum")} if adam else {"gradient": [None] * len(ctx.params)}
-        for g in optimizer.param_groups:
-            for p in g["params"]:
-                i = index.get(id(p))
-                if i is None:
-                    continue
-                y, theta = Ybar[i].to(dev, dts[i]), p.detach().to(dev, dts[i])
-                if adam:
-                    m, v, step = _state_of(optimizer, p, dev, dts[i])
-                    h = AdamWHyper(float(g["lr"]), float(g.get("weight_decay", 0.0)), float(g["betas"][0]),
-                                   float(g["betas"][1]), float(g["eps"]), step)
-                    upd, jj = adamw_update(y, m, v, theta, h), adamw_jacobian(y, m, v, h)
-                else:
-                    upd = sgd_update(y, theta, float(g["lr"]), float(g.get("weight_decay", 0.0)))
-                    jj = {"gradient": torch.full_like(y, float(g["lr"]))}
-                for k in parts:
-                    parts[k][i] = upd[k]
-                for k in jac:
-                    jac[k][i] = jj[k]
-        missing = [ctx.names[i] for i, t in enumerate(parts["gradient"]) if t is None]
-        if missing:
-            raise ValueError(f"parameters not in the optimizer's param groups: {missing[:3]}")
-        if not any(float(g.get("weight_decay", 0.0)) for g in optimizer.param_groups):
-            del parts["weight_decay"]
-        if not adam:
-            del parts["momentum"]
-        return StepModel(parts, jac, "adamw_closed_form" if adam else "sgd_closed_form")
+        return _closed_form(ctx, optimizer, Ybar, dts)
     # generic: the optimizer's own step on a snapshot
     snap = take(ctx.params, optimizer, dev)
     try:
@@ -109,27 +85,73 @@ def build_step_model(ctx: ProbeContext, optimizer: torch.optim.Optimizer, lr: fl
     return StepModel({"update": delta}, None, "optimizer_step")
 
 
+def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.Buffer, dts) -> StepModel:
+    """AdamW / SGD per run of parameters that share a param group, a step count and a dtype: on
+    one flat vector when the run is small (host time per op dominates there), else per tensor."""
+    dev = ctx.buffers_device
+    adam = _plain_adamw(optimizer)
+    index = {id(p): i for i, p in enumerate(ctx.params)}
+    runs: dict[tuple, list[int]] = {}
+    for gi, g in enumerate(optimizer.param_groups):
+        for p in g["params"]:
+            i = index.get(id(p))
+            if i is not None:
+                runs.setdefault((gi, _step_of(optimizer, p) if adam else 0.0, dts[i]), []).append(i)
+    missing = sorted(set(range(len(ctx.params))) - {i for idx in runs.values() for i in idx})
+    if missing:
+        raise ValueError(f"parameters not in the optimizer's param groups: {[ctx.names[i] for i in missing[:3]]}")
+    jac_keys = ("gradient", "momentum") if adam else ("gradient",)
+    parts = {k: [None] * len(ctx.params) for k in PARTS}
+    jac = {k: [None] * len(ctx.params) for k in jac_keys}
+    for (gi, step, dt), idx in runs.items():
+        g = optimizer.param_groups[gi]
+        small = sum(ctx.params[i].numel() for i in idx) <= pv.FLAT_MAX_NUMEL
+        chunks = [idx] if small else [[i] for i in idx]
+        for ch in chunks:
+            def flat(ts):
+                return torch.cat([t.reshape(-1).to(dev, dt) for t in ts])
+            y, theta = flat([Ybar[i] for i in ch]), flat([ctx.params[i].detach() for i in ch])
+            if adam:
+                states = [_state_of(optimizer, ctx.params[i], dev, dt) for i in ch]
+                m, v = flat([st[0] for st in states]), flat([st[1] for st in states])
+                h = AdamWHyper(float(g["lr"]), float(g.get("weight_decay", 0.0)), float(g["betas"][0]),
+                               float(g["betas"][1]), float(g["eps"]), step)
+                upd, jj = adamw_update(y, m, v, theta, h), adamw_jacobian(y, m, v, h)
+            else:
+                upd = sgd_update(y, theta, float(g["lr"]), float(g.get("weight_decay", 0.0)))
+                jj = {"gradient": torch.full_like(y, float(g["lr"]))}
+            sizes = [ctx.params[i].numel() for i in ch]
+            for out, src in ((parts, upd), (jac, jj)):
+                for k in out:
+                    for i, t in zip(ch, src[k].split(sizes)):
+                        out[k][i] = t.view(ctx.params[i].shape)
+    if not any(float(g.get("weight_decay", 0.0)) for g in optimizer.param_groups):
+        del parts["weight_decay"]
+    if not adam:
+        del parts["momentum"]
+    return StepModel(parts, jac, "adamw_closed_form" if adam else "sgd_closed_form")
+
+
 def e_directions(step: StepModel) -> list[str]:
     """Names of the E-side directions (the update's parts), in column order."""
     return list(step.parts)
 
 
-def u_directions(step: StepModel) -> list[str]:
-    """Names of the parts whose U-side directions ``J_part * Xbar`` are projected."""
-    return list(step.jacobian) if step.jacobian is not None else []
-
-
-def u_direction_buffers(step: StepModel, Xbar: pv.Buffer) -> list[pv.Buffer]:
-    """``J_part * Xbar`` for each part of ``u_directions``."""
-    return [[j * x.to(j.device, j.dtype) for j, x in zip(step.jacobian[k], Xbar)] for k in u_directions(step)]
+def u_direction(step: StepModel, Xbar: pv.Buffer) -> pv.Buffer | None:
+    """``J * Xbar`` with J the diagonal Jacobian of the whole update in Ybar (the U side of the
+    delta method); None when the Jacobian is unknown (an optimizer's own step)."""
+    if step.jacobian is None:
+        return None
+    jac = list(step.jacobian.values())
+    return [sum(j[i] for j in jac) * x.to(jac[0][i].device, jac[0][i].dtype) for i, x in enumerate(Xbar)]
 
 
 def prediction_results(step: StepModel, step_dots: list[float], e: torch.Tensor | None,
                        u: torch.Tensor | None) -> dict:
     """The prediction and its parts, ``-Xbar . Delta theta_part`` (``step_dots`` are the fp64 dots
     ``Xbar . Delta theta_part`` in ``e_directions`` order), with SEs from the per-unit contributions
-    ``e`` [B_E, parts] (same order, already negated) and ``u`` [B_U, u-parts] (``u_directions``
-    order), when given."""
+    ``e`` [B_E, parts] (same order, already negated) and ``u`` [B_U] (``-Y_v . (J * Xbar)``), when
+    given."""
     names = e_directions(step)
     vals = {k: -x for k, x in zip(names, step_dots)}
     res: dict = {"deltaH_pred": sum(vals.values()), "pred/step_model": step.kind}
@@ -146,11 +168,10 @@ def prediction_results(step: StepModel, step_dots: list[float], e: torch.Tensor 
     if len(names) > 1:
         for j, k in enumerate(names):
             res[f"SE_deltaH_pred_{k}"] = math.sqrt(est.mean_variance(e[:, j]))
-    unames = u_directions(step)
-    if u is None or not unames:
+    if u is None:
         res["SE_deltaH_pred_U"] = float("nan")
         return res
-    VU = est.mean_variance(u.sum(1))
+    VU = est.mean_variance(u)
     df = est.welch_df([(VE, B_E), (VU, u.shape[0])])
     lo, hi = est.interval(res["deltaH_pred"], math.sqrt(VE + VU), df)
     res.update({"SE_deltaH_pred_U": math.sqrt(VU), "SE_deltaH_pred_expected": math.sqrt(VE + VU),
