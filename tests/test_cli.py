@@ -13,7 +13,8 @@ def test_main_command_writes_results_wandb_and_table(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
     proc = subprocess.run(
         [sys.executable, "-m", "entprobe.main", "batch.B_E=4", "batch.B_U=4", "batch.G=4",
-         "logging.wandb.mode=offline", "logging.progress=false", f"hydra.run.dir={run_dir}"],
+         "logging.wandb.mode=offline", "logging.progress=false", "logging.console_table=true",
+         f"hydra.run.dir={run_dir}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -26,9 +27,39 @@ def test_main_command_writes_results_wandb_and_table(tmp_path):
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
     assert not (tmp_path / "wandb").exists()
 
-    # The console table: headline first, every value with 10 significant digits.
+    # The verdict first: predicted and measured change of the step, their difference, each +- SE.
+    out = proc.stdout
+    head = out[:out.index("phases:")]
+    for what, key in (("predicted", "deltaH_pred"), ("measured", "deltaH_true"),
+                      ("difference", "deltaH_true_minus_pred")):
+        line = next(x for x in head.splitlines() if what in x)
+        assert f"{res[key]:+.4g} ± {res['SE_' + key]:.2g}" in line, (line, res[key])
+    assert ("NOT consistent" in head) == (not res["pred_consistent"]) and "entropy change of the next step" in head
+    assert res["flags"] == "" or all(f"! {c}" in out for c in res["flags"].split(","))
+
+    # The full table (logging.console_table=true): headline first, every value with 10 significant digits.
     rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
             for line in proc.stdout.splitlines() if line.count("│") == 3}
     assert float(rows["deltaH1"]) == float(f"{res['deltaH1']:.10g}")
     assert float(rows["SE_deltaH1"]) == float(f"{res['SE_deltaH1']:.10g}")
     assert proc.stdout.index("deltaH1") < proc.stdout.index("attr/")
+
+
+def test_verdict_flags_say_what_to_change():
+    """Each flag fires on its case and only there (hand-made results)."""
+    from entprobe.verdict import flags, verdict_lines
+
+    base = {"deltaH_pred": -0.05, "SE_deltaH_pred": 0.01, "H_orig": 2.0, "ESS_frac": 0.9,
+            "batch_U/frac_zero_var_groups": 0.25, "deltaH_true": -0.04, "SE_deltaH_true": 0.01,
+            "deltaH_true_minus_pred": 0.01, "SE_deltaH_true_minus_pred": 0.01, "pred_consistent": True,
+            "deltaH1": -0.3}
+    assert flags(base) == []
+    cases = {"noise_dominated": {"SE_deltaH_pred": 0.08}, "larger_than_entropy": {"deltaH_pred": -2.5},
+             "empty_gradient": {"batch_U/frac_zero_var_groups": 1.0}, "low_ess": {"ESS_frac": 0.1},
+             "inconsistent": {"pred_consistent": False}, "non_finite": {"deltaH_true": float("nan")}}
+    for code, change in cases.items():
+        got = [c for c, _ in flags({**base, **change})]
+        assert got == [code], (code, got)
+    assert [c for c, _ in flags(base, truncated_sampling=True)] == ["truncated_sampling"]
+    rows = {w: v for w, v, _, _ in verdict_lines(base)}
+    assert rows["predicted"].startswith("-0.05 ± 0.01") and rows["difference"] == "+0.01 ± 0.01"

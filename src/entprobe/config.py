@@ -208,7 +208,8 @@ class WandbConfig:
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     progress: bool = True
-    console_table: bool = True
+    verdict: bool = True
+    console_table: bool = False
     results_file: str = "results.json"
 
 

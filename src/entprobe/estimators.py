@@ -135,10 +135,10 @@ def welch_df(parts: list[tuple[float, int]]) -> float:
 
 def t_quantile(df: float, level: float = 0.95) -> float:
     """Two-sided Student-t quantile ``t_{df}((1 + level)/2)`` (the normal one for df = inf)."""
-    from scipy.stats import norm, t
+    from scipy.special import ndtri, stdtrit
 
     q = 0.5 + level / 2
-    return float(norm.ppf(q) if not math.isfinite(df) else t.ppf(q, df))
+    return float(ndtri(q) if not math.isfinite(df) else stdtrit(df, q))
 
 
 def interval(estimate: float, se: float, df: float, level: float = 0.95) -> tuple[float, float]:

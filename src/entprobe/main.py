@@ -29,6 +29,7 @@ from entprobe.report import WandbLogger, console_table, write_json_atomic
 from entprobe.rollout import RolloutBatch, draw_prompt_indices, sample_batch
 from entprobe.stages.context import ProbeContext, resolve_buffers_device
 from entprobe.tasks import Task, build_task
+from entprobe.verdict import flags, print_verdict
 
 register_configs()
 
@@ -210,11 +211,17 @@ def run(cfg, batch_cache: str | Path | None = None) -> dict:
                     "weighting_mode": ctx.weighting_mode, "buffers_device": str(ctx.buffers_device),
                     "preconditioner": cfg.optimizer.preconditioner.value, "is_mode": cfg.importance.is_mode.value,
                     "time/total_s": time.perf_counter() - t0})
+    s = cfg.sampling
+    fl = flags(results, cfg.importance.ess_threshold, truncated_sampling=s.top_k > 0 or s.top_p < 1)
+    results["flags"] = ",".join(code for code, _ in fl)
     if D.is_main():
         write_json_atomic(results, run_dir / cfg.logging.results_file)
         if cfg.logging.console_table:
             per_token = ("H_orig_per_token", "deltaH_true_per_token") if cfg.importance.report_per_token else ()
             console_table(results, extra_headline=per_token)
+        if cfg.logging.verdict:
+            print_verdict(results, fl, {k[5:-2]: v for k, v in results.items()
+                                        if k.startswith("time/") and k != "time/total_s"})
     return results
 
 

@@ -226,6 +226,8 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
         mode = icfg.is_mode.value
         res["deltaH_true"] = est_res[f"deltaH_{mode}"]
         res["SE_deltaH_true"] = est_res[f"SE_deltaH_{mode}"]
+        res["ci95_true_low"], res["ci95_true_high"] = est.interval(res["deltaH_true"], res["SE_deltaH_true"],
+                                                                   psi[mode].numel() - 1)
         res["H_upd"] = est_res[f"H_upd_{mode}"]
         res["deltaH_true_per_token"] = est_res["deltaH_per_token"]
         res["gt/psi"] = psi[mode]  # [B_E] per-prompt contributions (popped by the caller)

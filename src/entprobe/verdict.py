@@ -1,0 +1,104 @@
+"""What a person reads first: the predicted change of the real next step, the measured one, their
+difference, each with its standard error, and plain-language flags. Pure functions of the flat
+results (``flags``, ``verdict_lines``); ``print_verdict`` renders them with rich.
+"""
+from __future__ import annotations
+
+import math
+
+Flag = tuple[str, str]  # (code, sentence)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _pm(x, se) -> str:
+    if not _finite(x):
+        return "n/a"
+    return f"{x:+.4g} ± {se:.2g}" if _finite(se) else f"{x:+.4g}"
+
+
+def flags(r: dict, ess_threshold: float = 0.3, truncated_sampling: bool = False) -> list[Flag]:
+    """The warnings a reader must not miss, from the flat results ``r``."""
+    out: list[Flag] = []
+    pred, se = r.get("deltaH_pred"), r.get("SE_deltaH_pred")
+    H = r.get("H_orig")
+    if r.get("batch_U/frac_zero_var_groups") == 1.0:
+        out.append(("empty_gradient", "every U group has equal rewards, so the update's gradient is zero: the "
+                    "step is AdamW's momentum and weight decay only (deltaH1 is 0). Raise B_U or G, or use "
+                    "prompts the policy sometimes solves."))
+    if _finite(pred) and _finite(se) and se > abs(pred):
+        out.append(("noise_dominated", f"the prediction is within its SE of 0 (|{pred:.3g}| < {se:.3g}): its sign "
+                    "is not resolved; raise batch.B_E (the SE falls as 1/sqrt(B_E))."))
+    if _finite(pred) and _finite(H) and abs(pred) > abs(H) > 0:
+        out.append(("larger_than_entropy", f"the predicted change {pred:.3g} exceeds the entropy itself ({H:.3g}): "
+                    "a first-order prediction cannot hold at this lr; lower optimizer.lr."))
+    ess = r.get("ESS_frac")
+    if _finite(ess) and ess < ess_threshold:
+        out.append(("low_ess", f"importance weights are degenerate (ESS/N {ess:.2f} < {ess_threshold}): the "
+                    "measured change is unreliable and the step is far from first order; lower optimizer.lr."))
+    if r.get("pred_consistent") is False and _finite(r.get("SE_deltaH_true_minus_pred")):
+        out.append(("inconsistent", "measured and predicted changes differ beyond their 95% interval: first "
+                    "order does not hold for this step (or the step model misses what the optimizer does)."))
+    if truncated_sampling:
+        out.append(("truncated_sampling", "top-k / top-p sampling: responses are not drawn from the policy, so "
+                    "every estimate is biased; sample with top_k=0, top_p=1."))
+    for k in ("deltaH_pred", "deltaH_true", "deltaH1"):
+        if k in r and not _finite(r[k]):
+            out.append(("non_finite", f"{k} is not finite."))
+    return out
+
+
+def _ci(r: dict, lo: str, hi: str) -> str:
+    return f"[{r[lo]:.3g}, {r[hi]:.3g}]" if _finite(r.get(lo)) and _finite(r.get(hi)) else ""
+
+
+def verdict_lines(r: dict) -> list[tuple[str, str, str, str]]:
+    """Rows (what, value +- SE, 95% interval, what it is) of the headline."""
+    rows = []
+    if "deltaH_pred" in r:
+        parts = {k: r.get(f"deltaH_pred_{k}") for k in ("gradient", "momentum", "weight_decay")}
+        split = ", ".join(f"{k.replace('_', ' ')} {v:+.2g}" for k, v in parts.items() if _finite(v))
+        dom = r.get("pred/dominant_part")
+        note = "first order, the optimizer's step on U" + (f": {split}; {dom.replace('_', ' ')} dominates"
+                                                           if split and dom else "")
+        rows.append(("predicted", _pm(r["deltaH_pred"], r.get("SE_deltaH_pred")),
+                     _ci(r, "ci95_pred_low", "ci95_pred_high"), note))
+    if "deltaH_true" in r:
+        rows.append(("measured", _pm(r["deltaH_true"], r.get("SE_deltaH_true")), _ci(r, "ci95_true_low", "ci95_true_high"),
+                     f"one real step, E re-weighted ({r.get('is_mode', '')}, ESS/N {r.get('ESS_frac', float('nan')):.2f})"))
+    if "SE_deltaH_true_minus_pred" in r:
+        z = r.get("z_true_minus_pred", float("nan"))
+        agree = "consistent" if r.get("pred_consistent") else "NOT consistent"
+        rows.append(("difference", _pm(r["deltaH_true_minus_pred"], r["SE_deltaH_true_minus_pred"]),
+                     _ci(r, "ci95_true_minus_pred_low", "ci95_true_minus_pred_high"),
+                     f"measured - predicted on the same responses: {agree} (z {z:+.2f})"))
+    if "deltaH1" in r:
+        rows.append(("seeds' deltaH1", _pm(r["deltaH1"], r.get("SE_deltaH1")), _ci(r, "ci95_low", "ci95_high"),
+                     "-lr Xbar.P.Ybar: not the step AdamW takes"))
+    return rows
+
+
+def print_verdict(r: dict, fl: list[Flag], phases: dict[str, float] | None = None) -> None:
+    """A short panel: the headline rows, the entropy they refer to, the flags, one line of phase times."""
+    from rich.console import Console
+    from rich.panel import Panel
+    from rich.table import Table
+
+    t = Table(show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    t.add_column(justify="center")
+    t.add_column(style="dim")
+    for row in verdict_lines(r):
+        t.add_row(*row)
+    H = r.get("H_orig")
+    title = (f"entropy change of the next step — {r.get('weighting_mode', '')} functional, nats "
+             f"(H = {H:.4g})" if _finite(H) else "entropy change of the next step")
+    con = Console(width=140)
+    con.print(Panel(t, title=title, expand=False))
+    for code, msg in fl:
+        con.print(f"[yellow]! {code}[/yellow]: {msg}")
+    if phases:
+        con.print("phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in phases.items()), style="dim")
