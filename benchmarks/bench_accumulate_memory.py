@@ -1,6 +1,6 @@
 """Peak memory of the Stage 1 accumulation (Y over U, then X over E) versus the batch size.
 
-DESIGN.md §5: peak memory is one microbatch plus a fixed number of parameter-sized buffers, so at
+Peak memory is one microbatch plus a fixed number of parameter-sized buffers, so at
 fixed ``mb_size_prompts`` it must not grow with B_E = B_U = B. Each (model, B) runs in a fresh
 subprocess that loads the model and two saved batches, takes its baseline, runs both
 accumulations and reports the peak increase over the baseline:

@@ -35,7 +35,7 @@ class ProjectionMode(str, Enum):
     stored = "stored"  # per-unit dots during the X pass; U's per-unit gradients kept on the device
     fused = "fused"  # per-unit dots during the X pass + one forward-mode pass over U
     jvp = "jvp"  # one forward-mode pass per side (no per-unit backward; best when host-bound)
-    backward = "backward"  # seed 000 literal: per-unit backward, grads moved to the buffers
+    backward = "backward"  # reference: per-unit backward, grads moved to the buffers
 
 
 class UnitBackward(str, Enum):

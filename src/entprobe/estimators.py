@@ -1,6 +1,6 @@
 """Pure tensor math of the probe (no config, no I/O, no distributed calls).
 
-Notation (DESIGN.md §2-3): S[n, g] sequence log-prob of response g of prompt n, L[n, g] its
+Notation (docs/math.md): S[n, g] sequence log-prob of response g of prompt n, L[n, g] its
 generated length, Lmax[n] = max_g L, A[n, g] the advantage; a unit is one prompt with its G
 responses. Sums over prompts are called ``sum_*``, means ``*bar``.
 """
@@ -164,7 +164,7 @@ def two_batch_variance(a: torch.Tensor, b: torch.Tensor, lr: float, bars_dot: fl
     return TwoBatchVariance(V_X, V_Y, se, df, (V_X + V_Y) / max(bars_dot ** 2, 1e-12), lo, hi)
 
 
-# ---------------------------------------------------------------- single-batch U-statistic (seed 001)
+# ---------------------------------------------------------------- single-batch U-statistic
 class UStat(NamedTuple):
     U_cross: float
     bars_term: float  # B/(B-1) Xbar.P.Ybar

@@ -1,4 +1,4 @@
-"""Importance-sampling math of the ground truth (seeds 000 B, 004; DESIGN.md §4): pure functions
+"""Importance-sampling math of the ground truth (docs/math.md): pure functions
 on tensors, no config, no I/O, no distributed calls.
 
 The measured change is ``H(theta_plus) - H(theta)`` on E's responses, drawn at theta and
@@ -104,7 +104,7 @@ def token_ratio_sums(new_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch
     """Sums over response tokens (``mask`` 1) of the quantities behind ``token_ratio_stats``.
 
     Old log-probs that are not finite are counted, then replaced by the new ones (ratio 1), as
-    seed 003 describes for missing sampler log-probs."""
+    for missing sampler log-probs (ratio 1)."""
     m = mask.bool()
     new, old = new_logp[m].double(), old_logp[m].double()
     finite = torch.isfinite(old)
@@ -124,7 +124,7 @@ def token_ratio_stats_from_sums(s: TokenRatioSums) -> dict[str, float]:
 
 def token_ratio_stats(new_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
                       eps: float, eps_high: float) -> dict[str, float]:
-    """Seed 003 observability over response tokens: finite fraction of old log-probs (before any
+    """Observability of the update over response tokens: finite fraction of old log-probs (before any
     fill), mean ratio exp(new - old), and the fraction of tokens outside [1 - eps, 1 + eps_high]."""
     return token_ratio_stats_from_sums(token_ratio_sums(new_logp, old_logp, mask, eps, eps_high))
 

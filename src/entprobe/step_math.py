@@ -1,7 +1,7 @@
 """The update the user's optimizer will apply, as a function of the probe's ``Ybar`` (pure math on
 tensors; no config, no I/O, no distributed calls).
 
-The training loss's gradient on U is ``g = -Ybar_raw`` (the DR-GRPO loss; DESIGN.md §4), so before
+The training loss's gradient on U is ``g = -Ybar_raw`` (the DR-GRPO loss; docs/math.md), so before
 any step is taken the update ``Delta theta(Ybar)`` of a known optimizer state is known exactly,
 and its first-order entropy change ``deltaH_pred = grad H . Delta theta = -Xbar . Delta theta``
 (Xbar estimates -grad H) is a prediction of the real step. Its U-side uncertainty follows from the

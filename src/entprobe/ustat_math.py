@@ -1,4 +1,4 @@
-"""Pure math of the single-batch U-statistic (seed 001 §I-II; DESIGN.md §3) beyond
+"""Pure math of the single-batch U-statistic (docs/math.md) beyond
 ``estimators.u_statistic``: per-response unit weights (with optional within-prompt cross-fitting),
 the deterministic partner design of the incomplete U-statistic, and its row-mean statistics.
 
@@ -36,7 +36,7 @@ def unit_coefficients(S: torch.Tensor, L: torch.Tensor, Lmax: torch.Tensor, A: t
     """Per-response weights of X_n and Y_n [n, G].
 
     Plain: cx = ``x_unit_coeffs`` (E[X_n] = -grad H_n in the weighting mode), cy = A / (G Lmax).
-    Cross-fit (seed 001 §VI; modes whose functional is a mean over responses, not ``dr_grpo``):
+    Cross-fit (modes whose functional is a mean over responses, not ``dr_grpo``):
     X from the first G1 = ceil(G/2) responses, its weights computed within that half and 0
     elsewhere; Y from the other G2 = G - G1, ``cy = A / (G2 Lmax)`` there and 0 elsewhere, with the
     batch's advantages A and group Lmax unchanged. By exchangeability of the G responses both
@@ -71,7 +71,7 @@ def cyclic_partners(M: int, K: int) -> torch.Tensor:
 
 
 def row_statistics(U: float, r: torch.Tensor) -> tuple[float, float, float, float]:
-    """Plug-in and delete-1 jackknife from row means r_u (seed 001 §II.5), M = len(r) units.
+    """Plug-in and delete-1 jackknife from row means r_u, M = len(r) units.
 
     zeta1 = sum (r - mean r)^2 / (M - 1), SE_plugin = sqrt(4 zeta1 / M);
     U_{-u} = (M U - 2 r_u) / (M - 2), Var_jack = (M-1)/M sum (U_{-u} - mean)^2, zeta1_jack = M Var_jack / 4.

@@ -1,4 +1,4 @@
-"""Stage 1: microbatched sums of X over E and of Y over U (seed 002), by backward() only.
+"""Stage 1: microbatched sums of X over E and of Y over U by backward() only.
 
 ``sum_X = sum_{n in E} X_n`` and ``sum_Y = sum_{n in U} Y_n`` land in parameter-sized buffers
 (device/dtype from config). Gradients are zeroed before and after each microbatch -- or, when

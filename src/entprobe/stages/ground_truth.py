@@ -1,4 +1,4 @@
-"""Stage 3: the entropy change on E after one real optimizer step on U (seeds 000 B, 004, 003).
+"""Stage 3: the entropy change on E after one real optimizer step on U (docs/math.md).
 
 snapshot -> grads on U (reused ``-Ybar_raw`` or recomputed DR-GRPO / NLL loss) -> one step ->
 S_upd on E -> importance-sampling estimates of H(theta_plus) -> restore bit-exactly (also on error).
@@ -48,7 +48,7 @@ def _is_ddp(model) -> bool:
 
 
 def _recompute_grads(ctx: ProbeContext, U: RolloutBatch, icfg, B_U_global: int) -> torch.Tensor:
-    """Gradient of the training loss on U by microbatched backward, DDP sync on (seed 004 §3).
+    """Gradient of the training loss on U by microbatched backward, DDP sync on.
 
     rl: mean over prompts of ``-(sum A * mask * logp) / (G * Lmax)``; nll: ``-sum logp / #tokens``
     (both global: B_U_global prompts, all ranks' tokens). A forward covers
@@ -238,7 +238,7 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
                                          float(m.sum()))
             res.update({"token_entropy_orig": t0 / n, "token_entropy_upd": t1 / n,
                         "deltaH_token_entropy": (t1 - t0) / n})
-        # Seed 003 observability of the update step: teacher-forced token log-probs at theta vs the
+        # Observability of the update step: teacher-forced token log-probs at theta vs the
         # sampler's, summed over ranks.
         T = U.sampler_logprobs.shape[-1]
         new_lp = U_lp.reshape(-1, T) if U_lp is not None else U.sampler_logprobs.reshape(-1, T)

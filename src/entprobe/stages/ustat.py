@@ -1,4 +1,4 @@
-"""Single-batch probe (seed 001): the cross-unit U-statistic of X and Y on one batch, its plug-in
+"""Single-batch probe: the cross-unit U-statistic of X and Y on one batch, its plug-in
 and jackknife standard errors, and the Stage 3 ground truth on the same batch (E = U).
 
 Units are prompts, or blocks of ``k`` consecutive prompts (``block_size``, or ``num_blocks`` M
@@ -23,7 +23,7 @@ Passes (each counted in ``ctx.stats``; ``ustat/*_per_seq`` in the results, in se
    device memory: the gradients plus four parameter-sized fp32 buffers (P, P Xbar, P Ybar, X_u).
    Incomplete design (``pairs_per_block`` K > 0) instead: per unit the X backward, then for each
    of its K cyclic partners c (``ustat_math.cyclic_partners``) a forward and Y backward of c and
-   the kernel h(u, c) = X_u . P Y_c (seed 001 §VII.B); 1 + K forwards and backwards per sequence.
+   the kernel h(u, c) = X_u . P Y_c 1 + K forwards and backwards per sequence.
 Under DDP units never straddle ranks (each rank's prompts must split into whole blocks; the
 incomplete design pairs units within a rank). Collectives: one gather of the per-rank prompt
 counts, one all-reduce per bar buffer, one gather of the per-unit scalars (O(M) numbers), and the
@@ -260,7 +260,7 @@ def run_single_batch(ctx: ProbeContext, batch: RolloutBatch, geo: Geometry, pcfg
         "ustat/forward_per_seq": n_fwd / n_seq, "ustat/backward_per_seq": n_bwd / n_seq,
     }
     prompts = D.gather_units(batch.prompt_index)
-    phi = u.phi / 2  # seed 001 §II.5: phi_u = r_u - U (the influence of unit u on U is 2 phi_u)
+    phi = u.phi / 2  # phi_u = r_u - U (the influence of unit u on U is 2 phi_u)
     res.update(top_unit_results(phi, prompts, plan.k, pcfg.top_units))
     if D.is_main():
         write_units_csv(run_dir / "ustat_units.csv", prompts, plan.k, phi, None if K else abd)

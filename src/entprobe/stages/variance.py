@@ -1,4 +1,4 @@
-"""Stage 2: per-unit projections a_u = X_u . P Ybar and b_u = Y_u . P Xbar (seed 000 Part A).
+"""Stage 2: per-unit projections a_u = X_u . P Ybar and b_u = Y_u . P Xbar (docs/variance.md).
 
 Selected by ``probe_rework.projection`` (``resolve_projection``); U is accumulated before E, so
 ``P Ybar`` is known during the X pass:
@@ -16,10 +16,10 @@ kept or batched gradient is read once for all of them, forward mode takes one pa
   and no kept gradients: the least memory.
 - ``auto`` (default): ``stored`` when U's per-unit gradients fit ``unit_grads_budget_mb`` (and a
   quarter of the free CUDA memory) on every rank, else ``fused``.
-- ``backward`` (reference, seed-literal): one backward per unit, the gradient moved to the
+- ``backward`` (reference): one backward per unit, the gradient moved to the
   buffers' device and dotted there.
 
-Cost (DESIGN.md §5): the forward-mode pass is one forward carrying a tangent. Per linear layer it
+Cost (training-step units, benchmarks/README.md): the forward-mode pass is one forward carrying a tangent. Per linear layer it
 does three matmuls (``W x``, ``dW x``, ``W dx``), as many as a forward+backward (``W x``,
 ``W^T g``, ``g x^T``), so it costs about a forward+backward over U: ~1/2 of a training step over
 E ∪ U when B_E = B_U, the floor for any separate pass over one side. The E side adds a device
