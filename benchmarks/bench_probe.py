@@ -31,7 +31,7 @@ geometry with a real AdamW step. Its E/U seeds are swapped (U = seed 1) so that 
     python benchmarks/bench_probe.py --model default -- batch.B_E=16 batch.B_U=16  # extra overrides
     python benchmarks/bench_probe.py --model smollm2 --default-malloc   # allocation costs as a user's run
 
-Exit status 1 when the probe takes more than ``--target`` units (default 2.0).
+Exits 0 whatever the ratio (a measurement); ``--target`` (default 2.0) only labels the line.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def adamw_state(cfg, lm, task, ctx):
     mean token NLL of the sampled responses: SmolLM2 rarely earns an arithmetic reward, and a
     DR-GRPO step on an all-zero-reward batch has a zero gradient (exp_avg_sq = 0, P = 1/eps)."""
     from entprobe import paramvec as pv
-    from entprobe.probe import Geometry
+    from entprobe.geometry import Geometry
     from entprobe.rollout import draw_prompt_indices, sample_batch
 
     b = cfg.batch
@@ -85,7 +85,9 @@ def adamw_state(cfg, lm, task, ctx):
 
 
 def build(model: str, extra: list[str]):
-    from entprobe.main import build_geometry, get_batches, load_probe
+    from entprobe.batches import get_batches
+    from entprobe.geometry import build_geometry
+    from entprobe.main import load_probe
 
     cfg = compose(COMMON + MODELS[model] + extra)
     torch.manual_seed(cfg.seed)
@@ -113,7 +115,7 @@ def timed(fn, device) -> tuple[float, float, float, object]:
 
 def bench(model: str, reps: int, extra: list[str]) -> dict:
     from entprobe.config import ProjectionMode
-    from entprobe.probe import run_two_batch
+    from entprobe.modes.two_batch import run_two_batch
     from entprobe.stages.context import PhaseStats
     from entprobe.stages.snapshot import restored_after
 
@@ -196,19 +198,18 @@ def report(r: dict) -> None:
 def main() -> int:
     reexec_with_bench_env()
     a = bench_args(__doc__, MODELS, "default", 5, 2.0, "probe budget in units")
-    out, ok = [], True
+    out = []
     for m in a.model:
         r = bench(m, a.reps, a.overrides)
         report(r)
         out.append(r)
         within = r["units"]["probe"] <= a.target
-        ok &= within
-        print(f"  probe {r['units']['probe']:.2f} units vs target {a.target}: {'OK' if within else 'OVER'}; "
+        print(f"  probe {r['units']['probe']:.2f} units vs target {a.target}: {'within' if within else 'over'}; "
               f"spec-literal / probe = {r['units']['literal'] / r['units']['probe']:.2f}")
         gc.collect()
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
-    return 0 if ok else 1
+    return 0  # a measurement, not a test: the ratio is printed, never judged by the exit status
 
 
 if __name__ == "__main__":

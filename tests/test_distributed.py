@@ -25,7 +25,8 @@ import torch
 from conftest import compose_cfg
 from ddp_launch import launch
 from entprobe import distributed as D
-from entprobe.main import concat_batches, run
+from entprobe.batches import concat_batches
+from entprobe.main import run
 from entprobe.rollout import RolloutBatch
 
 REPO = Path(__file__).resolve().parents[1]

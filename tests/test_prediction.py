@@ -24,9 +24,10 @@ import torch
 from entprobe import estimators as est
 from entprobe import importance_math as im
 from entprobe.config import ImportanceConfig, ProbeConfig, ProjectionMode, StepMode
-from entprobe.probe import Geometry, run_two_batch
+from entprobe.geometry import Geometry
+from entprobe.modes.two_batch import run_two_batch
 from entprobe.stages.snapshot import restored_after
-from entprobe.step_math import adamw_jacobian, adamw_update
+from entprobe.step_math import adamw_jacobian, adamw_jacobian_times_into, adamw_update, adamw_update_into
 from exact_oracle import batch_of, functional_values, log_probs_at, make_oracle
 
 MODES = ("sequence", "per_token_avg", "dr_grpo")
@@ -86,6 +87,15 @@ def test_adamw_update_is_torchs_step_and_its_jacobian_is_autograds():
         (gk,) = torch.autograd.grad((adamw_update(y, o.m, o.v, o.theta, o.hyper)[k] * r).sum(), y)
         assert torch.allclose(gk[live], (jac[k] * r)[live], rtol=1e-10, atol=1e-300), k
         assert torch.isfinite(jac[k]).all()
+    # the production path forms J x directly (fewer temporaries): the same numbers
+    x = torch.randn(y.shape, generator=gen, dtype=y.dtype)
+    jx, s1, s2 = (torch.empty_like(Y) for _ in range(3))
+    adamw_jacobian_times_into(Y, o.m, o.v, o.hyper, x, jx, s1, s2)
+    assert torch.allclose(jx, (jac["gradient"] + jac["momentum"]) * x, rtol=1e-12, atol=1e-300)
+    out = {k: torch.empty_like(Y) for k in parts}
+    adamw_update_into(Y, o.m, o.v, o.theta, o.hyper, out, s1)
+    for k in parts:
+        assert torch.allclose(out[k], parts[k], rtol=1e-12, atol=1e-300), k
     # a parameter that was never stepped (m = v = 0, step 0): |Delta| = lr (1 - eps/(|g| + eps)) ~ lr
     h0 = dataclasses.replace(o.hyper, step=0.0, weight_decay=0.0)
     z = torch.zeros(3, dtype=torch.float64)

@@ -23,9 +23,9 @@ from entprobe import estimators as est
 from entprobe import paramvec as pv
 from entprobe import ustat_math as um
 from entprobe.config import ImportanceConfig, ProbeConfig
-from entprobe.probe import Geometry
+from entprobe.geometry import Geometry
 from entprobe.stages.snapshot import state_fingerprint
-from entprobe.stages.ustat import plan_units, run_single_batch
+from entprobe.modes.single_batch import plan_units, run_single_batch
 from exact_model import adamw_with_state, make_setup
 
 LR = 1e-3

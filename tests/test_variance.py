@@ -34,7 +34,8 @@ from entprobe.main import run
 from entprobe.rollout import RolloutBatch, assemble, encode_prompts, group_advantages
 from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
 from entprobe.config import ImportanceConfig, ProbeConfig, ProjectionMode, UnitBackward
-from entprobe.probe import Geometry, run_two_batch
+from entprobe.geometry import Geometry
+from entprobe.modes.two_batch import run_two_batch
 from entprobe.stages.context import nograd_prompts
 from entprobe.stages.variance import (SMALL_MODEL_PARAMS, project_backward, project_jvp, resolve_projection,
                                       resolve_unit_backward)

@@ -7,7 +7,6 @@ responses. Sums over prompts are called ``sum_*``, means ``*bar``.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import NamedTuple
 
 import torch

@@ -136,6 +136,12 @@ class DirectionSet:
         return [self.mat[j, self.offsets[i]:self.offsets[i + 1]].view(sh) for i, sh in enumerate(self.shapes)]
 
 
+def empty_directions(k: int, like: Sequence[torch.Tensor], device, dtype) -> DirectionSet:
+    """An uninitialised ``DirectionSet`` of k directions shaped like ``like``; fill its columns."""
+    shapes = [t.shape for t in like]
+    return DirectionSet(torch.empty((k, sum(sh.numel() for sh in shapes)), device=device, dtype=dtype), shapes)
+
+
 def stack_directions(bufs: Sequence[Buffer], device=None, dtype=None) -> DirectionSet:
     """k buffers -> a ``DirectionSet`` on ``device`` in ``dtype`` (default: the first tensor's)."""
     first = bufs[0][0]

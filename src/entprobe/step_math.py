@@ -28,6 +28,7 @@ m = v = 0 and step 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -44,48 +45,89 @@ class AdamWHyper:
     step: float  # steps already taken (the state's count); the update is step + 1
 
 
+def _denominator(y: torch.Tensor, v: torch.Tensor, h: AdamWHyper, bc2: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sqrt(v'), D)`` with ``v' = beta2 v + (1 - beta2) y^2``, ``D = sqrt(v') / sqrt(bc2) + eps``."""
+    root = torch.addcmul(v * h.beta2, y, y, value=1.0 - h.beta2).sqrt_()
+    return root, (root / bc2 ** 0.5).add_(h.eps)
+
+
+def _corrections(h: AdamWHyper) -> tuple[float, float]:
+    t = h.step + 1.0
+    return 1.0 - h.beta1 ** t, 1.0 - h.beta2 ** t
+
+
 def adamw_update(y: torch.Tensor, m: torch.Tensor, v: torch.Tensor, theta: torch.Tensor,
                  h: AdamWHyper) -> dict[str, torch.Tensor]:
     """AdamW's ``Delta theta`` for the loss gradient ``g = -y``, split into ``PARTS`` (same dtype as
-    y; compute in at least fp32)."""
-    t = h.step + 1.0
-    bc1, bc2 = 1.0 - h.beta1 ** t, 1.0 - h.beta2 ** t
-    g = -y
-    v_new = v * h.beta2 + (1.0 - h.beta2) * g * g
-    D = v_new.sqrt() / bc2 ** 0.5 + h.eps
+    y; compute in at least fp32). y may carry leading batch dimensions over the state's. The
+    reference form (tests, the exact simulator); the probe writes in place (``adamw_update_into``)."""
+    bc1, bc2 = _corrections(h)
+    _, D = _denominator(y, v, h, bc2)
     scale = h.lr / bc1
-    return {"gradient": -scale * (1.0 - h.beta1) * g / D,
-            "momentum": -scale * h.beta1 * m / D,
-            "weight_decay": -h.lr * h.weight_decay * theta}
+    return {"gradient": (y / D).mul_(scale * (1.0 - h.beta1)),
+            "momentum": (m / D).mul_(-scale * h.beta1),
+            "weight_decay": theta * (-h.lr * h.weight_decay)}
+
+
+def _dinv(y: torch.Tensor, root: torch.Tensor, D: torch.Tensor, h: AdamWHyper, bc2: float) -> torch.Tensor:
+    """``d(1/D)/dy = -(1 - beta2) y / (D^2 sqrt(bc2) sqrt(v'))``, 0 where ``v' = 0``."""
+    den = D.square().mul_(root).mul_(bc2 ** 0.5)
+    return (y * -(1.0 - h.beta2)).div_(den).masked_fill_(root == 0, 0.0)
 
 
 def adamw_jacobian(y: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: AdamWHyper) -> dict[str, torch.Tensor]:
-    """Diagonal ``d Delta theta_part / d y`` for the parts that depend on y (gradient, momentum)."""
-    t = h.step + 1.0
-    bc1, bc2 = 1.0 - h.beta1 ** t, 1.0 - h.beta2 ** t
-    g = -y
-    v_new = v * h.beta2 + (1.0 - h.beta2) * g * g
-    root = v_new.sqrt()
-    D = root / bc2 ** 0.5 + h.eps
+    """Diagonal ``d Delta theta_part / d y`` for the parts that depend on y (gradient, momentum);
+    the reference form of ``adamw_jacobian_times_into``."""
+    bc1, bc2 = _corrections(h)
+    root, D = _denominator(y, v, h, bc2)
+    dinv = _dinv(y, root, D, h, bc2)
     scale = h.lr / bc1
-    # d(1/D)/dy = -(1/D^2) dD/dy = (1 - beta2) g / (D^2 sqrt(bc2) sqrt(v'))  (0 where v' = 0)
-    dinv = torch.where(root > 0, (1.0 - h.beta2) * g / (D * D * bc2 ** 0.5 * root.clamp(min=1e-300)),
-                       torch.zeros_like(root))
-    # gradient part = scale (1 - beta1) y / D
-    return {"gradient": scale * (1.0 - h.beta1) * (1.0 / D + y * dinv),
-            "momentum": -scale * h.beta1 * m * dinv}
+    # gradient part = scale (1 - beta1) y / D; momentum part = -scale beta1 m / D
+    return {"gradient": (y * dinv).add_(D.reciprocal()).mul_(scale * (1.0 - h.beta1)),
+            "momentum": (m * dinv).mul_(-scale * h.beta1)}
 
 
-def sgd_update(y: torch.Tensor, theta: torch.Tensor, lr: float, weight_decay: float) -> dict[str, torch.Tensor]:
-    """Plain SGD without momentum (coupled decay): ``Delta theta = -lr (g + wd theta) = lr y - lr wd theta``."""
-    return {"gradient": lr * y, "momentum": torch.zeros_like(y), "weight_decay": -lr * weight_decay * theta}
+def adamw_update_into(y: torch.Tensor, m: torch.Tensor, v: torch.Tensor, theta: torch.Tensor, h: AdamWHyper,
+                      out: dict[str, torch.Tensor], scratch: torch.Tensor) -> None:
+    """``adamw_update`` written into ``out[part]`` (the parts present), in place, with one scratch
+    tensor of y's size: no parameter-sized allocation (on a 135M model each fresh one costs a
+    page-faulted pass). With ``s = sqrt(bc2)`` and ``D' = sqrt(v') + eps s = s D``:
+    gradient ``scale (1 - beta1) s y / D'``, momentum ``-scale beta1 s m / D'``."""
+    bc1, bc2 = _corrections(h)
+    sq, scale = bc2 ** 0.5, h.lr / bc1
+    torch.mul(v, h.beta2, out=scratch).addcmul_(y, y, value=1.0 - h.beta2).sqrt_().add_(h.eps * sq)
+    if "gradient" in out:
+        torch.div(y, scratch, out=out["gradient"]).mul_(scale * (1.0 - h.beta1) * sq)
+    if "momentum" in out:
+        torch.div(m, scratch, out=out["momentum"]).mul_(-scale * h.beta1 * sq)
+    if "weight_decay" in out:
+        torch.mul(theta, -h.lr * h.weight_decay, out=out["weight_decay"])
+
+
+def adamw_jacobian_times_into(y: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: AdamWHyper,
+                              x: torch.Tensor, out: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor) -> None:
+    """``out = J x`` for the whole update's diagonal Jacobian J (gradient + momentum parts), in
+    place with two scratch tensors: with ``D' = sqrt(v') + eps s`` (``s = sqrt(bc2)``),
+    ``J = scale s [(1 - beta1) / D' - (1 - beta2) y ((1 - beta1) y - beta1 m) / (D'^2 sqrt(v'))]``
+    (the second term 0 where v' = 0)."""
+    bc1, bc2 = _corrections(h)
+    sq, scale = bc2 ** 0.5, h.lr / bc1
+    torch.mul(v, h.beta2, out=s1).addcmul_(y, y, value=1.0 - h.beta2).sqrt_()  # sqrt(v')
+    dead = s1 == 0
+    torch.add(s1, h.eps * sq, out=s2)  # D'
+    torch.mul(y, 1.0 - h.beta1, out=out).add_(m, alpha=-h.beta1).mul_(y).mul_(-(1.0 - h.beta2))
+    out.div_(s1.mul_(s2).mul_(s2)).masked_fill_(dead, 0.0)
+    out.add_(s2.reciprocal_(), alpha=1.0 - h.beta1).mul_(x).mul_(scale * sq)
 
 
 @dataclass
 class StepModel:
-    """The update ``Delta theta(Ybar)`` the optimizer will apply, aligned with the trainable
-    parameters, by part (``PARTS``; a missing part is zero), and the diagonal Jacobian of each
-    Ybar-dependent part (``jacobian`` None: unknown, the U side of the SE cannot be formed)."""
-    parts: dict[str, list[torch.Tensor]]
-    jacobian: dict[str, list[torch.Tensor]] | None
+    """The update ``Delta theta(Ybar)`` the optimizer will apply, by part (``names``, a subset of
+    ``PARTS``, or ``["update"]`` unsplit), written on demand into caller-owned buffers aligned with
+    the trainable parameters (``write({name: buffer})``), and ``J x`` for the whole update's
+    diagonal Jacobian J in Ybar (``jacobian_times_into(x, out)``; None: unknown, the U side of the
+    SE cannot be formed). Nothing parameter-sized is held between the calls."""
+    names: list[str]
+    write: Callable[[dict[str, list[torch.Tensor]]], None]
+    jacobian_times_into: Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None
     kind: str  # what produced it: adamw_closed_form | sgd_closed_form | preconditioned_sgd | optimizer_step

@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from entprobe import distributed as D
 from entprobe import paramvec as pv
 from entprobe.distributed import no_sync
 from entprobe.estimators import x_loss, y_loss
@@ -177,3 +178,10 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
     return Accumulated(buf, torch.cat(S_all), torch.cat(lp_all), torch.cat(ent_all) if ent_all else None,
                        torch.cat([x.cpu() for x in proj]) if directions is not None else None, batch.B,
                        units if keep_unit_grads else None)
+
+
+def global_mean(buf: pv.Buffer, B_local: int) -> tuple[pv.Buffer, int]:
+    """All-reduce a sum buffer once per tensor and divide by the global unit count."""
+    D.reduce_sum_(buf)
+    B = int(D.reduce_scalars(B_local)[0])
+    return pv.scale_(buf, 1.0 / B), B

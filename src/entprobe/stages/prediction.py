@@ -29,7 +29,7 @@ from entprobe import paramvec as pv
 from entprobe.stages.context import ProbeContext
 from entprobe.stages.ground_truth import _plain_adamw
 from entprobe.stages.snapshot import restore, take
-from entprobe.step_math import PARTS, AdamWHyper, StepModel, adamw_jacobian, adamw_update, sgd_update
+from entprobe.step_math import AdamWHyper, StepModel, adamw_jacobian_times_into, adamw_update_into
 
 
 def _state_of(opt: torch.optim.Optimizer, p: torch.Tensor, dev, dt):
@@ -55,40 +55,42 @@ def _plain_sgd(opt: torch.optim.Optimizer) -> bool:
 
 def build_step_model(ctx: ProbeContext, optimizer: torch.optim.Optimizer, lr: float, Ybar: pv.Buffer,
                      P: pv.Buffer | None, step_mode: str, max_grad_norm: float | None) -> StepModel:
-    """``Delta theta(Ybar)`` and its Jacobian on the buffers' device (at least fp32).
+    """``Delta theta(Ybar)`` (written on demand, at least fp32) and ``J x``.
 
     ``preconditioned_sgd``: ``lr P Ybar``; plain AdamW / plain SGD: closed form per param group
     (the groups' own lr, decay, betas, eps and each parameter's step count). Anything else (other
     optimizers, gradient clipping, which rescales by the global norm): the optimizer's own step
-    from the snapshot with gradient ``-Ybar``, restored bit-exactly; no Jacobian then."""
-    dev = ctx.buffers_device
-    dts = [torch.promote_types(y.dtype, torch.float32) for y in Ybar]
+    from a snapshot with gradient ``-Ybar``, restored bit-exactly; no Jacobian then."""
     if step_mode == "preconditioned_sgd":
-        parts = {"gradient": [lr * (y.to(dev, dt) if P is None else y.to(dev, dt) * P[i].to(dev, dt))
-                              for i, (y, dt) in enumerate(zip(Ybar, dts))]}
-        jac = {"gradient": [torch.full_like(parts["gradient"][i], lr) if P is None else lr * P[i].to(dev, dt)
-                            for i, dt in enumerate(dts)]}
-        return StepModel(parts, jac, "preconditioned_sgd")
+        def scaled_into(xs, out):
+            for i, (x, o) in enumerate(zip(xs, out)):
+                torch.mul(x.to(o.device, o.dtype), lr, out=o)
+                if P is not None:
+                    o.mul_(P[i].to(o.device, o.dtype))
+        return StepModel(["gradient"], lambda outs: scaled_into(Ybar, outs["gradient"]), scaled_into,
+                         "preconditioned_sgd")
     if not max_grad_norm and (_plain_adamw(optimizer) or _plain_sgd(optimizer)):
-        return _closed_form(ctx, optimizer, Ybar, dts)
-    # generic: the optimizer's own step on a snapshot
-    snap = take(ctx.params, optimizer, dev)
-    try:
-        for p, y in zip(ctx.params, Ybar):
-            p.grad = (-y).to(p.device, p.dtype).contiguous()
-        if max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(ctx.params, max_grad_norm)
-        optimizer.step()
-        delta = [(p.detach().to(dev, dt) - s.to(dev, dt)) for p, s, dt in zip(ctx.params, snap.params, dts)]
-    finally:
-        restore(ctx.params, optimizer, snap)
-    return StepModel({"update": delta}, None, "optimizer_step")
+        return _closed_form(ctx, optimizer, Ybar)
+
+    def step_into(outs):  # the optimizer's own step on a snapshot
+        snap = take(ctx.params, optimizer, ctx.buffers_device)
+        try:
+            for p, y in zip(ctx.params, Ybar):
+                p.grad = (-y).to(p.device, p.dtype).contiguous()
+            if max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(ctx.params, max_grad_norm)
+            optimizer.step()
+            for p, s, o in zip(ctx.params, snap.params, outs["update"]):
+                torch.sub(p.detach().to(o.device, o.dtype), s.to(o.device, o.dtype), out=o)
+        finally:
+            restore(ctx.params, optimizer, snap)
+    return StepModel(["update"], step_into, None, "optimizer_step")
 
 
-def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.Buffer, dts) -> StepModel:
-    """AdamW / SGD per run of parameters that share a param group, a step count and a dtype: on
-    one flat vector when the run is small (host time per op dominates there), else per tensor."""
-    dev = ctx.buffers_device
+def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.Buffer) -> StepModel:
+    """AdamW / SGD per run of parameters that share a param group and a step count: on one flat
+    vector when the run is small (host time per op dominates there; results copied into place),
+    else tensor by tensor straight into the caller's buffers with reused scratch space."""
     adam = _plain_adamw(optimizer)
     index = {id(p): i for i, p in enumerate(ctx.params)}
     runs: dict[tuple, list[int]] = {}
@@ -96,54 +98,98 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
         for p in g["params"]:
             i = index.get(id(p))
             if i is not None:
-                runs.setdefault((gi, _step_of(optimizer, p) if adam else 0.0, dts[i]), []).append(i)
+                runs.setdefault((gi, _step_of(optimizer, p) if adam else 0.0), []).append(i)
     missing = sorted(set(range(len(ctx.params))) - {i for idx in runs.values() for i in idx})
     if missing:
         raise ValueError(f"parameters not in the optimizer's param groups: {[ctx.names[i] for i in missing[:3]]}")
-    jac_keys = ("gradient", "momentum") if adam else ("gradient",)
-    parts = {k: [None] * len(ctx.params) for k in PARTS}
-    jac = {k: [None] * len(ctx.params) for k in jac_keys}
-    for (gi, step, dt), idx in runs.items():
+    chunks = []  # (parameter indices, hyper-parameters)
+    for (gi, step), idx in runs.items():
         g = optimizer.param_groups[gi]
+        h = AdamWHyper(float(g["lr"]), float(g.get("weight_decay", 0.0)), *(
+            (float(g["betas"][0]), float(g["betas"][1]), float(g["eps"])) if adam else (0.0, 0.0, 0.0)), step)
         small = sum(ctx.params[i].numel() for i in idx) <= pv.FLAT_MAX_NUMEL
-        chunks = [idx] if small else [[i] for i in idx]
-        for ch in chunks:
+        chunks += [(idx, h)] if small else [([i], h) for i in idx]
+    names = ["gradient"] + (["momentum"] if adam else []) + (
+        ["weight_decay"] if any(float(g.get("weight_decay", 0.0)) for g in optimizer.param_groups) else [])
+
+    def run_chunks(outs: dict[str, pv.Buffer], fn) -> None:
+        """``fn(ch, h, ins, out_flat, scratch)`` per chunk on flat inputs; results land in ``outs``."""
+        first = next(iter(outs.values()))
+        dev, dt = first[0].device, first[0].dtype
+        biggest = max(sum(ctx.params[i].numel() for i in ch) for ch, _ in chunks)
+        scratch = [torch.empty(biggest, device=dev, dtype=dt) for _ in range(2)]
+        for ch, h in chunks:
+            n = sum(ctx.params[i].numel() for i in ch)
+
             def flat(ts):
+                if len(ts) == 1:
+                    return ts[0].reshape(-1).to(dev, dt)
                 return torch.cat([t.reshape(-1).to(dev, dt) for t in ts])
-            y, theta = flat([Ybar[i] for i in ch]), flat([ctx.params[i].detach() for i in ch])
+            st = [_state_of(optimizer, ctx.params[i], dev, dt) for i in ch] if adam else None
+            ins = {"y": flat([Ybar[i] for i in ch]), "theta": flat([ctx.params[i].detach() for i in ch])}
             if adam:
-                states = [_state_of(optimizer, ctx.params[i], dev, dt) for i in ch]
-                m, v = flat([st[0] for st in states]), flat([st[1] for st in states])
-                h = AdamWHyper(float(g["lr"]), float(g.get("weight_decay", 0.0)), float(g["betas"][0]),
-                               float(g["betas"][1]), float(g["eps"]), step)
-                upd, jj = adamw_update(y, m, v, theta, h), adamw_jacobian(y, m, v, h)
-            else:
-                upd = sgd_update(y, theta, float(g["lr"]), float(g.get("weight_decay", 0.0)))
-                jj = {"gradient": torch.full_like(y, float(g["lr"]))}
-            sizes = [ctx.params[i].numel() for i in ch]
-            for out, src in ((parts, upd), (jac, jj)):
-                for k in out:
-                    for i, t in zip(ch, src[k].split(sizes)):
-                        out[k][i] = t.view(ctx.params[i].shape)
-    if not any(float(g.get("weight_decay", 0.0)) for g in optimizer.param_groups):
-        del parts["weight_decay"]
-    if not adam:
-        del parts["momentum"]
-    return StepModel(parts, jac, "adamw_closed_form" if adam else "sgd_closed_form")
+                ins["m"], ins["v"] = flat([x[0] for x in st]), flat([x[1] for x in st])
+            direct = len(ch) == 1
+            flat_out = {k: (o[ch[0]].view(-1) if direct else torch.empty(n, device=dev, dtype=dt))
+                        for k, o in outs.items()}
+            fn(ch, h, ins, flat_out, [x[:n] for x in scratch])
+            if not direct:
+                for k, o in outs.items():
+                    for i, t in zip(ch, flat_out[k].split([ctx.params[i].numel() for i in ch])):
+                        o[i].copy_(t.view(o[i].shape))
+
+    def update(ch, h, ins, out, scratch):
+        if adam:
+            adamw_update_into(ins["y"], ins["m"], ins["v"], ins["theta"], h, out, scratch[0])
+            return
+        torch.mul(ins["y"], h.lr, out=out["gradient"])
+        if "weight_decay" in out:
+            torch.mul(ins["theta"], -h.lr * h.weight_decay, out=out["weight_decay"])
+
+    def jacobian(ch, h, ins, out, scratch):
+        if adam:
+            adamw_jacobian_times_into(ins["y"], ins["m"], ins["v"], h, ins["x"], out["jx"], *scratch)
+        else:
+            torch.mul(ins["x"], h.lr, out=out["jx"])
+
+    def jacobian_times_into(xs: pv.Buffer, out: pv.Buffer) -> None:
+        def fn(ch, h, ins, o, scratch):
+            ins["x"] = (xs[ch[0]].reshape(-1) if len(ch) == 1 else torch.cat([xs[i].reshape(-1) for i in ch])
+                        ).to(o["jx"].device, o["jx"].dtype)
+            jacobian(ch, h, ins, o, scratch)
+        run_chunks({"jx": out}, fn)
+
+    return StepModel(names, lambda outs: run_chunks(outs, update), jacobian_times_into,
+                     "adamw_closed_form" if adam else "sgd_closed_form")
+
+
+def directions(ctx: ProbeContext, first: list, step: StepModel | None, device) -> pv.DirectionSet:
+    """A ``DirectionSet`` whose first rows are ``first`` (callables ``fill(out_buffer)``) and whose
+    next rows are the step's parts (``step.names`` order), each written in place into its row."""
+    like = ctx.params
+    dt = torch.promote_types(ctx.buffers_dtype, torch.float32)
+    dset = pv.empty_directions(len(first) + (len(step.names) if step is not None else 0), like, device, dt)
+    for j, fill in enumerate(first):
+        fill(dset.column(j))
+    if step is not None:
+        step.write({k: dset.column(len(first) + j) for j, k in enumerate(step.names)})
+    return dset
 
 
 def e_directions(step: StepModel) -> list[str]:
-    """Names of the E-side directions (the update's parts), in column order."""
-    return list(step.parts)
+    """Names of the E-side directions (the update's parts), in row order."""
+    return list(step.names)
 
 
-def u_direction(step: StepModel, Xbar: pv.Buffer) -> pv.Buffer | None:
-    """``J * Xbar`` with J the diagonal Jacobian of the whole update in Ybar (the U side of the
-    delta method); None when the Jacobian is unknown (an optimizer's own step)."""
-    if step.jacobian is None:
-        return None
-    jac = list(step.jacobian.values())
-    return [sum(j[i] for j in jac) * x.to(jac[0][i].device, jac[0][i].dtype) for i, x in enumerate(Xbar)]
+def mul_into(a: pv.Buffer, P: pv.Buffer | None):
+    """A filler ``out = P * a`` (a copy of a when P is None) for ``directions``."""
+    def fill(out: pv.Buffer) -> None:
+        for i, (x, o) in enumerate(zip(a, out)):
+            if P is None:
+                o.copy_(x)
+            else:
+                torch.mul(x.to(o.device, o.dtype), P[i].to(o.device, o.dtype), out=o)
+    return fill
 
 
 def prediction_results(step: StepModel, step_dots: list[float], e: torch.Tensor | None,
@@ -177,3 +223,21 @@ def prediction_results(step: StepModel, step_dots: list[float], e: torch.Tensor 
     res.update({"SE_deltaH_pred_U": math.sqrt(VU), "SE_deltaH_pred_expected": math.sqrt(VE + VU),
                 "ci95_pred_expected_low": lo, "ci95_pred_expected_high": hi, "pred/expected_df": df})
     return res
+
+
+def compare_with_prediction(res: dict, psi: torch.Tensor, e: torch.Tensor | None) -> dict:
+    """``deltaH_true - deltaH_pred`` on the same E responses, with its paired SE: per prompt of E
+    the measured contribution psi_n minus the predicted one e_n (both for the step taken on this
+    U, so the U side cancels): ``SE = sd(psi - e) / sqrt(B_E)``, Student-t with B_E - 1 degrees of
+    freedom. ``pred_consistent``: the difference's 95% interval contains 0."""
+    diff = res["deltaH_true"] - res["deltaH_pred"]
+    out = {"deltaH_true_minus_pred": diff}
+    if e is None:
+        return out
+    d = psi.double() - e.sum(1).double()
+    se = math.sqrt(est.mean_variance(d)) if torch.isfinite(d).all() else float("nan")
+    lo, hi = est.interval(diff, se, d.numel() - 1)
+    out.update({"SE_deltaH_true_minus_pred": se, "ci95_true_minus_pred_low": lo,
+                "ci95_true_minus_pred_high": hi, "z_true_minus_pred": diff / se if se > 0 else float("nan"),
+                "pred_consistent": bool(lo <= 0.0 <= hi) if math.isfinite(se) else False})
+    return out

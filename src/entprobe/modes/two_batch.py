@@ -1,44 +1,30 @@
-"""The two-batch probe, top to bottom: Y over U -> X over E -> variance -> ground truth.
+"""The two-batch probe, top to bottom: Y over U -> the update the optimizer will take -> X over E
+-> per-unit projections -> predictions with SEs -> ground truth -> measured minus predicted.
 
-Order matters for cost: U is accumulated first so that ``P Ybar`` is known during the E pass,
-which then projects each unit as it accumulates (variance on the E side for free; the U side
-from kept per-unit gradients or one forward-mode pass, stages/variance.py); ``S_orig``
-for the ground truth comes out of the same E pass, and the update step reuses ``-Ybar_raw``.
+Order matters for cost: U is accumulated first so that ``P Ybar`` and ``Delta theta(Ybar)`` are
+known during the E pass, which then projects each unit onto them as it accumulates (the E side of
+every SE for free; the U side from kept per-unit gradients or forward-mode passes,
+stages/variance.py); ``S_orig`` for the ground truth comes out of the same E pass, and the update
+step reuses ``-Ybar_raw``.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
-
-import torch
 
 from entprobe import distributed as D
 from entprobe import estimators as est
 from entprobe import paramvec as pv
 from entprobe.attribution import summarize, write_csv
+from entprobe.geometry import Geometry
 from entprobe.rollout import RolloutBatch
-from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
+from entprobe.stages.accumulate import accumulate, global_mean, x_loss_of, y_loss_of
 from entprobe.stages.context import ProbeContext
 from entprobe.stages.ground_truth import StepInputs, run_ground_truth
-from entprobe.stages.prediction import build_step_model, e_directions, prediction_results, u_direction
+from entprobe.stages.prediction import (build_step_model, compare_with_prediction, directions, mul_into,
+                                        prediction_results)
 from entprobe.stages.variance import (project_backward, project_jvp, project_stored, resolve_projection,
                                       resolve_unit_backward)
-
-
-@dataclass
-class Geometry:
-    optimizer: torch.optim.Optimizer
-    lr: float
-    P: pv.Buffer | None  # Adam preconditioner on the buffers' device, None = identity
-
-
-def global_mean(buf: pv.Buffer, B_local: int) -> tuple[pv.Buffer, int]:
-    """All-reduce a sum buffer once per tensor and divide by the global unit count."""
-    D.reduce_sum_(buf)
-    B = int(D.reduce_scalars(B_local)[0])
-    return pv.scale_(buf, 1.0 / B), B
 
 
 def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry, pcfg, icfg,
@@ -53,12 +39,11 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
     # The update the optimizer will apply to this gradient (known before the step is taken)
     step = build_step_model(ctx, geo.optimizer, geo.lr, Ybar, geo.P, icfg.step_mode.value, icfg.max_grad_norm)
     fused = mode in ("stored", "fused")  # a_u taken during the X pass
-    on_model = mode in ("stored", "fused", "jvp")
-    PY = pv.mul(Ybar, geo.P)  # P Ybar on the buffers' device: deltaH1 and the attribution table
-    # E-side directions: P Ybar (deltaH1), then each part of the update (the prediction)
-    dirE = pv.stack_directions([PY] + [step.parts[k] for k in e_directions(step)],
-                               device=ctx.device if on_model else None)
-    step.parts = dict.fromkeys(step.parts)  # the columns of dirE hold them now
+    dir_dev = ctx.device if mode in ("stored", "fused", "jvp") else ctx.buffers_device
+    # E-side directions, one [k, N] matrix: P Ybar (deltaH1), then each part of the update (the
+    # prediction), each written in place into its row
+    dirE = directions(ctx, [mul_into(Ybar, geo.P)], step, dir_dev)
+    PY = dirE.column(0)  # P Ybar: deltaH1 and the attribution table
     with ctx.phase("accumulate_X_E"):
         accX = accumulate(ctx, E, x_loss_of(ctx), "X over E", directions=dirE if fused else None,
                           with_entropy=True, unit_backward=unit_bwd)
@@ -81,12 +66,8 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
     if pcfg.variance_enabled:
         with ctx.phase("variance"):
             # U-side directions: P Xbar (deltaH1), then J * Xbar (the prediction's delta method)
-            PX = pv.mul(Xbar, geo.P)
-            JX = u_direction(step, Xbar)
-            dirU = pv.stack_directions([PX] + ([JX] if JX is not None else []),
-                                       device=ctx.device if on_model else None)
-            del PX, JX
-            step.jacobian = None  # dirU holds what the U side needs
+            fill_JX = [lambda out: step.jacobian_times_into(Xbar, out)] if step.jacobian_times_into else []
+            dirU = directions(ctx, [mul_into(Xbar, geo.P)] + fill_JX, None, dir_dev)
             if mode == "stored":
                 a, b = accX.proj, project_stored(accY.unit_grads, dirU)
                 accY.unit_grads = None
@@ -110,7 +91,7 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
                     "projection": mode})
         if fused:  # per-unit gradients were taken (a backward per unit, or batched)
             res["unit_backward"] = unit_bwd
-    del dirE
+    del dirE, PY
     res.update(prediction_results(step, step_dots, e, u))
 
     names = ctx.names
@@ -127,24 +108,6 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
         res.update(run_ground_truth(ctx, E, U, inp, icfg, resample=resample))
         res.update(compare_with_prediction(res, res.pop("gt/psi"), e))
     return res
-
-
-def compare_with_prediction(res: dict, psi: torch.Tensor, e: torch.Tensor | None) -> dict:
-    """``deltaH_true - deltaH_pred`` on the same E responses, with its paired SE: per prompt of E
-    the measured contribution psi_n minus the predicted one e_n (both for the step taken on this
-    U, so the U side cancels): ``SE = sd(psi - e) / sqrt(B_E)``, Student-t with B_E - 1 degrees of
-    freedom. ``pred_consistent``: the difference's 95% interval contains 0."""
-    diff = res["deltaH_true"] - res["deltaH_pred"]
-    out = {"deltaH_true_minus_pred": diff}
-    if e is None:
-        return out
-    d = psi.double() - e.sum(1).double()
-    se = math.sqrt(est.mean_variance(d)) if torch.isfinite(d).all() else float("nan")
-    lo, hi = est.interval(diff, se, d.numel() - 1)
-    out.update({"SE_deltaH_true_minus_pred": se, "ci95_true_minus_pred_low": lo,
-                "ci95_true_minus_pred_high": hi, "z_true_minus_pred": diff / se if se > 0 else float("nan"),
-                "pred_consistent": bool(lo <= 0.0 <= hi) if math.isfinite(se) else False})
-    return out
 
 
 def save_buffers(path: Path, names: list[str], Xbar, Ybar, P) -> None:

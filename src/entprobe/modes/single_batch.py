@@ -41,12 +41,12 @@ import torch
 from entprobe import distributed as D
 from entprobe import estimators as est
 from entprobe import paramvec as pv
-from entprobe.probe import Geometry, compare_with_prediction, global_mean
+from entprobe.geometry import Geometry
 from entprobe.rollout import RolloutBatch
-from entprobe.stages.accumulate import accumulate, check_grads, x_loss_of
+from entprobe.stages.accumulate import accumulate, check_grads, global_mean, x_loss_of
 from entprobe.stages.context import ProbeContext
 from entprobe.stages.ground_truth import StepInputs, run_ground_truth
-from entprobe.stages.prediction import build_step_model, e_directions, prediction_results
+from entprobe.stages.prediction import build_step_model, compare_with_prediction, directions, prediction_results
 from entprobe.stages.variance import resolve_unit_backward
 from entprobe.ustat_math import UnitCoeffs, cyclic_partners, incomplete_u_statistic, top_units, unit_coefficients
 
@@ -288,9 +288,7 @@ def held_out_ground_truth(ctx: ProbeContext, E: RolloutBatch, batch: RolloutBatc
     step was fit to, the measured change is biased (-78% measured on the exact model)."""
     step = build_step_model(ctx, geo.optimizer, geo.lr, bars.Ybar_full, geo.P, icfg.step_mode.value,
                             icfg.max_grad_norm)
-    names = e_directions(step)
-    dirE = pv.stack_directions([step.parts[k] for k in names], device=ctx.device)
-    step.parts = dict.fromkeys(names)
+    dirE = directions(ctx, [], step, ctx.device)
     with ctx.phase("accumulate_X_E"):
         accX = accumulate(ctx, E, x_loss_of(ctx), "X over held-out E", directions=dirE, with_entropy=True,
                           unit_backward=resolve_unit_backward(pcfg, ctx, (E,)))

@@ -1,0 +1,242 @@
+"""An lr sweep of the probe on shared batches: prediction vs measured entropy change per lr.
+
+Composes entprobe's real Hydra config (``_common.compose``, as the CLI would) once per lr and calls
+``entprobe.main.run(cfg)`` with ``optimizer.lr=<lr>``. The first lr samples E and U and writes them
+with ``batch.save=<out>/batches``; every later lr reads them back with ``batch.load=<out>/batches``,
+so all lrs see the same E, U and Adam state and differ only in the step size (the first-order
+deltaH1 is exactly linear in lr; the measured deltaH_true is not). Each run writes its own
+``results.json`` under ``<out>/runs/lr_<lr>/``.
+
+From each result dict it collects (``.get``, NaN when a key is absent): deltaH_pred,
+SE_deltaH_pred, ci95_pred_low/high, deltaH1, SE_deltaH1, deltaH1_step, deltaH_true, SE_deltaH_true,
+deltaH_true_minus_pred, SE_deltaH_true_minus_pred, ESS_frac, H_orig and the parts of the prediction
+(gradient / momentum / weight decay), and writes
+
+- ``<out>/lr_sweep.csv``: one row per lr (plus wall time, lr_source, batch_source, status, error);
+- ``<out>/lr_sweep.md``: lr, prediction +- SE, measured +- SE, difference +- SE, z, ESS_frac (and
+  deltaH1 +- SE beside); "prediction" is deltaH_pred, or deltaH1 where deltaH_pred is absent;
+- ``<out>/lr_sweep.png``: prediction and measured with 1.96 SE error bars against lr (log x,
+  symlog y), and |measured / prediction| in a second panel (needs matplotlib: ``pip install
+  matplotlib``; without it the PNG is skipped with a message).
+
+A failing lr is recorded (status ``error`` and the message) and the sweep goes on; the exit status
+is always 0 (a measurement, not a test). Commands (from the repository root):
+
+    .venv/bin/python benchmarks/lr_sweep.py --checkpoint /tmp/smollm2_adamw          # SmolLM2 (smollm2_checkpoint.py)
+    .venv/bin/python benchmarks/lr_sweep.py --builtin --out /tmp/lr_sweep_builtin     # built-in model, lrs 1e-4,1e-3,1e-2
+    .venv/bin/python benchmarks/lr_sweep.py --checkpoint DIR --lrs 1e-6,1e-5 --B-E 4 --B-U 4 --G 4 \\
+        --max-new-tokens 24 --weighting-mode sequence -- model.device=cpu             # extra Hydra overrides after --
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_LRS = "1e-7,1e-6,1e-5,3e-5,1e-4"
+BUILTIN_LRS = "1e-4,1e-3,1e-2"
+KEYS = ["deltaH_pred", "SE_deltaH_pred", "ci95_pred_low", "ci95_pred_high", "deltaH1", "SE_deltaH1",
+        "deltaH1_step", "deltaH_true", "SE_deltaH_true", "deltaH_true_minus_pred", "SE_deltaH_true_minus_pred",
+        "ESS_frac", "H_orig", "deltaH_pred_gradient", "deltaH_pred_momentum", "deltaH_pred_weight_decay"]
+EXTRA = ["lr_source", "batch_source", "weighting_mode", "time/total_s"]
+NAN = float("nan")
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="HF Trainer-layout folder (weights, tokenizer, optimizer.pt): "
+                     "model=hf model.path=DIR optimizer.state_path=DIR")
+    src.add_argument("--builtin", action="store_true",
+                     help=f"the built-in default model and its own optimizer state (lrs default {BUILTIN_LRS})")
+    ap.add_argument("--lrs", default=None, help=f"comma-separated (default {DEFAULT_LRS}; --builtin: {BUILTIN_LRS})")
+    ap.add_argument("--out", default=str(HERE / "results" / "lr_sweep"))
+    ap.add_argument("--B-E", dest="B_E", type=int, default=8)
+    ap.add_argument("--B-U", dest="B_U", type=int, default=8)
+    ap.add_argument("--G", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--weighting-mode", default="sequence", choices=["sequence", "dr_grpo", "per_token_avg"])
+    ap.add_argument("--reuse-batches", action="store_true",
+                    help="load <out>/batches for every lr when E.pt and U.pt are already there")
+    ap.add_argument("--table", action="store_true", help="print entprobe's full results table per lr")
+    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides after --")
+    return ap.parse_args()
+
+
+def fnum(x) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return NAN
+
+
+def fmt(x: float, sig: int = 3) -> str:
+    return "nan" if not math.isfinite(x) else f"{x:.{sig}g}"
+
+
+def pm(v: float, se: float) -> str:
+    return f"{fmt(v)} ± {fmt(se, 2)}"
+
+
+def prediction(row: dict) -> tuple[float, float, str]:
+    """deltaH_pred +- SE when present, else the first-order deltaH1 +- SE."""
+    if math.isfinite(row["deltaH_pred"]):
+        return row["deltaH_pred"], row["SE_deltaH_pred"], "deltaH_pred"
+    return row["deltaH1"], row["SE_deltaH1"], "deltaH1"
+
+
+def difference(row: dict, pred: float) -> tuple[float, float]:
+    """The probe's own deltaH_true - pred and its SE (paired on E); without it, the plain
+    difference and SE NaN (the two share E, so their SEs do not add)."""
+    if math.isfinite(row["deltaH_true_minus_pred"]):
+        return row["deltaH_true_minus_pred"], row["SE_deltaH_true_minus_pred"]
+    return row["deltaH_true"] - pred, NAN
+
+
+def run_sweep(a: argparse.Namespace, lrs: list[float], out: Path) -> list[dict]:
+    sys.path.insert(0, str(HERE))
+    from _common import compose
+    from entprobe.main import run
+
+    batches = out / "batches"
+    base = [f"batch.B_E={a.B_E}", f"batch.B_U={a.B_U}", f"batch.G={a.G}",
+            f"sampling.max_new_tokens={a.max_new_tokens}", f"probe_rework.weighting_mode={a.weighting_mode}",
+            "logging.wandb.mode=disabled", "logging.progress=false",
+            f"logging.console_table={'true' if a.table else 'false'}"]
+    if a.checkpoint:
+        ck = Path(a.checkpoint).expanduser().resolve()
+        base = ["model=hf", f"model.path={ck}", f"optimizer.state_path={ck}", *base]
+    have = (batches / "E.pt").is_file() and (batches / "U.pt").is_file()
+    rows = []
+    for i, lr in enumerate(lrs):
+        load = (a.reuse_batches and have) or (i > 0 and (batches / "E.pt").is_file())
+        io = f"batch.load={batches}" if load else f"batch.save={batches}"
+        ov = [*base, f"optimizer.lr={lr!r}", io, f"run_dir={out / 'runs' / f'lr_{lr:g}'}", *a.overrides]
+        row = {"lr": lr, **{k: NAN for k in KEYS}, **{k: "" for k in EXTRA}, "status": "ok", "error": "",
+               "wall_s": NAN}
+        print(f"[lr {lr:g}] {'load' if load else 'sample + save'} batches; overrides: {' '.join(ov)}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            res = run(compose(ov))
+            for k in KEYS:
+                row[k] = fnum(res.get(k, NAN))
+            for k in EXTRA:
+                row[k] = res.get(k, "")
+        except Exception as exc:  # a measurement: record and go on
+            traceback.print_exc()
+            row["status"], row["error"] = "error", f"{type(exc).__name__}: {exc}".replace("\n", " ")[:500]
+        row["wall_s"] = time.perf_counter() - t0
+        p, se, which = prediction(row)
+        first = "" if which == "deltaH1" else f"deltaH1 {pm(row['deltaH1'], row['SE_deltaH1'])}, "
+        print(f"[lr {lr:g}] {row['status']} in {row['wall_s']:.1f}s: {which} {pm(p, se)}, "
+              f"{first}deltaH1_step {fmt(row['deltaH1_step'])}, "
+              f"deltaH_true {pm(row['deltaH_true'], row['SE_deltaH_true'])}, ESS_frac {fmt(row['ESS_frac'])}",
+              flush=True)
+        rows.append(row)
+    return rows
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    cols = ["lr", "status", "wall_s", *KEYS, *EXTRA, "error"]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (repr(v) if isinstance(v, float) else v) for k, v in r.items()})
+
+
+def write_md(rows: list[dict], path: Path, header: str) -> None:
+    lines = [f"# lr sweep: {header}", "",
+             "prediction = deltaH_pred (deltaH1 where absent); measured = deltaH_true; "
+             "difference = deltaH_true_minus_pred (paired SE); z = difference / SE.", "",
+             "| lr | prediction ± SE | measured ± SE | difference ± SE | z | ESS_frac | deltaH1 ± SE | wall s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['lr']:g} | error: {r['error'][:120]} | | | | | | {r['wall_s']:.1f} |")
+            continue
+        p, se, which = prediction(r)
+        d, dse = difference(r, p)
+        z = d / dse if math.isfinite(dse) and dse > 0 else NAN
+        tag = "" if which == "deltaH_pred" else " (deltaH1)"
+        lines.append(f"| {r['lr']:g} | {pm(p, se)}{tag} | {pm(r['deltaH_true'], r['SE_deltaH_true'])} | "
+                     f"{pm(d, dse)} | {fmt(z)} | {fmt(r['ESS_frac'])} | {pm(r['deltaH1'], r['SE_deltaH1'])} | "
+                     f"{r['wall_s']:.1f} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_png(rows: list[dict], path: Path, header: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no {path.name} (pip install matplotlib)", flush=True)
+        return
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        print(f"no successful lr: no {path.name}", flush=True)
+        return
+    lr = [r["lr"] for r in ok]
+    pred = [prediction(r) for r in ok]
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(7, 7), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    shift = 1.04  # nudge the two series apart on the log axis
+    ax.errorbar([x / shift for x in lr], [p for p, _, _ in pred], yerr=[1.96 * s for _, s, _ in pred],
+                fmt="o-", capsize=3, label=f"prediction ({pred[0][2]}) ± 1.96 SE")
+    ax.errorbar([x * shift for x in lr], [r["deltaH_true"] for r in ok],
+                yerr=[1.96 * r["SE_deltaH_true"] for r in ok], fmt="s-", capsize=3, label="measured deltaH_true ± 1.96 SE")
+    if pred[0][2] == "deltaH_pred" and any(math.isfinite(r["deltaH1"]) for r in ok):
+        ax.plot(lr, [r["deltaH1"] for r in ok], "x:", color="grey", label="deltaH1 (first order, lr P Ybar)")
+    vals = [abs(v) for r, (p, _, _) in zip(ok, pred) for v in (p, r["deltaH_true"]) if math.isfinite(v) and v != 0]
+    ax.set_xscale("log")
+    if vals:
+        ax.set_yscale("symlog", linthresh=min(vals))
+    ax.axhline(0, color="k", lw=0.5)
+    ax.set_ylabel("entropy change")
+    ax.set_title(header, fontsize=9)
+    ax.legend(fontsize=8)
+    ratio = [abs(r["deltaH_true"] / p) if math.isfinite(p) and p != 0 else NAN for r, (p, _, _) in zip(ok, pred)]
+    ax2.plot(lr, ratio, "o-")
+    ax2.axhline(1, color="k", lw=0.5, ls="--")
+    ax2.set_xscale("log")
+    if any(math.isfinite(x) and x > 0 for x in ratio):
+        ax2.set_yscale("log")
+    ax2.set_xlabel("lr")
+    ax2.set_ylabel("|measured / prediction|")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    a = parse_args()
+    lrs = [float(x) for x in (a.lrs or (BUILTIN_LRS if a.builtin else DEFAULT_LRS)).split(",") if x.strip()]
+    out = Path(a.out).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    header = (f"{'builtin' if a.builtin else a.checkpoint}, B_E={a.B_E} B_U={a.B_U} G={a.G} "
+              f"max_new_tokens={a.max_new_tokens} weighting={a.weighting_mode}")
+    t0 = time.perf_counter()
+    try:
+        rows = run_sweep(a, lrs, out)
+    except Exception:  # set-up failed (imports, config): report, still exit 0
+        traceback.print_exc()
+        return 0
+    for name, fn in (("lr_sweep.csv", lambda p: write_csv(rows, p)), ("lr_sweep.md", lambda p: write_md(rows, p, header)),
+                     ("lr_sweep.png", lambda p: write_png(rows, p, header))):
+        try:
+            fn(out / name)
+        except Exception:
+            traceback.print_exc()
+    print(f"[sweep] {len(rows)} lrs in {time.perf_counter() - t0:.1f}s -> {out}/lr_sweep.{{csv,md,png}}")
+    print((out / "lr_sweep.md").read_text() if (out / "lr_sweep.md").is_file() else "")
+    return 0
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

@@ -1,0 +1,1 @@
+"""The two probe modes, each top to bottom in one file over the shared stages."""
