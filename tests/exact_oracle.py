@@ -168,8 +168,9 @@ def make_oracle(mode: str, G: int, seed: int = 1) -> Oracle:
     return Oracle(setup, opt, mode, G, en.J, en.S, en.R, en.L, en.K)
 
 
-def batch_of(o: Oracle, f: torch.Tensor) -> RolloutBatch:
-    """The RolloutBatch of flat response indices f [B, G] (sampler log-probs = the exact ones)."""
+def batch_of(o, f: torch.Tensor) -> RolloutBatch:
+    """The RolloutBatch of flat response indices f [B, G] (anything with ``setup``, ``K``, ``R``:
+    an Oracle, or test_variance's Exact); sampler log-probs 0 (unused by the probe's passes)."""
     setup, resp = o.setup, o.setup.all_responses()
     G = f.shape[-1]
     prompts = [encode_prompts(setup.tokenizer, [setup.task.prompts[int(i) // o.K].text], "never")[0]

@@ -31,7 +31,7 @@ from entprobe import estimators as est
 from entprobe import paramvec as pv
 from entprobe.builtin import tiny_llama_config
 from entprobe.main import run
-from entprobe.rollout import RolloutBatch, assemble, encode_prompts, group_advantages
+from entprobe.rollout import RolloutBatch
 from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
 from entprobe.config import ImportanceConfig, ProbeConfig, ProjectionMode, UnitBackward
 from entprobe.geometry import Geometry
@@ -40,6 +40,7 @@ from entprobe.stages.context import nograd_prompts
 from entprobe.stages.variance import (SMALL_MODEL_PARAMS, project_backward, project_jvp, resolve_projection,
                                       resolve_unit_backward)
 from exact_model import adamw_with_state, enumerate_responses, make_setup
+from exact_oracle import batch_of  # the RolloutBatch of enumerated response indices (needs .setup, .K, .R)
 
 MODES = ("sequence", "dr_grpo", "per_token_avg")
 SETUP_SEED = 1  # success rates 0.64 / 0.46 / 0.85 after the AdamW steps: rewards neither rare nor sure
@@ -145,19 +146,6 @@ def variances(ex: Exact, B_E: int, B_U: int, N: int, seed: int) -> list[est.TwoB
         a, b, bars = simulate(ex, draw(ex, 250, B_E, 2, gen), draw(ex, 250, B_U, 2, gen))
         out += [est.two_batch_variance(a[n], b[n], ex.lr, float(bars[n])) for n in range(250)]
     return out
-
-
-def batch_of(ex: Exact, f: torch.Tensor) -> RolloutBatch:
-    """The RolloutBatch of flat response indices f [B, G] (sampler log-probs unused by Stage 2: 0)."""
-    setup, resp = ex.setup, ex.setup.all_responses()
-    G = f.shape[-1]
-    prompts = [encode_prompts(setup.tokenizer, [setup.task.prompts[int(i) // ex.K].text], "never")[0]
-               for i in f.reshape(-1)]
-    responses = [resp[int(i) % ex.K] for i in f.reshape(-1)]
-    ids, att, rm, lp = assemble(prompts, responses, [[0.0] * len(r) for r in responses], G,
-                                setup.tokenizer.pad_token_id)
-    rewards = ex.R[f].float()
-    return RolloutBatch(ids, att, rm, lp, rewards, group_advantages(rewards, "dr_grpo"), f[:, 0] // ex.K)
 
 
 def fused(ctx, E: RolloutBatch, U: RolloutBatch, P):
