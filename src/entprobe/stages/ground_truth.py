@@ -265,7 +265,7 @@ def _decoupled_decay(opt: torch.optim.Optimizer) -> bool:
 ANALYTIC_ADAMW_SPLIT = True  # tests switch it off to compare with the repeated step
 
 
-def _plain_adamw(opt: torch.optim.Optimizer) -> bool:
+def plain_adamw(opt: torch.optim.Optimizer) -> bool:
     """torch's Adam with decoupled decay (AdamW) and none of the variants the closed form omits."""
     return _decoupled_decay(opt) and not any(
         g.get(k, False) for g in opt.param_groups for k in ("amsgrad", "maximize", "capturable", "differentiable"))
@@ -344,7 +344,7 @@ def _split_step(ctx: ProbeContext, inp: StepInputs, snap, total: float) -> dict[
     decay off. (The zero-gradient step also decays Adam's second moment, so the 'gradient' part
     carries the change of the denominator the new gradient causes.)"""
     opt = inp.optimizer
-    if _plain_adamw(opt) and ANALYTIC_ADAMW_SPLIT:
+    if plain_adamw(opt) and ANALYTIC_ADAMW_SPLIT:
         mom, wd_part = _adamw_zero_grad_parts(ctx, opt, inp.Xbar, snap)
         mom_wd = mom + wd_part
     else:

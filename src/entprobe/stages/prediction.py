@@ -4,9 +4,9 @@ split into gradient / momentum / weight-decay parts, each with its standard erro
 
 Per-unit contributions (units are prompts):
 - E side, exactly: ``e_u = -X_u . Delta theta_part`` (mean over E = the part's prediction);
-- U side, by the delta method: ``u_v = -Y_v . (J_part * Xbar)`` with J the diagonal Jacobian
-  ``d Delta theta_part / d Ybar`` (the part's prediction moves by ``mean_v u_v - const`` to first
-  order when U changes).
+- U side, by the delta method: ``u_v = -Y_v . (J * Xbar)`` with J the diagonal Jacobian
+  ``d Delta theta / d Ybar`` of the whole update (the prediction moves by ``mean_v u_v - const``
+  to first order when U changes).
 Two targets, two standard errors:
 - ``SE_deltaH_pred`` (the headline; ``ci95_pred_*``, Student-t with B_E - 1 degrees of freedom):
   the first-order change ``grad H . Delta theta(Ybar_U)`` of the step the optimizer takes on this
@@ -27,19 +27,18 @@ import torch
 from entprobe import estimators as est
 from entprobe import paramvec as pv
 from entprobe.stages.context import ProbeContext
-from entprobe.stages.ground_truth import _plain_adamw
+from entprobe.stages.ground_truth import plain_adamw
 from entprobe.stages.snapshot import restore, take
 from entprobe.step_math import AdamWHyper, StepModel, adamw_jacobian_times_into, adamw_update_into
 
 
 def _state_of(opt: torch.optim.Optimizer, p: torch.Tensor, dev, dt):
-    """(m, v, step) of AdamW's state for p on ``dev`` in ``dt``; zeros and step 0 without state."""
+    """(m, v) of AdamW's state for p on ``dev`` in ``dt``; zeros without state (never stepped)."""
     st = opt.state.get(p)
     if not st or "exp_avg" not in st:
         z = torch.zeros(p.shape, device=dev, dtype=dt)
-        return z, z, 0.0
-    step = st["step"]
-    return st["exp_avg"].to(dev, dt), st["exp_avg_sq"].to(dev, dt), float(step)
+        return z, z
+    return st["exp_avg"].to(dev, dt), st["exp_avg_sq"].to(dev, dt)
 
 
 def _step_of(opt: torch.optim.Optimizer, p: torch.Tensor) -> float:
@@ -69,7 +68,7 @@ def build_step_model(ctx: ProbeContext, optimizer: torch.optim.Optimizer, lr: fl
                     o.mul_(P[i].to(o.device, o.dtype))
         return StepModel(["gradient"], lambda outs: scaled_into(Ybar, outs["gradient"]), scaled_into,
                          "preconditioned_sgd")
-    if not max_grad_norm and (_plain_adamw(optimizer) or _plain_sgd(optimizer)):
+    if not max_grad_norm and (plain_adamw(optimizer) or _plain_sgd(optimizer)):
         return _closed_form(ctx, optimizer, Ybar)
 
     def step_into(outs):  # the optimizer's own step on a snapshot
@@ -91,7 +90,7 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
     """AdamW / SGD per run of parameters that share a param group and a step count: on one flat
     vector when the run is small (host time per op dominates there; results copied into place),
     else tensor by tensor straight into the caller's buffers with reused scratch space."""
-    adam = _plain_adamw(optimizer)
+    adam = plain_adamw(optimizer)
     index = {id(p): i for i, p in enumerate(ctx.params)}
     runs: dict[tuple, list[int]] = {}
     for gi, g in enumerate(optimizer.param_groups):
