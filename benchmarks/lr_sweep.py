@@ -16,7 +16,8 @@ deltaH_true_minus_pred, SE_deltaH_true_minus_pred, ESS_frac, H_orig and the part
 - ``<out>/lr_sweep.md``: lr, prediction +- SE, measured +- SE, difference +- SE, z, ESS_frac (and
   deltaH1 +- SE beside); "prediction" is deltaH_pred, or deltaH1 where deltaH_pred is absent;
 - ``<out>/lr_sweep.png``: prediction and measured with 1.96 SE error bars against lr (log x,
-  symlog y), and |measured / prediction| in a second panel (needs matplotlib: ``pip install
+  symlog y), and (measured - predicted) / |predicted| with its paired 95% interval in a second
+  panel: where it leaves 0, first order stops holding (needs matplotlib: ``pip install
   matplotlib``; without it the PNG is skipped with a message).
 
 A failing lr is recorded (status ``error`` and the message) and the sweep goes on; the exit status
@@ -42,7 +43,8 @@ DEFAULT_LRS = "1e-7,1e-6,1e-5,3e-5,1e-4"
 BUILTIN_LRS = "1e-4,1e-3,1e-2"
 KEYS = ["deltaH_pred", "SE_deltaH_pred", "ci95_pred_low", "ci95_pred_high", "deltaH1", "SE_deltaH1",
         "deltaH1_step", "deltaH_true", "SE_deltaH_true", "deltaH_true_minus_pred", "SE_deltaH_true_minus_pred",
-        "ESS_frac", "H_orig", "deltaH_pred_gradient", "deltaH_pred_momentum", "deltaH_pred_weight_decay"]
+        "ESS_frac", "H_orig", "deltaH_pred_gradient", "deltaH_pred_momentum", "deltaH_pred_weight_decay",
+        "ci95_true_low", "ci95_true_high", "ci95_true_minus_pred_low", "ci95_true_minus_pred_high"]
 EXTRA = ["lr_source", "batch_source", "weighting_mode", "time/total_s"]
 NAN = float("nan")
 
@@ -200,14 +202,18 @@ def write_png(rows: list[dict], path: Path, header: str) -> None:
     ax.set_ylabel("entropy change")
     ax.set_title(header, fontsize=9)
     ax.legend(fontsize=8)
-    ratio = [abs(r["deltaH_true"] / p) if math.isfinite(p) and p != 0 else NAN for r, (p, _, _) in zip(ok, pred)]
-    ax2.plot(lr, ratio, "o-")
-    ax2.axhline(1, color="k", lw=0.5, ls="--")
+    # where first order stops holding: the paired difference relative to the prediction, 95% interval
+    rel, err = [], []
+    for r, (p, _, _) in zip(ok, pred):
+        d, lo, hi = r["deltaH_true_minus_pred"], r["ci95_true_minus_pred_low"], r["ci95_true_minus_pred_high"]
+        ok_p = math.isfinite(p) and p != 0
+        rel.append(d / abs(p) if ok_p and math.isfinite(d) else NAN)
+        err.append((hi - lo) / 2 / abs(p) if ok_p and math.isfinite(lo) and math.isfinite(hi) else 0.0)
+    ax2.errorbar(lr, rel, yerr=err, fmt="o-", capsize=3)
+    ax2.axhline(0, color="k", lw=0.5, ls="--")
     ax2.set_xscale("log")
-    if any(math.isfinite(x) and x > 0 for x in ratio):
-        ax2.set_yscale("log")
     ax2.set_xlabel("lr")
-    ax2.set_ylabel("|measured / prediction|")
+    ax2.set_ylabel("(measured - predicted) / |predicted|\n95% interval (paired)", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -24,7 +24,7 @@ marked as GGUF-quantized), which the probe reads with
         --max-new-tokens 24 --lr 1e-5 --weight-decay 0.01 --seed 0
     ENTPROBE_CACHE=/tmp/epcache .venv/bin/python -m entprobe.main model=hf model.path=/tmp/smollm2_adamw \\
         optimizer.state_path=/tmp/smollm2_adamw batch.B_E=4 batch.B_U=4 batch.G=4 \\
-        sampling.max_new_tokens=24 logging.wandb.mode=disabled model.device=cpu run_dir=/tmp/sm_probe_check
+        sampling.max_new_tokens=24 logging.wandb.mode=disabled model.device=cpu hydra.run.dir=/tmp/sm_probe_check
 
 fp32 on CPU. A DR-GRPO step on a batch whose groups all have equal rewards has a zero gradient (SmolLM2
 rarely earns this task's reward); the script prints how many groups carried a nonzero advantage and
