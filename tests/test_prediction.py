@@ -285,3 +285,36 @@ def test_preconditioned_sgd_prediction_is_delta_h1(tmp_path):
     # and the measured change agrees with it to first order at this small lr
     assert abs(res["deltaH_true"] - res["deltaH_pred"]) < 0.05 * abs(res["deltaH_pred"]) + 3 * res[
         "SE_deltaH_true_minus_pred"]
+
+
+def test_other_optimizers_and_clipping_predict_the_step_they_take(tmp_path):
+    """Plain SGD in closed form (-lr Xbar . Ybar, the seeds' deltaH1 with P = identity); gradient
+    clipping (a global rescale, not elementwise) and any other optimizer by their own step on a
+    snapshot: the prediction is then the first-order change of exactly the step the ground truth
+    takes, with the E-side SE only."""
+    o = make_oracle("sequence", 2)
+    gen = torch.Generator().manual_seed(13)
+    E, U = batch_of(o, o.draw(1, 6, gen)[0]), batch_of(o, o.draw(1, 5, gen)[0])
+    icfg = ImportanceConfig(resample_on_low_ess=False, split_step=False)
+
+    def probe(opt, lr, **kw):
+        return run_two_batch(o.setup.ctx("sequence", mb_size=2), E, U, Geometry(opt, lr, None),
+                             ProbeConfig(top_k_params=0), dataclasses.replace(icfg, **kw), tmp_path)
+
+    sgd = probe(torch.optim.SGD(o.setup.params, lr=1e-3), 1e-3)
+    assert sgd["pred/step_model"] == "sgd_closed_form"
+    assert sgd["deltaH_pred"] == pytest.approx(sgd["deltaH1"], rel=1e-10)
+    assert sgd["deltaH1_step"] == pytest.approx(sgd["deltaH_pred"], rel=1e-6)
+    assert sgd["SE_deltaH_pred_expected"] == pytest.approx(sgd["SE_deltaH1"], rel=1e-6)
+    for g in o.opt.param_groups:
+        g["lr"] = LR_GT
+    try:
+        clipped = probe(o.opt, LR_GT, max_grad_norm=1e-3)
+        adam = probe(o.opt, LR_GT)
+    finally:
+        for g in o.opt.param_groups:
+            g["lr"] = 1e-2
+    assert clipped["pred/step_model"] == "optimizer_step" and math.isnan(clipped["SE_deltaH_pred_U"])
+    assert clipped["deltaH_pred"] == pytest.approx(clipped["deltaH1_step"], rel=1e-6)
+    assert clipped["SE_deltaH_pred"] > 0 and "deltaH_pred_gradient" not in clipped  # one unsplit update
+    assert abs(clipped["deltaH_pred"] - adam["deltaH_pred"]) > 0.01 * abs(adam["deltaH_pred"])  # clipping bites
