@@ -33,7 +33,7 @@ def test_snis_and_psis_recover_the_target_mean_of_a_gaussian_shift(mu):
     logw = mu * x - mu * mu / 2
     for wn in (est.snis_weights(logw), est.psis_weights(logw)[0]):
         assert torch.isclose(wn.sum(), torch.tensor(1.0, dtype=torch.float64), atol=1e-12)
-        m = est.is_estimate(x, wn)
+        m = float((wn * x.double()).sum())
         assert abs(m - mu) < 4 * _se(wn, x, m), (m, mu)
     # Unweighted mean is ~0: the test above would fail if the weights were ignored.
     assert abs(float(x.mean()) - mu) > 0.25
@@ -90,10 +90,10 @@ def test_clipped_weights_never_exceed_clip_c_before_normalisation():
     expect = torch.tensor([0.5, 2.0, 10.0, 10.0, math.exp(-900.0)], dtype=torch.float64)
     assert torch.allclose(raw, expect, rtol=1e-12, atol=0)
     assert float(raw.max()) <= c * (1 + 1e-15)
-    wn = est.clipped_weights(logw, c)
+    wn = torch.softmax(est.clipped_log_weights(logw, c), -1)  # as the clip estimator normalises
     assert torch.allclose(wn, expect / expect.sum(), rtol=1e-12, atol=0)
     # Normalised in the log domain: all weights tiny (logw ~ -2000) must not give 0/0.
-    wn_tiny = est.clipped_weights(torch.tensor([-2000.0, -2001.0], dtype=torch.float64), c)
+    wn_tiny = torch.softmax(est.clipped_log_weights(torch.tensor([-2000.0, -2001.0], dtype=torch.float64), c), -1)
     assert torch.allclose(wn_tiny, torch.tensor([1.0, math.exp(-1.0)], dtype=torch.float64) / (1 + math.exp(-1.0)))
 
 
@@ -106,18 +106,22 @@ def test_snis_is_computed_in_the_log_domain():
     # H_upd = -sum wn S_upd: S_upd = [-1, -2, -4] -> (1 + 2 e^-1 + 4 e^-2) / (1 + e^-1 + e^-2)
     S_upd = torch.tensor([-1.0, -2.0, -4.0], dtype=torch.float64)
     h = (1 + 2 * math.exp(-1) + 4 * math.exp(-2)) / (1 + math.exp(-1) + math.exp(-2))
-    assert est.is_estimate(-S_upd, wn) == pytest.approx(h, rel=1e-14)
-    # per token: -sum w S / sum w L with L = [1, 2, 4] -> exactly 1
-    assert est.ratio_estimate(-S_upd, torch.tensor([1.0, 2.0, 4.0]), wn) == pytest.approx(1.0, rel=1e-14)
+    assert float((wn * -S_upd).sum()) == pytest.approx(h, rel=1e-14)
+    # the stratified SNIS change normalises the same way (one prompt, f at theta = 0)
+    assert float(est.snis_change(torch.zeros(3, dtype=torch.float64), -S_upd, logw)) == pytest.approx(h, rel=1e-14)
 
 
 def test_ess_formula():
     # (sum w)^2 / sum w^2: equal weights -> N; one weight -> 1; w = [2, 1, 1] -> 16 / 6.
-    assert est.ess(torch.zeros(7, dtype=torch.float64)) == pytest.approx(7.0, rel=1e-14)
-    assert est.ess(torch.tensor([0.0, -math.inf, -math.inf])) == pytest.approx(1.0, rel=1e-14)
+    ess = lambda lw: float(est.stratified_ess(lw))  # noqa: E731  (one stratum)
+    assert ess(torch.zeros(7, dtype=torch.float64)) == pytest.approx(7.0, rel=1e-14)
+    assert ess(torch.tensor([0.0, -math.inf, -math.inf])) == pytest.approx(1.0, rel=1e-14)
     lw = torch.tensor([math.log(2.0), 0.0, 0.0], dtype=torch.float64)
-    assert est.ess(lw) == pytest.approx(16 / 6, rel=1e-14)
-    assert est.ess(lw + 5000.0) == pytest.approx(16 / 6, rel=1e-14)  # shift-invariant, no overflow
+    assert ess(lw) == pytest.approx(16 / 6, rel=1e-14)
+    assert ess(lw + 5000.0) == pytest.approx(16 / 6, rel=1e-14)  # shift-invariant, no overflow
+    # per prompt: a [B, G] table gives one ESS per row
+    assert est.stratified_ess(torch.stack([lw, torch.zeros(3, dtype=torch.float64)])).tolist() == \
+        pytest.approx([16 / 6, 3.0], rel=1e-14)
 
 
 def test_token_ratio_stats_by_hand_including_nan_old_logprobs():

@@ -31,12 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-def ess(logw: torch.Tensor) -> float:
-    """Kish effective sample size ``(sum w)^2 / sum w^2`` computed from log-weights."""
-    lw = logw.double() - logw.double().max()
-    w = lw.exp()
-    return float(w.sum() ** 2 / (w ** 2).sum())
-
+from entprobe.estimators import mean_variance
 
 def snis_weights(logw: torch.Tensor) -> torch.Tensor:
     """Self-normalised weights ``w / sum w`` in the log domain (shift by max)."""
@@ -48,12 +43,6 @@ def snis_weights(logw: torch.Tensor) -> torch.Tensor:
 def clipped_log_weights(logw: torch.Tensor, clip_c: float) -> torch.Tensor:
     """``log min(w, c)`` elementwise: truncated raw weights (before normalisation), never above c."""
     return logw.double().clamp(max=math.log(clip_c))
-
-
-def clipped_weights(logw: torch.Tensor, clip_c: float) -> torch.Tensor:
-    """Self-normalised truncated weights ``min(w, c) / sum min(w, c)``, normalised in the log domain
-    (shift by the max), so very negative log-weights do not underflow to 0/0."""
-    return snis_weights(clipped_log_weights(logw, clip_c))
 
 
 def psis_weights(logw: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -81,18 +70,8 @@ def psis_weights(logw: torch.Tensor) -> tuple[torch.Tensor, float]:
     return w / w.sum(), float(np.asarray(khat))
 
 
-def is_estimate(f: torch.Tensor, wn: torch.Tensor) -> float:
-    """``sum_i wn_i f_i`` for normalised weights wn."""
-    return float((wn * f.double()).sum())
-
-
-def ratio_estimate(num: torch.Tensor, den: torch.Tensor, wn: torch.Tensor) -> float:
-    """``sum wn num / sum wn den`` (per-token entropy: num = -S, den = L)."""
-    return float((wn * num.double()).sum() / (wn * den.double()).sum())
-
-
 class TokenRatioSums(NamedTuple):
-    """Additive pieces of the seed-003 token diagnostics (sum over ranks, then divide)."""
+    """Additive pieces of the update's token diagnostics (sum over ranks, then divide)."""
     n_tokens: float  # response tokens
     n_finite_old: float  # of which the old log-prob is finite (not NaN / inf)
     sum_ratio: float  # sum of exp(new - old) after the NaN fill
@@ -184,14 +163,8 @@ def summarize_change(psi: torch.Tensor) -> PromptChange:
     """``mean psi`` and ``sqrt(Var(mean psi))`` (nan SE below 2 prompts or for non-finite psi)."""
     psi = psi.double()
     est = float(psi.mean())
-    se = math.sqrt(mean_variance_of(psi)) if psi.numel() >= 2 and torch.isfinite(psi).all() else float("nan")
+    se = math.sqrt(mean_variance(psi)) if psi.numel() >= 2 and torch.isfinite(psi).all() else float("nan")
     return PromptChange(psi, est, se)
-
-
-def mean_variance_of(x: torch.Tensor) -> float:
-    """``sum (x - mean x)^2 / (B (B - 1))``."""
-    B = x.numel()
-    return float(((x - x.mean()) ** 2).sum() / (B * (B - 1)))
 
 
 def prompt_changes(f_orig: torch.Tensor, f_upd: torch.Tensor, logw: torch.Tensor, smoothed: torch.Tensor,
