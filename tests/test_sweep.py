@@ -62,7 +62,8 @@ def test_lr_sweep_reuses_batches_and_records_the_failed_job(tmp_path):
     assert not (sw / "2" / "results.json").exists()
     # The summary carries results.json's numbers.
     for r, x in zip(rows, res):
-        for k in ("deltaH1", "SE_deltaH1", "deltaH_true", "ESS"):
+        for k in ("deltaH_pred", "SE_deltaH_pred", "deltaH_true", "SE_deltaH_true", "deltaH_true_minus_pred",
+                  "SE_deltaH_true_minus_pred", "ESS_frac", "deltaH1", "SE_deltaH1"):
             assert float(r[k]) == x[k], k
     # One batch for both lr values: sampled by job 0, loaded from the cache by job 1.
     assert [x["batch_source"] for x in res] == ["sampled", "cache"] == [r["batch"] for r in rows[:2]]
@@ -128,7 +129,9 @@ def test_summary_lists_only_the_overrides_that_vary(tmp_path):
     for num, ov, status in ((0, ["a=1", "lr=1"], "ok"), (1, ["a=1", "lr=2"], "failed")):
         row = {"job": num, "status": status, "overrides": ov, "time_s": 1.5, "output_dir": str(tmp_path / str(num)),
                "batch": "", "error": "" if status == "ok" else "RuntimeError: x|y", "deltaH1": 0.25 * (num + 1),
-               "SE_deltaH1": 0.1, "deltaH_true": float("nan"), "ESS": 8.0}
+               "SE_deltaH1": 0.1, "deltaH_true": float("nan"), "ESS_frac": 0.5, "deltaH_pred": -0.02,
+               "SE_deltaH_pred": 0.01, "SE_deltaH_true": float("nan"), "deltaH_true_minus_pred": float("nan"),
+               "SE_deltaH_true_minus_pred": float("nan")}
         (tmp_path / sweep.ROWS_DIR).mkdir(exist_ok=True)
         (tmp_path / sweep.ROWS_DIR / f"{num:06d}.json").write_text(json.dumps(row))
     csv_path, md_path = sweep.write_summary(tmp_path)
@@ -136,7 +139,7 @@ def test_summary_lists_only_the_overrides_that_vary(tmp_path):
     assert [r["overrides"] for r in rows] == ["lr=1", "lr=2"] and rows[1]["deltaH1"] == "0.5"
     md = md_path.read_text().splitlines()
     assert md[2] == "2 jobs, 1 failed."
-    assert md[-1] == "| 1 | failed | lr=2 | 0.5 | 0.1 | nan | 8 | 1.5 |  | RuntimeError: x\\|y |"
+    assert md[-1] == "| 1 | failed | lr=2 | -0.02 | 0.01 | nan | nan | nan | nan | 0.5 | 0.5 | 0.1 | 1.5 |  | RuntimeError: x\\|y |"
 
 
 def test_slurm_launcher_config_makes_an_sbatch_script(tmp_path, monkeypatch):

@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 CACHE_DIR = "batch_cache"
 ROWS_DIR = ".summary_rows"
 SUMMARY = "sweep_summary"
-METRICS = ("deltaH1", "SE_deltaH1", "deltaH_true", "ESS")
+METRICS = ("deltaH_pred", "SE_deltaH_pred", "deltaH_true", "SE_deltaH_true", "deltaH_true_minus_pred",
+           "SE_deltaH_true_minus_pred", "ESS_frac", "deltaH1", "SE_deltaH1")
 COLUMNS = ("job", "status", "overrides", *METRICS, "time_s", "batch", "error")
 
 

@@ -1,5 +1,5 @@
 """Single-batch probe: the cross-unit U-statistic of X and Y on one batch, its plug-in
-and jackknife standard errors, and the Stage 3 ground truth on the same batch (E = U).
+and jackknife standard errors, and the Stage 3 ground truth of the batch's step measured on a fresh E.
 
 Units are prompts, or blocks of ``k`` consecutive prompts (``block_size``, or ``num_blocks`` M
 with k = B / M); a block's vectors are the means of its prompts' X_n and Y_n, so every formula
