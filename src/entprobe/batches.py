@@ -31,8 +31,7 @@ def get_batches(cfg: EntprobeConfig, lm, task, ctx: ProbeContext, cache: Path | 
         src = Path(b.load) if b.load else (cache if hit else None)
         if src is not None:
             E, U = RolloutBatch.load(src / "E.pt"), RolloutBatch.load(src / "U.pt")
-            if E.G != b.G or U.G != b.G:
-                raise ConfigError(f"batch.load={src}: saved batches have G={E.G}, config says batch.G={b.G}")
+            check_saved(src, E, U, cfg)
             source = "load" if b.load else "cache"
         else:
             E, U = sample_global(cfg, lm, task, ctx)
@@ -43,6 +42,24 @@ def get_batches(cfg: EntprobeConfig, lm, task, ctx: ProbeContext, cache: Path | 
                         U.save(Path(folder) / "U.pt")
             source = "sampled"
     return E, U, source
+
+
+def check_saved(src: Path, E: RolloutBatch, U: RolloutBatch, cfg: EntprobeConfig) -> None:
+    """Saved batches must be what the config would sample: the same G, B_E / B_U and temperature
+    (the log-probs every estimate uses are taken at the sampling temperature)."""
+    b = cfg.batch
+    two = cfg.probe_rework.mode.value == "two_batch"
+    for label, batch, B in (("E", E, b.B_E), ("U", U, b.B_U)):
+        if batch.G != b.G:
+            raise ConfigError(f"batch.load={src}: the saved {label} has G={batch.G} responses per prompt, the "
+                              f"config batch.G={b.G}; set batch.G={batch.G} or sample anew")
+        if (two or label == "U") and batch.B != B:
+            raise ConfigError(f"batch.load={src}: the saved {label} has {batch.B} prompts, the config "
+                              f"batch.B_{label}={B}; set batch.B_{label}={batch.B} or sample anew")
+        if abs(batch.temperature - cfg.sampling.temperature) > 1e-12:
+            raise ConfigError(f"batch.load={src}: {label} was sampled at temperature {batch.temperature}, the "
+                              f"config says sampling.temperature={cfg.sampling.temperature}; the log-probs "
+                              "would be of another distribution: set it to the sampling temperature")
 
 
 def rank_seed(seed: int) -> int:

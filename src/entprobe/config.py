@@ -285,5 +285,10 @@ def validate(cfg: Any) -> None:
     o = cfg.optimizer
     _require(o.lr is None or o.lr > 0, "optimizer.lr", "must be > 0")
     _require(o.betas is None or len(o.betas) == 2, "optimizer.betas", "must be [beta1, beta2]")
+    _require(o.betas is None or all(0 <= x < 1 for x in o.betas), "optimizer.betas",
+             f"is {o.betas}; each beta must be in [0, 1)")
+    _require(o.eps is None or o.eps > 0, "optimizer.eps", f"is {o.eps}; must be > 0")
+    _require(o.step is None or o.step >= 1, "optimizer.step", f"is {o.step}; the steps already taken, >= 1")
+    _require(o.weight_decay is None or o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
     _require(cfg.logging.wandb.mode in ("disabled", "offline", "online"), "logging.wandb.mode",
              f"is {cfg.logging.wandb.mode!r}; use disabled, offline or online")

@@ -137,6 +137,11 @@ def load_optimizer(model, path: str, lr=None, betas=None, eps=None, weight_decay
                 raise OptimizerStateError(
                     f"state shape mismatch at parameter {name!r}: checkpoint {tuple(st['exp_avg_sq'].shape)}"
                     f" vs model {tuple(p.shape)}; the optimizer.pt does not belong to this model")
+            bad = [k for k in ("exp_avg", "exp_avg_sq") if k in st and not torch.isfinite(st[k]).all()]
+            if bad or float(st["exp_avg_sq"].min()) < 0:
+                what = f"non-finite {'/'.join(bad)}" if bad else "negative exp_avg_sq"
+                raise OptimizerStateError(f"{opt_file}: {what} for parameter {name!r} (index {idx}): the "
+                                          "optimizer state is corrupt; use another checkpoint")
     g0 = stored_groups[0]
     betas = tuple(betas) if betas is not None else tuple(g0.get("betas", (0.9, 0.999)))
     eps = float(eps if eps is not None else g0.get("eps", 1e-8))

@@ -21,9 +21,18 @@ class JsonlTask:
         for lineno, line in enumerate(p.read_text().splitlines(), 1):
             if not line.strip():
                 continue
-            rec = json.loads(line)
-            if "prompt" not in rec or "answer" not in rec:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not a JSON record ({e.msg})") from None
+            if not isinstance(rec, dict) or "prompt" not in rec or "answer" not in rec:
                 raise ValueError(f"{path}:{lineno}: each record needs 'prompt' and 'answer'")
+            if not isinstance(rec["prompt"], str) or not rec["prompt"].strip():
+                raise ValueError(f"{path}:{lineno}: 'prompt' must be a non-empty string")
+            if isinstance(rec["answer"], bool) or not isinstance(rec["answer"], (str, int, float)) \
+                    or not str(rec["answer"]).strip():
+                raise ValueError(f"{path}:{lineno}: 'answer' is {rec['answer']!r}; it must be a number or a "
+                                 "non-empty string (the reward compares responses with it)")
             self.prompts.append(Prompt(text=str(rec["prompt"]), answer=str(rec["answer"])))
         if num_prompts:
             self.prompts = self.prompts[:num_prompts]
