@@ -1,5 +1,5 @@
 """A non-editable install runs the default job from another directory: the Hydra configs ship inside
-the package (pyproject package-data), not only in the source tree."""
+the package (pyproject package-data), not only in the source tree; the `entprobe` console script too."""
 from __future__ import annotations
 
 import importlib.util
@@ -60,3 +60,16 @@ def test_non_editable_install_runs_from_another_directory(tmp_path):
     assert res["SE_deltaH1"] > 0
     assert (res["B_E"], res["B_U"], res["G"]) == (4, 4, 4)
     assert list(elsewhere.iterdir()) == []  # nothing written into the working directory
+
+    # The console script pyproject.toml declares (`entprobe`, the same main) finds the shipped configs too.
+    script = target / "bin" / "entprobe"
+    assert script.is_file()
+    run_dir2 = tmp_path / "run2"
+    proc = subprocess.run(
+        [str(script), "batch.B_E=4", "batch.B_U=4", "batch.G=4", "importance.enabled=false",
+         "logging.wandb.mode=disabled", "logging.progress=false", f"hydra.run.dir={run_dir2}"],
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res2 = json.loads((run_dir2 / "results.json").read_text())
+    assert math.isfinite(res2["deltaH_pred"]) and res2["SE_deltaH_pred"] > 0
+    assert "entropy change of the next step" in proc.stdout  # the verdict, printed by default
