@@ -12,10 +12,21 @@
 #   TORCHRUN_ARGS        extra torchrun flags; when set, --standalone is not added (multi-node:
 #                        TORCHRUN_ARGS="--nnodes 2 --node-rank 0 --rdzv-backend c10d --rdzv-endpoint host:29400"
 #                        on every node, with the same ENTPROBE_RUN_DIR).
-#   PYTHON               the interpreter with entprobe installed (default: python).
+#   PYTHON               the interpreter with entprobe installed (default: the project's .venv made by
+#                        scripts/setup.sh when it exists, else the active venv's or PATH's python).
 set -euo pipefail
 
-PYTHON=${PYTHON:-python}
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x "$HERE/.venv/bin/python" ]]; then PYTHON=$HERE/.venv/bin/python
+  elif [[ -n "${VIRTUAL_ENV:-}" ]]; then PYTHON=$VIRTUAL_ENV/bin/python
+  else PYTHON=python3; fi
+fi
+if ! "$PYTHON" -c 'import entprobe' 2>/dev/null; then
+  echo "launchers/torchrun.sh: $PYTHON cannot import entprobe; run ./scripts/setup.sh (it makes .venv)" \
+       "or set PYTHON=/path/to/python" >&2
+  exit 2
+fi
 if [[ "${1:-}" =~ ^[0-9]+$ ]]; then
   NPROC=$1
   shift
