@@ -65,6 +65,6 @@ def test_loading_with_a_different_G_is_refused(tmp_path):
     saved = tmp_path / "batches"
     _batch(1).save(saved / "E.pt")
     _batch(2).save(saved / "U.pt")
-    with pytest.raises(ConfigError, match=r"saved batches have G=2, config says batch\.G=4"):
+    with pytest.raises(ConfigError, match=r"the saved E has G=2 responses per prompt, the config batch\.G=4; set batch\.G=2"):
         run(compose_cfg(tmp_path / "run", f"batch.load='{saved}'"))
     assert not (tmp_path / "run" / "results.json").exists()
