@@ -65,10 +65,11 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     pad = picked.new_zeros((N, first))
     logp = torch.cat([pad, torch.where(mask, picked, 0.0)], dim=1)
     entropy = None
-    if with_entropy:
-        p_log = logits - lse.unsqueeze(-1)
-        ent = -(p_log.exp() * p_log).sum(-1)
-        entropy = torch.cat([pad, torch.where(mask, ent, 0.0)], dim=1)
+    if with_entropy:  # a diagnostic: no graph (it would keep [N, T, V] tensors alive until backward)
+        with torch.no_grad():
+            p_log = logits.detach() - lse.detach().unsqueeze(-1)
+            ent = -(p_log.exp() * p_log).sum(-1)
+            entropy = torch.cat([pad.detach(), torch.where(mask, ent, 0.0)], dim=1)
     return TokenLogprobs(logp, entropy)
 
 
