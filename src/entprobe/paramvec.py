@@ -136,10 +136,17 @@ class DirectionSet:
         return [self.mat[j, self.offsets[i]:self.offsets[i + 1]].view(sh) for i, sh in enumerate(self.shapes)]
 
 
-def empty_directions(k: int, like: Sequence[torch.Tensor], device, dtype) -> DirectionSet:
-    """An uninitialised ``DirectionSet`` of k directions shaped like ``like``; fill its columns."""
+def empty_directions(k: int, like: Sequence[torch.Tensor], device, dtype,
+                     storage: torch.Tensor | None = None) -> DirectionSet:
+    """An uninitialised ``DirectionSet`` of k directions shaped like ``like``; fill its columns.
+    ``storage`` (a ``[>= k, N]`` matrix of the same device and dtype no longer needed) is reused
+    instead of a fresh allocation (a parameter-sized allocation is a page-faulted pass on CPU)."""
     shapes = [t.shape for t in like]
-    return DirectionSet(torch.empty((k, sum(sh.numel() for sh in shapes)), device=device, dtype=dtype), shapes)
+    N = sum(sh.numel() for sh in shapes)
+    if storage is not None and storage.shape[0] >= k and storage.shape[1] == N and \
+            storage.device == torch.device(device) and storage.dtype == dtype:
+        return DirectionSet(storage[:k], shapes)
+    return DirectionSet(torch.empty((k, N), device=device, dtype=dtype), shapes)
 
 
 def stack_directions(bufs: Sequence[Buffer], device=None, dtype=None) -> DirectionSet:

@@ -52,6 +52,7 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
     bars_dot = float(terms.sum())
     step_dots = pv.dot_set(Xbar, dirE)[1:].tolist()  # Xbar . Delta theta_part
     nX, nPY = pv.norm(Xbar), pv.norm(PY)
+    del PY
     res.update({"B_E": B_E, "B_U": B_U, "G": E.G, "lr": geo.lr, "bars_dot": bars_dot,
                 "deltaH1": est.delta_h1(geo.lr, bars_dot), "norm_Xbar": nX, "norm_PYbar": nPY,
                 "cos_Xbar_PYbar": bars_dot / (nX * nPY) if nX * nPY > 0 else float("nan")})
@@ -67,7 +68,10 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
         with ctx.phase("variance"):
             # U-side directions: P Xbar (deltaH1), then J * Xbar (the prediction's delta method)
             fill_JX = [lambda out: step.jacobian_times_into(Xbar, out)] if step.jacobian_times_into else []
-            dirU = directions(ctx, [mul_into(Xbar, geo.P)] + fill_JX, None, dir_dev)
+            # with a_u taken in the X pass, the E directions are spent: U's are written over them
+            reuse = dirE.mat if fused else None
+            dirU = directions(ctx, [mul_into(Xbar, geo.P)] + fill_JX, None, dir_dev, storage=reuse)
+            del reuse
             if mode == "stored":
                 a, b = accX.proj, project_stored(accY.unit_grads, dirU)
                 accY.unit_grads = None
@@ -91,7 +95,7 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
                     "projection": mode})
         if fused:  # per-unit gradients were taken (a backward per unit, or batched)
             res["unit_backward"] = unit_bwd
-    del dirE, PY
+    del dirE
     res.update(prediction_results(step, step_dots, e, u))
 
     names = ctx.names

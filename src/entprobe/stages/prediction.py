@@ -162,12 +162,15 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
                      "adamw_closed_form" if adam else "sgd_closed_form")
 
 
-def directions(ctx: ProbeContext, first: list, step: StepModel | None, device) -> pv.DirectionSet:
+def directions(ctx: ProbeContext, first: list, step: StepModel | None, device,
+               storage: torch.Tensor | None = None) -> pv.DirectionSet:
     """A ``DirectionSet`` whose first rows are ``first`` (callables ``fill(out_buffer)``) and whose
-    next rows are the step's parts (``step.names`` order), each written in place into its row."""
+    next rows are the step's parts (``step.names`` order), each written in place into its row
+    (into ``storage`` when given: see ``paramvec.empty_directions``)."""
     like = ctx.params
     dt = torch.promote_types(ctx.buffers_dtype, torch.float32)
-    dset = pv.empty_directions(len(first) + (len(step.names) if step is not None else 0), like, device, dt)
+    dset = pv.empty_directions(len(first) + (len(step.names) if step is not None else 0), like, device, dt,
+                               storage)
     for j, fill in enumerate(first):
         fill(dset.column(j))
     if step is not None:
