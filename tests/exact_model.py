@@ -13,6 +13,7 @@ probability of every response.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass, field
 
@@ -181,3 +182,21 @@ def enumerate_responses(setup: ExactSetup, with_grad: bool = True) -> Enumerated
                                dtype=torch.float64))
     L = torch.tensor([len(r) for r in resp], dtype=torch.float64).repeat(len(setup.task.prompts))
     return Enumerated(torch.cat(Js) if with_grad else torch.empty(0), torch.cat(Ss), torch.cat(Rs), L, K)
+
+
+@contextlib.contextmanager
+def params_set_to(setup: ExactSetup, theta: torch.Tensor):
+    """Inside the block the setup's parameters are the flat vector ``theta``; restored after."""
+    ps = setup.params
+    saved = [p.detach().clone() for p in ps]
+    with torch.no_grad():
+        off = 0
+        for p in ps:
+            p.copy_(theta[off:off + p.numel()].view_as(p))
+            off += p.numel()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, s in zip(ps, saved):
+                p.copy_(s)

@@ -21,7 +21,7 @@ import torch
 from entprobe import estimators as est
 from entprobe.rollout import RolloutBatch, assemble, encode_prompts, group_advantages
 from entprobe.step_math import AdamWHyper, adamw_jacobian, adamw_update
-from exact_model import ExactSetup, adamw_with_state, enumerate_responses, make_setup
+from exact_model import ExactSetup, adamw_with_state, enumerate_responses, make_setup, params_set_to
 
 N_PROMPTS = 3
 
@@ -184,19 +184,8 @@ def batch_of(o, f: torch.Tensor) -> RolloutBatch:
 
 def log_probs_at(o: Oracle, theta: torch.Tensor) -> torch.Tensor:
     """Every response's log-prob [3K] with the parameters set to the flat ``theta`` (then restored)."""
-    ps = o.setup.params
-    saved = [p.detach().clone() for p in ps]
-    with torch.no_grad():
-        off = 0
-        for p in ps:
-            p.copy_(theta[off:off + p.numel()].view_as(p))
-            off += p.numel()
-    try:
+    with params_set_to(o.setup, theta):
         return enumerate_responses(o.setup, with_grad=False).S
-    finally:
-        with torch.no_grad():
-            for p, s in zip(ps, saved):
-                p.copy_(s)
 
 
 def functional_values(o: Oracle, S: torch.Tensor, f: torch.Tensor) -> torch.Tensor:

@@ -479,6 +479,7 @@ def test_held_out_ground_truth_is_unbiased_for_the_exact_change(world):
     estimate was biased by -78%: the step was fit to those responses.)"""
     from entprobe.stages.accumulate import accumulate, y_loss_of
     from entprobe.step_math import AdamWHyper, adamw_update
+    from exact_model import params_set_to
 
     batch = world.setup.sample(8, 4, seed=17)
     ps = world.setup.params
@@ -490,15 +491,8 @@ def test_held_out_ground_truth_is_unbiased_for_the_exact_change(world):
     delta = sum(adamw_update(Y, flat(world.opt.state[p]["exp_avg"] for p in ps),
                              flat(world.opt.state[p]["exp_avg_sq"] for p in ps), flat(ps), h).values())
     H0 = float(world.setup.exact_entropy().detach())
-    saved = [p.detach().clone() for p in ps]
-    with torch.no_grad():
-        off = 0
-        for p in ps:
-            p.add_(delta[off:off + p.numel()].view_as(p))
-            off += p.numel()
+    with params_set_to(world.setup, flat(ps) + delta), torch.no_grad():
         exact = float(world.setup.exact_entropy()) - H0
-        for p, s in zip(ps, saved):
-            p.copy_(s)
     rows = torch.tensor([[r["deltaH_true"], r["SE_deltaH_true"]] for r in
                          (stage(world, batch, gt=True, E=world.setup.sample(8, 4, seed=3000 + i)) for i in range(40))],
                         dtype=torch.float64)
