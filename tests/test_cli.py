@@ -63,3 +63,21 @@ def test_verdict_flags_say_what_to_change():
     assert [c for c, _ in flags(base, truncated_sampling=True)] == ["truncated_sampling"]
     rows = {w: v for w, v, _, _ in verdict_lines(base)}
     assert rows["predicted"].startswith("-0.05 ± 0.01") and rows["difference"] == "+0.01 ± 0.01"
+
+
+def test_deltaH1_from_coordinates_without_history_is_flagged():
+    """An early checkpoint: coordinates Adam never updated have P = 1/eps; the part of deltaH1 they
+    carry is reported (paramvec.dot_where by hand) and flagged when it is most of deltaH1."""
+    import torch
+
+    from entprobe import paramvec as pv
+    from entprobe.verdict import flags
+
+    a = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([[4.0]])]
+    b = [torch.tensor([1.0, 1.0, -1.0]), torch.tensor([[0.5]])]
+    P = [torch.tensor([1e8, 2.0, 1e8]), torch.tensor([[1e8]])]
+    assert pv.dot_where(a, b, P, 0.5e8) == 1.0 * 1.0 + 3.0 * -1.0 + 4.0 * 0.5  # = 0
+    assert pv.dot_where(a, b, P, 1.0) == 1.0 + 2.0 - 3.0 + 2.0
+    base = {"deltaH1": 10.0, "deltaH1_no_history": 9.0}
+    assert [c for c, _ in flags(base)] == ["deltaH1_no_history"]
+    assert flags({"deltaH1": 10.0, "deltaH1_no_history": 1.0}) == []

@@ -80,6 +80,18 @@ def dot(a: Buffer, b: Buffer, P: Buffer | None = None) -> float:
     return float(dot_terms(a, b, P).sum())
 
 
+def dot_where(a: Buffer, b: Buffer, c: Buffer, threshold: float) -> float:
+    """``sum_i a_i b_i`` over the coordinates where ``c_i >= threshold`` (fp64 sum of per-tensor
+    terms; one tensor at a time)."""
+    total = 0.0
+    for x, y, z in zip(a, b, c):
+        dt = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
+        keep = z.to(x.device) >= threshold
+        if keep.any():
+            total += float((x.to(dt)[keep] * y.to(x.device, dt)[keep]).double().sum())
+    return total
+
+
 def mul(a: Buffer, P: Buffer | None, device=None) -> Buffer:
     """Elementwise ``P * a`` (a copy), optionally moved to ``device``."""
     if P is None:

@@ -44,6 +44,11 @@ def flags(r: dict, ess_threshold: float = 0.3, truncated_sampling: bool = False)
     if truncated_sampling:
         out.append(("truncated_sampling", "top-k / top-p sampling: responses are not drawn from the policy, so "
                     "every estimate is biased; sample with top_k=0, top_p=1."))
+    d1, nh = r.get("deltaH1"), r.get("deltaH1_no_history")
+    if _finite(d1) and _finite(nh) and abs(nh) > 0.5 * abs(d1) > 0:
+        out.append(("deltaH1_no_history", f"{abs(nh) / abs(d1):.0%} of the seeds' deltaH1 comes from coordinates "
+                    "Adam never updated (v = 0, P = 1/eps there), which the real step moves by only ~lr: "
+                    "read deltaH_pred, not deltaH1."))
     for k in ("deltaH_pred", "deltaH_true", "deltaH1"):
         if k in r and not _finite(r[k]):
             out.append(("non_finite", f"{k} is not finite."))
