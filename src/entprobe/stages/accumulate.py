@@ -99,7 +99,7 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
     """Sum the probe gradients of ``batch`` into a buffer, microbatch by microbatch.
 
     With ``directions`` (k directions stacked per parameter on the model's device,
-    ``paramvec.stack_directions``) every unit gets its own gradient and its projections
+    ``stages.prediction.directions``) every unit gets its own gradient and its projections
     ``grad_u . direction_j`` are recorded on the device (one read of the gradient for all k); parameter-sized data still moves to
     the buffers only once per microbatch. With ``keep_unit_grads`` every unit's gradient tensors
     are kept on the model's device (no copy); the microbatch's sum is formed there and reaches the

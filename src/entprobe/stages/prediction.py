@@ -178,11 +178,6 @@ def directions(ctx: ProbeContext, first: list, step: StepModel | None, device,
     return dset
 
 
-def e_directions(step: StepModel) -> list[str]:
-    """Names of the E-side directions (the update's parts), in row order."""
-    return list(step.names)
-
-
 def mul_into(a: pv.Buffer, P: pv.Buffer | None):
     """A filler ``out = P * a`` (a copy of a when P is None) for ``directions``."""
     def fill(out: pv.Buffer) -> None:
@@ -197,10 +192,10 @@ def mul_into(a: pv.Buffer, P: pv.Buffer | None):
 def prediction_results(step: StepModel, step_dots: list[float], e: torch.Tensor | None,
                        u: torch.Tensor | None) -> dict:
     """The prediction and its parts, ``-Xbar . Delta theta_part`` (``step_dots`` are the fp64 dots
-    ``Xbar . Delta theta_part`` in ``e_directions`` order), with SEs from the per-unit contributions
+    ``Xbar . Delta theta_part`` in ``step.names`` order), with SEs from the per-unit contributions
     ``e`` [B_E, parts] (same order, already negated) and ``u`` [B_U] (``-Y_v . (J * Xbar)``), when
     given."""
-    names = e_directions(step)
+    names = step.names
     vals = {k: -x for k, x in zip(names, step_dots)}
     res: dict = {"deltaH_pred": sum(vals.values()), "pred/step_model": step.kind}
     if len(names) > 1:
