@@ -115,6 +115,42 @@ def test_non_finite_gradient_names_the_parameter(setup, batch, bad):
         accumulate(ctx, batch, x_loss_of(ctx), "X over E")
 
 
+@pytest.mark.parametrize("path", ["keep_unit_grads", "directions", "keep+directions"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_unit_gradient_is_located_on_the_per_unit_paths(setup, batch, path, bad):
+    """The per-unit paths check a unit through a cheaper witness (the kept units' sum, or the
+    unit's projections); a bad second unit is still named, with its parameter."""
+    from entprobe import paramvec as pv
+
+    name = "model.layers.0.mlp.down_proj.weight"
+    calls = {"n": 0}
+
+    def poison_second(g):
+        calls["n"] += 1
+        return g * bad if calls["n"] == 2 else g
+    dict(setup.model.named_parameters())[name].register_hook(poison_second)
+    ctx = setup.ctx("sequence", mb_size=2)
+    dirs = None
+    if "directions" in path:
+        dirs = pv.empty_directions(2, ctx.params, ctx.device, torch.float32)
+        dirs.mat.copy_(torch.randn_like(dirs.mat))
+    with pytest.raises(FloatingPointError, match=r"Y over U microbatch prompts \[1, 2\): NaN/Inf gradient in "
+                                                 r"\['model\.layers\.0\.mlp\.down_proj\.weight'\]"):
+        accumulate(ctx, batch, y_loss_of(ctx), "Y over U", directions=dirs,
+                   keep_unit_grads="keep" in path)
+
+
+def test_non_finite_direction_is_blamed_when_the_gradient_is_finite(setup, batch):
+    from entprobe import paramvec as pv
+
+    ctx = setup.ctx("sequence", mb_size=2)
+    dirs = pv.empty_directions(2, ctx.params, ctx.device, torch.float32)
+    dirs.mat.zero_()
+    dirs.mat[1, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="a projection direction holds NaN/Inf"):
+        accumulate(ctx, batch, x_loss_of(ctx), "X over E", directions=dirs)
+
+
 # ---------------------------------------------------------------- save_buffers through run(cfg)
 def test_save_buffers_reproduce_bars_dot(cfg, tmp_path):
     """run(cfg) on the built-in checkpoint (conftest's shrunk composed config: B_E = B_U = G = 4)."""

@@ -146,7 +146,7 @@ class ImportanceConfig:
     resample_on_low_ess: bool = True
     update_clip_eps: float = 0.2
     update_clip_eps_high: float = 0.28
-    split_step: bool = True
+    split_step: bool = False  # also split deltaH1_step by a zero-gradient step (other optimizers' parts)
 
 
 @dataclass

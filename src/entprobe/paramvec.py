@@ -82,13 +82,15 @@ def dot(a: Buffer, b: Buffer, P: Buffer | None = None) -> float:
 
 def dot_where(a: Buffer, b: Buffer, c: Buffer, threshold: float) -> float:
     """``sum_i a_i b_i`` over the coordinates where ``c_i >= threshold`` (fp64 sum of per-tensor
-    terms; one tensor at a time)."""
+    terms; one tensor at a time). A tensor whose largest c is below the threshold costs one read
+    and no allocation: the selected coordinates are usually few (Adam's never-updated rows)."""
     total = 0.0
     for x, y, z in zip(a, b, c):
+        if z.numel() == 0 or float(z.amax()) < threshold:
+            continue
         dt = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
-        keep = z.to(x.device) >= threshold
-        if keep.any():
-            total += float((x.to(dt)[keep] * y.to(x.device, dt)[keep]).double().sum())
+        idx = (z.reshape(-1) >= threshold).nonzero().squeeze(1).to(x.device)
+        total += float(torch.dot(x.reshape(-1)[idx].to(dt), y.reshape(-1).to(x.device)[idx].to(dt)).double())
     return total
 
 

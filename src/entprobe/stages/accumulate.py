@@ -4,11 +4,16 @@
 (device/dtype from config). Gradients are zeroed before and after each microbatch -- or, when
 the buffers have the parameters' device and dtype, summed in ``.grad`` across microbatches and
 adopted as the buffer (the same additions; no per-microbatch copy); under DDP forward and backward
-run inside ``no_sync()``. When a projection direction is given, each unit is its
-own backward and ``X_u . direction`` is taken on the device before the gradient is added to the sum
-(the fused variance path: the E side of Stage 2 costs no extra pass). With ``keep_unit_grads`` each
-unit is its own backward too and its gradient is kept on the model's device (the ``stored`` variance
-path: ``Y_u . P Xbar`` once Xbar is known, no second pass over U).
+run inside ``no_sync()``. When projection directions are given, each unit is its own backward and
+``X_u . direction`` is the increase of ``.grad . direction`` over the unit's backward (the fused
+variance path: the E side of Stage 2 costs no extra pass, and no gradient is copied). With
+``keep_unit_grads`` each unit is its own backward too and its gradient is kept on the model's
+device (the ``stored`` variance path: ``Y_u . P Xbar`` once Xbar is known, no second pass over U).
+
+Non-finite gradients are caught without an extra pass where a cheaper witness exists: a unit's
+projections onto finite directions are finite iff its gradient is (NaN and Inf propagate into
+every dot), and a sum of kept unit gradients is finite iff each unit is; the units are searched
+only when a check fails, so the error still names the microbatch and the parameters.
 """
 from __future__ import annotations
 
@@ -78,6 +83,36 @@ def _vmap_unit_grads(ctx: ProbeContext, mb: RolloutBatch, loss_of, what: str, wi
     return S, lp, ent, gb
 
 
+def _check_projections(ctx: ProbeContext, proj: torch.Tensor, what: str, grads: pv.Buffer | None = None) -> None:
+    """A unit's projections onto finite directions are finite iff its gradient is; on failure the
+    gradient (``grads``, else ``.grad``) names the parameters, or, if it is finite, the directions
+    are to blame."""
+    if bool(torch.isfinite(proj).all()):
+        return
+    if grads is None:
+        check_grads(ctx, what)
+    else:
+        bad = [n for n, g in zip(ctx.names, grads) if not torch.isfinite(g).all()][:3]
+        if bad:
+            raise FloatingPointError(f"{what}: NaN/Inf gradient in {bad}")
+    raise FloatingPointError(f"{what}: non-finite projection of a finite gradient: a projection direction "
+                             "holds NaN/Inf (check the optimizer state and the weights)")
+
+
+def _check_unit_sum(ctx: ProbeContext, buf: pv.Buffer, units: list[pv.Buffer], labels: list[str]) -> None:
+    """Kept unit gradients are all finite iff their sum is (up to an overflow of the sum itself,
+    which is reported as such); one pass over the sum, the units searched only on failure."""
+    norms = torch._foreach_norm([b.float() if b.dtype not in (torch.float32, torch.float64) else b for b in buf])
+    if bool(torch.isfinite(torch.stack([n.double().cpu() for n in norms])).all()):
+        return
+    for chunk, what in zip(units, labels):
+        bad = [n for n, g in zip(ctx.names, chunk) if not torch.isfinite(g).all()][:3]
+        if bad:
+            raise FloatingPointError(f"{what}: NaN/Inf gradient in {bad}")
+    raise FloatingPointError(f"{labels[0].split(' microbatch')[0]}: the sum of the unit gradients overflows "
+                             "(every unit is finite); use a wider buffers dtype")
+
+
 def _add_units_(buf: pv.Buffer, units: list[pv.Buffer]) -> None:
     """``buf += sum of the units`` (row chunks, ``[b, *shape]``): in place when the buffers live
     on the units' device, else summed there first so that one parameter-sized transfer per
@@ -114,21 +149,25 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
         raise RuntimeError(f"{label}: probe passes cannot run under torch.inference_mode()")
     if unit_backward not in ("loop", "vmap"):
         raise ValueError(f"unit_backward={unit_backward!r}; use loop or vmap")
-    S_all, lp_all, ent_all, proj, units = [], [], [], [], []
+    S_all, lp_all, ent_all, proj, units, unit_labels = [], [], [], [], [], []
     per_unit = directions is not None or keep_unit_grads
     vmap = per_unit and unit_backward == "vmap"
+    running = directions is not None and not keep_unit_grads and not vmap  # projections by increase
     # Buffers of the parameters' own device and dtype: .grad is the sum (backward accumulates
     # into it, the same additions in the same order), adopted as the buffer at the end.
-    in_grad = not per_unit and all(p.device == ctx.buffers_device and p.dtype == ctx.buffers_dtype
-                                   for p in ctx.params)
+    in_grad = (not per_unit or running) and all(p.device == ctx.buffers_device and p.dtype == ctx.buffers_dtype
+                                                for p in ctx.params)
     buf = None if in_grad else pv.zeros(ctx.params, ctx.buffers_device, ctx.buffers_dtype)
     ctx.zero_grad()
+    before = 0.0  # grad . directions so far (running projections)
     for start, mb in ctx.iterate(batch, ctx.mb_size, label):
-        # loop: each unit is its own backward; .grad keeps summing over the microbatch and a
-        # unit's projection is the increase of grad . direction (no extra buffer, and the sum
-        # reaches the buffers once per microbatch, not once per unit).
+        # loop: each unit is its own backward; .grad keeps summing (over the microbatch, or over
+        # the batch when it is the buffer) and a unit's projection is the increase of
+        # grad . direction (no extra buffer, no copy of the unit's gradient).
         pieces = [(0, mb)] if vmap or not per_unit else mb.microbatches(1)
-        before, mb_units = 0.0, []
+        mb_units = []
+        if not in_grad:
+            before = 0.0
         for off, piece in pieces:
             what = f"{label} microbatch prompts [{start + off}, {start + off + piece.B})"
             if vmap:
@@ -151,27 +190,32 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
                     loss.backward()
                 ctx.stats.count("backward", piece.B * piece.G)
                 if keep_unit_grads:
-                    check_grads(ctx, what)
                     mb_units.append([g.detach().unsqueeze(0) for g in pv.grads(ctx.params)])  # a view
+                    unit_labels.append(what)
                     ctx.zero_grad()  # the next unit's backward starts from None: no copy of this one
                     if directions is not None:
                         proj.append(pv.dot_rows_set(mb_units[-1], directions))
-                elif directions is not None:  # a NaN here fails the microbatch's check below
+                        _check_projections(ctx, proj[-1], what, mb_units[-1])
+                elif directions is not None:
                     now = pv.dot_set(pv.grads(ctx.params), directions)
                     proj.append((now - before).unsqueeze(0))
+                    _check_projections(ctx, proj[-1], what)
                     before = now
             S_all.append(S.detach().cpu())
             lp_all.append(lp.detach().cpu())
             if ent is not None:
                 ent_all.append(ent.detach().cpu())
         units.extend(mb_units)
-        if keep_unit_grads and not vmap:  # every unit was checked; .grad is empty
+        if keep_unit_grads and not vmap:  # .grad is empty; the units are checked through their sum
             _add_units_(buf, mb_units)
             continue
-        check_grads(ctx, f"{label} microbatch prompts [{start}, {start + mb.B})")  # the running sum
+        if not running:  # running: every unit's projections were checked
+            check_grads(ctx, f"{label} microbatch prompts [{start}, {start + mb.B})")  # the running sum
         if not in_grad:
             pv.add_grads_(buf, ctx.params)
             ctx.zero_grad()
+    if keep_unit_grads and not vmap and directions is None:
+        _check_unit_sum(ctx, buf, units, unit_labels)
     if in_grad:
         buf = [g.detach() for g in pv.grads(ctx.params)]
         ctx.zero_grad()
