@@ -239,8 +239,15 @@ class EntprobeConfig:
 
 
 def register_configs() -> None:
-    """Register the root schema; config.yaml lists it first, so every group is typed by it."""
+    """Register the root schema (config.yaml lists it first, so every group is typed by it) and the
+    ``entprobe_keys`` resolver that ``--help`` lists the documented keys with (conf_help.py)."""
+    from omegaconf import OmegaConf
+
+    from entprobe.conf_help import help_text
+
     ConfigStore.instance().store(name="entprobe_schema", node=EntprobeConfig)
+    if not OmegaConf.has_resolver("entprobe_keys"):
+        OmegaConf.register_new_resolver("entprobe_keys", help_text)
 
 
 class ConfigError(ValueError):
