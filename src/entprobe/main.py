@@ -23,11 +23,12 @@ from entprobe import paramvec as pv
 from entprobe import sweep
 from entprobe.batches import get_batches, shard, shard_resample
 from entprobe.config import EntprobeConfig, register_configs, validate
+from entprobe.ecosystem import trainer_metrics
 from entprobe.geometry import build_geometry
+from entprobe.loggers import make_logger
 from entprobe.models import DTYPES, LoadedModel, load_model
 from entprobe.modes.single_batch import run_single_batch
 from entprobe.modes.two_batch import run_two_batch
-from entprobe.loggers import make_logger
 from entprobe.report import console_table, write_json_atomic
 from entprobe.report_md import PLOT_FILES, write_report
 from entprobe.rollout import RolloutBatch
@@ -94,6 +95,7 @@ def run(cfg, batch_cache: str | Path | None = None) -> dict:
         results = run_two_batch(ctx, E, U, geo, pcfg, cfg.importance, run_dir, resample=resample)
     for label, batch in (("E", E_all), ("U", U_all)):
         results.update(batch.stats(f"batch_{label}"))
+    results.update(trainer_metrics(U_all, cfg.sampling.max_new_tokens, results.get("token_entropy_orig")))
     results.update(meta)
     results.update(global_pass_counts(ctx.stats.flat()))  # times and memory stay this rank's
     results.update({"model_source": lm.source, "world_size": D.world(), "batch_source": batch_source,
