@@ -277,6 +277,8 @@ def run_single_batch(ctx: ProbeContext, batch: RolloutBatch, geo: Geometry, pcfg
             raise ValueError("single_batch with importance.enabled needs a fresh evaluation batch E: the "
                              "step is fit to this batch, so its change is measured on responses it was not fit to")
         res.update(held_out_ground_truth(ctx, E, batch, bars, geo, pcfg, icfg, resample, run_dir))
+    elif D.is_main():
+        write_per_unit(run_dir)  # no step measured: no per-prompt values (and none left from an earlier run)
     return res
 
 
