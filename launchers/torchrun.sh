@@ -22,8 +22,8 @@ if [[ -z "${PYTHON:-}" ]]; then
   elif [[ -n "${VIRTUAL_ENV:-}" ]]; then PYTHON=$VIRTUAL_ENV/bin/python
   else PYTHON=python3; fi
 fi
-if ! "$PYTHON" -c 'import entprobe' 2>/dev/null; then
-  echo "launchers/torchrun.sh: $PYTHON cannot import entprobe; run ./scripts/setup.sh (it makes .venv)" \
+if ! "$PYTHON" -c 'import entprobe, torch' 2>/dev/null; then
+  echo "launchers/torchrun.sh: $PYTHON cannot import entprobe and torch; run ./scripts/setup.sh (it makes .venv)" \
        "or set PYTHON=/path/to/python" >&2
   exit 2
 fi

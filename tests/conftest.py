@@ -26,7 +26,7 @@ CONF_DIR = Path(str(resources.files("entprobe") / "conf"))
 # On the CPU on every machine: the suite checks estimators to 1e-5 and more, which fp32 CPU
 # arithmetic meets and bf16 autocast on a GPU does not (tests/test_cuda.py covers CUDA).
 SHRINK = ("batch.B_E=4", "batch.B_U=4", "batch.G=4", "logging.wandb.mode=disabled",
-          "logging.progress=false", "logging.verdict=false", "model.device=cpu")
+          "logging.progress=false", "logging.verdict=false", "logging.report=false", "model.device=cpu")
 
 
 def compose_cfg(tmp_path: str | Path, *overrides: str, return_hydra_config: bool = False) -> DictConfig:

@@ -167,3 +167,27 @@ def test_swapped_same_shape_layers_are_not_detectable(ckpt, tmp_path):
     got = lo.exp_avg_sq[names.index("model.layers.0.self_attn.q_proj.weight")]
     assert torch.equal(got, sd["state"][a]["exp_avg_sq"])  # layer 1's moment, now paired with layer 0
     assert not torch.equal(sd["state"][a]["exp_avg_sq"], sd["state"][b]["exp_avg_sq"])
+
+
+def test_decay_groups_are_the_trainers_and_unchanged_on_the_builtin_and_smollm2():
+    """optim_state's grouping is transformers' Trainer.get_decay_parameter_names; on the built-in
+    model and on SmolLM2-135M's architecture (built on the meta device: names only) it is what the
+    regex list of transformers 5 it replaced gave: biases and every norm weight without decay."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    from entprobe.optim_state import decay_parameter_names, trainer_groups
+
+    replaced = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+    smollm2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    with torch.device("meta"):
+        models = {"builtin": build_tiny_llama(len(build_char_tokenizer())), "smollm2": LlamaForCausalLM(smollm2)}
+    for what, model in models.items():
+        decay = decay_parameter_names(model)
+        assert decay == set(get_parameter_names(model, [torch.nn.LayerNorm], replaced)), what
+        no_decay = {n for n, _ in model.named_parameters()} - decay
+        assert no_decay and all(n.endswith("norm.weight") for n in no_decay), (what, sorted(no_decay))
+        groups = trainer_groups(model, 0.1)
+        assert [g["names"] for g in groups] == hf_trainer_groups(model) and groups[1]["weight_decay"] == 0.0
+    assert len(no_decay) == 2 * 30 + 1  # SmolLM2: two norms per layer and the final norm

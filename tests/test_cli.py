@@ -1,31 +1,34 @@
-"""The README's main command, ``python -m entprobe.main``, as a user runs it (shrunk batches)."""
+"""The README's main command, ``python -m entprobe.main``, exactly as a user runs it, and the verdict."""
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+from entprobe.report import console_table
 
 
-def test_main_command_writes_results_wandb_and_table(tmp_path):
-    run_dir = tmp_path / "run"
+def _main(cwd, *overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """``python -m entprobe.main [overrides]`` in ``cwd`` as the README runs it; its run dir."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "entprobe.main", "batch.B_E=4", "batch.B_U=4", "batch.G=4",
-         "logging.wandb.mode=offline", "logging.progress=false", "logging.console_table=true",
-         f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run([sys.executable, "-m", "entprobe.main", *overrides], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dirs = list(Path(cwd).glob("outputs/*/*"))
+    assert len(run_dirs) == 1, run_dirs
+    return proc, run_dirs[0]
 
+
+def test_readme_main_command_verdict_report_and_wandb(tmp_path, capsys):
+    """Exactly the README's ``python -m entprobe.main`` on the built-in default (B_E = B_U = 8)."""
+    proc, run_dir = _main(tmp_path)
     res = json.loads((run_dir / "results.json").read_text())
     assert math.isfinite(res["deltaH1"]) and res["SE_deltaH1"] > 0
-    assert (res["B_E"], res["B_U"], res["G"]) == (4, 4, 4)
-
-    # wandb offline keeps its files under the run directory, with the results logged to the run.
-    runs = list((run_dir / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
-    assert not (tmp_path / "wandb").exists()
+    assert (res["B_E"], res["B_U"], res["G"]) == (8, 8, 4)
 
     # The verdict first: predicted and measured change of the step, their difference, each +- SE.
     out = proc.stdout
@@ -35,14 +38,44 @@ def test_main_command_writes_results_wandb_and_table(tmp_path):
         line = next(x for x in head.splitlines() if what in x)
         assert f"{res[key]:+.4g} ± {res['SE_' + key]:.2g}" in line, (line, res[key])
     assert ("NOT consistent" in head) == (not res["pred_consistent"]) and "entropy change of the next step" in head
-    assert res["flags"] == "" or all(f"! {c}" in out for c in res["flags"].split(","))
+    # The default step is noise-dominated at B_E = 8 (SE 0.045 against a prediction of -0.017): flagged.
+    assert res["SE_deltaH_pred"] > abs(res["deltaH_pred"]) and res["flags"].split(",") == ["noise_dominated"]
+    assert "! noise_dominated: the prediction is within its SE of 0" in head and "raise batch.B_E" in head
+    assert "│ attr/" not in out  # the full table only with logging.console_table=true
 
-    # The full table (logging.console_table=true): headline first, every value with 10 significant digits.
-    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
-            for line in proc.stdout.splitlines() if line.count("│") == 3}
-    assert float(rows["deltaH1"]) == float(f"{res['deltaH1']:.10g}")
+    # report.md and its plots beside results.json
+    assert "**noise_dominated**" in (run_dir / "report.md").read_text()
+    pngs = {p.name for p in run_dir.glob("*.png")}
+    assert pngs == {"attribution.png", "importance_weights.png", "projections.png"}
+
+    # wandb offline keeps its files under the run directory: the images and the results table.
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    media = {p.name.split("_0_")[0] for p in (runs[0] / "files" / "media").rglob("*_0_*")}
+    assert media == {"attribution", "importance_weights", "projections", "results"}
+    assert not (tmp_path / "wandb").exists()
+
+    # The full table (console_table): headline first, every value with 10 significant digits.
+    console_table(res)
+    table = capsys.readouterr().out
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in table.splitlines() if line.count("│") == 3}
+    assert float(rows["deltaH_pred"]) == float(f"{res['deltaH_pred']:.10g}")
     assert float(rows["SE_deltaH1"]) == float(f"{res['SE_deltaH1']:.10g}")
-    assert proc.stdout.index("deltaH1") < proc.stdout.index("attr/")
+    assert table.index("deltaH_pred") < table.index("deltaH1") < table.index("attr/")
+
+
+def test_zero_reward_variance_in_u_is_flagged(tmp_path):
+    """The main command with U sampled cold (temperature 0.05, seed 4): every group of U has equal
+    rewards, the update's gradient is zero, and the verdict says so and why. Logged to results.csv."""
+    proc, run_dir = _main(tmp_path, "sampling.temperature=0.05", "batch.seed_U=4", "logging.logger=csv")
+    res = json.loads((run_dir / "results.json").read_text())
+    assert res["batch_U/frac_zero_var_groups"] == 1.0 and "empty_gradient" in res["flags"].split(",")
+    assert res["deltaH1"] == 0.0 and res["deltaH_pred_gradient"] == 0.0
+    assert "! empty_gradient: every U group has equal rewards, so the update's gradient is zero" in proc.stdout
+    with open(run_dir / "results.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert float(row["deltaH_pred"]) == res["deltaH_pred"] and row["flags"] == res["flags"]
+    assert not (run_dir / "wandb").exists()
 
 
 def test_verdict_flags_say_what_to_change():

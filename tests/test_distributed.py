@@ -232,14 +232,13 @@ def test_torchrun_launcher_runs_two_cpu_processes_as_documented(tmp_path):
     """``launchers/torchrun.sh 2 ...`` exactly as docs/scaling.md shows it, from another directory,
     with no PYTHON set: it finds the project's .venv, two gloo ranks share one run directory."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "TORCHRUN_ARGS", "NPROC", "ENTPROBE_SWEEP_DIR")}
-    env.update(ENTPROBE_RUN_DIR=str(tmp_path / "run"), OMP_NUM_THREADS="1")
-    proc = subprocess.run([str(REPO / "launchers" / "torchrun.sh"), "2", "batch.B_E=4", "batch.B_U=4", "batch.G=4",
-                           "importance.enabled=false", "logging.wandb.mode=disabled", "logging.progress=false",
-                           "model.device=cpu", "ddp.timeout_s=120"],
+    env.update(ENTPROBE_RUN_DIR=str(tmp_path / "run"), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # the CPU line
+    proc = subprocess.run([str(REPO / "launchers" / "torchrun.sh"), "2", "batch.B_E=8", "batch.B_U=8"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert res["world_size"] == 2 and (res["B_E"], res["B_U"]) == (4, 4) and math.isfinite(res["deltaH_pred"])
+    assert res["world_size"] == 2 and (res["B_E"], res["B_U"]) == (8, 8) and math.isfinite(res["deltaH_pred"])
+    assert "entropy change of the next step" in proc.stdout and (tmp_path / "run" / "report.md").is_file()
     bad = {**env, "PYTHON": "/bin/false"}
     proc = subprocess.run([str(REPO / "launchers" / "torchrun.sh"), "2"], env=bad, capture_output=True, text=True)
     assert proc.returncode == 2 and "cannot import entprobe" in proc.stderr

@@ -73,3 +73,22 @@ def test_non_editable_install_runs_from_another_directory(tmp_path):
     res2 = json.loads((run_dir2 / "results.json").read_text())
     assert math.isfinite(res2["deltaH_pred"]) and res2["SE_deltaH_pred"] > 0
     assert "entropy change of the next step" in proc.stdout  # the verdict, printed by default
+
+
+# Declared but never imported by entprobe: what needs them at runtime (pyproject.toml says so too).
+RUNTIME_ONLY = {"gguf": "transformers reads GGUF checkpoints with it (model.source=gguf)",
+                "accelerate": "transformers refuses to load a GGUF checkpoint without it"}
+IMPORT_NAME = {"hydra-core": "hydra", "arviz-stats": "arviz_stats"}
+
+
+def test_every_declared_dependency_is_imported_or_says_why():
+    import re
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = [re.split(r"[<>=!~ \[]", d, maxsplit=1)[0] for d in deps]
+    source = "\n".join(p.read_text() for p in (ROOT / "src" / "entprobe").rglob("*.py"))
+    for name in names:
+        module = IMPORT_NAME.get(name, name.replace("-", "_"))
+        imported = re.search(rf"^\s*(?:import|from) {module}(?:\.|\s|$)", source, re.M)
+        assert bool(imported) != (name in RUNTIME_ONLY), (name, "imported" if imported else "never imported")

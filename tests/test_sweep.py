@@ -34,11 +34,11 @@ SMALL = ("batch.B_E=5", "batch.B_U=3", "batch.G=4", "batch.seed_U=7", "model.dev
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _cli(cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def _cli(cwd: Path, *args: str, timeout: int = 300, **extra_env: str) -> subprocess.CompletedProcess:
     """``python -m entprobe.main ...`` as a user types it (no launcher variables inherited)."""
     env = {k: v for k, v in os.environ.items()
            if k not in LAUNCHER_VARS and not k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC"))}
-    env.update(OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1")
+    env.update(OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1", **extra_env)
     return subprocess.run([sys.executable, "-m", "entprobe.main", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -131,7 +131,7 @@ def test_summary_lists_only_the_overrides_that_vary(tmp_path):
                "batch": "", "error": "" if status == "ok" else "RuntimeError: x|y", "deltaH1": 0.25 * (num + 1),
                "SE_deltaH1": 0.1, "deltaH_true": float("nan"), "ESS_frac": 0.5, "deltaH_pred": -0.02,
                "SE_deltaH_pred": 0.01, "SE_deltaH_true": float("nan"), "deltaH_true_minus_pred": float("nan"),
-               "SE_deltaH_true_minus_pred": float("nan")}
+               "SE_deltaH_true_minus_pred": float("nan"), "lr": 1e-6 * (num + 1), "B_E": 4, "B_U": 4}
         (tmp_path / sweep.ROWS_DIR).mkdir(exist_ok=True)
         (tmp_path / sweep.ROWS_DIR / f"{num:06d}.json").write_text(json.dumps(row))
     csv_path, md_path = sweep.write_summary(tmp_path)
@@ -139,7 +139,10 @@ def test_summary_lists_only_the_overrides_that_vary(tmp_path):
     assert [r["overrides"] for r in rows] == ["lr=1", "lr=2"] and rows[1]["deltaH1"] == "0.5"
     md = md_path.read_text().splitlines()
     assert md[2] == "2 jobs, 1 failed."
-    assert md[-1] == "| 1 | failed | lr=2 | -0.02 | 0.01 | nan | nan | nan | nan | 0.5 | 0.5 | 0.1 | 1.5 |  | RuntimeError: x\\|y |"
+    assert md[-3] == ("| 1 | failed | lr=2 | 2e-06 | 4 | 4 | -0.02 | 0.01 | nan | nan | nan | nan | 0.5 | 0.5 | "
+                      "0.1 | 1.5 |  | RuntimeError: x\\|y |")
+    assert md[-1] == "![predicted vs measured](sweep_summary.png)"  # from the one job that completed
+    assert (tmp_path / "sweep_summary.png").is_file()
 
 
 def test_slurm_launcher_config_makes_an_sbatch_script(tmp_path, monkeypatch):
@@ -174,3 +177,69 @@ def test_slurm_launcher_config_makes_an_sbatch_script(tmp_path, monkeypatch):
                  "#SBATCH --time=120", "#SBATCH --mail-type=END", "export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK"):
         assert line in text, line
     assert text.index("export PYTHONUNBUFFERED=1") < text.index("srun")
+
+
+FAKE_WANDB = """
+import json, os
+def _rec(**kw):
+    with open(os.environ["FAKE_WANDB_LOG"], "a") as f:
+        f.write(json.dumps(kw, default=str) + "\\n")
+class Table:
+    def __init__(self, columns, data):
+        self.columns, self.data = columns, data
+class Image:
+    def __init__(self, path):
+        self.path = path
+class Run:
+    def __init__(self):
+        self.summary = {}
+        self.history = []
+    def log(self, d):
+        self.history.append({k: type(v).__name__ for k, v in d.items()})
+        self.table = {r[0]: r[1] for r in d["results"].data}
+    def finish(self, exit_code=0):
+        _rec(call="finish", exit_code=exit_code, summary=self.summary, history=self.history, table=self.table)
+def init(**kw):
+    _rec(call="init", **kw)
+    return Run()
+"""
+
+
+def test_documented_sweep_writes_its_plot_and_wandb_runs_are_named_grouped_and_summarised(tmp_path):
+    """docs/scaling.md's sweep, verbatim: ``python -m entprobe.main -m batch.B_E=8,16 optimizer.lr=1e-6,1e-5``.
+    sweep_summary.png and the summary's lr / B columns; each job's wandb run (a fake wandb module
+    shadows the real one) is named from its overrides, grouped by the sweep, tagged, with every
+    result in the summary and only the table and images in the history; one batch per B_E."""
+    fake = tmp_path / "fake"
+    (fake / "wandb").mkdir(parents=True)
+    (fake / "wandb" / "__init__.py").write_text(FAKE_WANDB)
+    calls = tmp_path / "calls.jsonl"
+    proc = _cli(tmp_path, "-m", "batch.B_E=8,16", "optimizer.lr=1e-6,1e-5",
+                PYTHONPATH=os.pathsep.join([str(fake), *filter(None, [os.environ.get("PYTHONPATH")])]),
+                FAKE_WANDB_LOG=str(calls))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (sw,) = tmp_path.glob("multirun/*/*")
+    rows = _rows(sw)
+    assert sorted((float(r["lr"]), int(r["B_E"]), int(r["B_U"])) for r in rows) == [
+        (1e-6, 8, 8), (1e-6, 16, 8), (1e-5, 8, 8), (1e-5, 16, 8)]
+    assert sorted(r["batch"] for r in rows) == ["cache", "cache", "sampled", "sampled"]
+    png = sw / "sweep_summary.png"
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![predicted vs measured](sweep_summary.png)" in (sw / "sweep_summary.md").read_text()
+
+    log = [json.loads(line) for line in calls.read_text().splitlines()]
+    inits, finishes = [c for c in log if c["call"] == "init"], [c for c in log if c["call"] == "finish"]
+    assert len(inits) == len(finishes) == 4
+    for job, (init, fin) in enumerate(zip(inits, finishes)):
+        r = rows[job]
+        assert init["name"] == f"B_E={r['B_E']},lr={r['lr']}", init["name"]
+        assert init["group"] == str(sw.relative_to(tmp_path)) and init["job_type"] == "two_batch"
+        assert init["mode"] == "offline" and init["dir"] == str(sw / str(job))
+        assert init["tags"] == ["two_batch", "builtin", "dr_grpo", "sweep"]
+        res = json.loads((sw / str(job) / "results.json").read_text())
+        assert fin["exit_code"] == 0 and fin["summary"]["deltaH_pred"] == res["deltaH_pred"]
+        assert set(fin["summary"]) == {k for k, v in res.items() if isinstance(v, (bool, int, float, str))}
+        # one history step: the results table and the images, no scalar
+        assert fin["history"] == [{"results": "Table", "plots/attribution": "Image",
+                                   "plots/importance_weights": "Image", "plots/projections": "Image"}]
+        assert fin["table"]["deltaH_pred"] == res["deltaH_pred"] and fin["table"]["SE_deltaH_true"] == res["SE_deltaH_true"]

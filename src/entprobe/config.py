@@ -78,6 +78,12 @@ class ModelSource(str, Enum):
     gguf = "gguf"
 
 
+class Logger(str, Enum):
+    wandb = "wandb"  # a wandb run (logging.wandb.mode: offline / online; disabled turns it off)
+    csv = "csv"  # results.csv in the run dir
+    none = "none"
+
+
 class DType(str, Enum):
     float32 = "float32"
     float16 = "float16"
@@ -201,12 +207,16 @@ class WandbConfig:
     project: str = "entprobe"
     entity: Optional[str] = None
     name: Optional[str] = None
+    group: Optional[str] = None
+    job_type: Optional[str] = None
     tags: list[str] = field(default_factory=list)
 
 
 @dataclass
 class LoggingConfig:
+    logger: Logger = Logger.wandb
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    report: bool = True
     progress: bool = True
     verdict: bool = True
     console_table: bool = False
@@ -229,8 +239,15 @@ class EntprobeConfig:
 
 
 def register_configs() -> None:
-    """Register the root schema; config.yaml lists it first, so every group is typed by it."""
+    """Register the root schema (config.yaml lists it first, so every group is typed by it) and the
+    ``entprobe_keys`` resolver that ``--help`` lists the documented keys with (conf_help.py)."""
+    from omegaconf import OmegaConf
+
+    from entprobe.conf_help import help_text
+
     ConfigStore.instance().store(name="entprobe_schema", node=EntprobeConfig)
+    if not OmegaConf.has_resolver("entprobe_keys"):
+        OmegaConf.register_new_resolver("entprobe_keys", help_text)
 
 
 class ConfigError(ValueError):
@@ -292,3 +309,7 @@ def validate(cfg: Any) -> None:
     _require(o.weight_decay is None or o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
     _require(cfg.logging.wandb.mode in ("disabled", "offline", "online"), "logging.wandb.mode",
              f"is {cfg.logging.wandb.mode!r}; use disabled, offline or online")
+    logger = getattr(cfg.logging.logger, "value", cfg.logging.logger)
+    _require(logger == "wandb" or cfg.logging.wandb.mode != "online", "logging.logger",
+             f"is {logger} but logging.wandb.mode=online asks for a wandb run: set logging.logger=wandb, "
+             "or drop logging.wandb.mode=online")

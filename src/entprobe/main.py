@@ -1,6 +1,6 @@
 """Hydra entry point: ``python -m entprobe.main [overrides]``; ``run(cfg)`` is importable. The job
 wiring only: load (models.py, geometry.py) -> batches (batches.py) -> one of the two modes
-(modes/two_batch.py, modes/single_batch.py) -> results, verdict, wandb.
+(modes/two_batch.py, modes/single_batch.py) -> results.json, verdict, report.md (report_md.py), logger (loggers.py).
 
     python -m entprobe.main                                   # built-in default, ~1 min on 2 CPU cores
     python -m entprobe.main importance.is_mode=clip
@@ -23,11 +23,14 @@ from entprobe import paramvec as pv
 from entprobe import sweep
 from entprobe.batches import get_batches, shard, shard_resample
 from entprobe.config import EntprobeConfig, register_configs, validate
+from entprobe.ecosystem import trainer_metrics
 from entprobe.geometry import build_geometry
+from entprobe.loggers import make_logger
 from entprobe.models import DTYPES, LoadedModel, load_model
 from entprobe.modes.single_batch import run_single_batch
 from entprobe.modes.two_batch import run_two_batch
-from entprobe.report import WandbLogger, console_table, write_json_atomic
+from entprobe.report import console_table, write_json_atomic
+from entprobe.report_md import PLOT_FILES, write_report
 from entprobe.rollout import RolloutBatch
 from entprobe.stages.context import ProbeContext, resolve_buffers_device
 from entprobe.tasks import Task, build_task
@@ -92,6 +95,7 @@ def run(cfg, batch_cache: str | Path | None = None) -> dict:
         results = run_two_batch(ctx, E, U, geo, pcfg, cfg.importance, run_dir, resample=resample)
     for label, batch in (("E", E_all), ("U", U_all)):
         results.update(batch.stats(f"batch_{label}"))
+    results.update(trainer_metrics(U_all, cfg.sampling.max_new_tokens, results.get("token_entropy_orig")))
     results.update(meta)
     results.update(global_pass_counts(ctx.stats.flat()))  # times and memory stay this rank's
     results.update({"model_source": lm.source, "world_size": D.world(), "batch_source": batch_source,
@@ -109,6 +113,8 @@ def run(cfg, batch_cache: str | Path | None = None) -> dict:
         if cfg.logging.verdict:
             print_verdict(results, fl, {k[5:-2]: v for k, v in results.items()
                                         if k.startswith("time/") and k != "time/total_s"})
+        if cfg.logging.report:  # after results.json: a plot never costs the results
+            write_report(results, fl, run_dir)
     return results
 
 
@@ -122,7 +128,7 @@ def global_pass_counts(stats: dict) -> dict:
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     """Process group first (rank decides who logs), then one run dir for all ranks (rank 0's),
-    the sweep's batch cache in multirun mode, wandb on rank 0, ``run``, teardown."""
+    the sweep's batch cache in multirun mode, the logger on rank 0 (``logging.logger``), ``run``, teardown."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -136,13 +142,14 @@ def main(cfg: DictConfig) -> float | None:
         with_dir["run_dir"] = str(run_dir)
         typed = to_typed(OmegaConf.create(with_dir))
         cache = None
-        if hc.mode == RunMode.MULTIRUN and not typed.batch.load:
+        multirun = hc.mode == RunMode.MULTIRUN
+        if multirun and not typed.batch.load:
             sweep_dir = Path(hc.runtime.cwd) / hc.sweep.dir  # absolute, also with hydra.job.chdir
             cache = D.broadcast_object(str(sweep.batch_cache_dir(sweep_dir, typed, D.world())))
-        w = typed.logging.wandb
-        logger = WandbLogger(w.mode, w.project, run_dir, with_dir, D.is_main(), w.entity, w.name, w.tags)
+        logger = make_logger(typed.logging, run_dir, with_dir, D.is_main(), list(hc.overrides.task),
+                             str(hc.sweep.dir) if multirun else None, typed)
         results = run(typed, batch_cache=cache)
-        logger.log(results)
+        logger.log(results, {n: run_dir / f for n, f in PLOT_FILES.items() if (run_dir / f).is_file()})
         ok = True
         return results.get("deltaH1")
     finally:

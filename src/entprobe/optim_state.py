@@ -35,12 +35,12 @@ class LoadedOptimizer:
 
 
 def decay_parameter_names(model) -> set[str]:
-    """Names HF Trainer puts in its weight-decay group (all but biases and norm weights)."""
-    from transformers.trainer_pt_utils import get_parameter_names
+    """Names HF Trainer puts in its weight-decay group (all but biases and norm weights), from
+    transformers' own ``Trainer.get_decay_parameter_names``, called unbound: it reads nothing
+    but ``model`` (importing the Trainer costs a few seconds, once per process)."""
+    from transformers import Trainer
 
-    # The patterns of transformers 5's Trainer.get_decay_parameter_names.
-    patterns = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
-    return set(get_parameter_names(model, [torch.nn.LayerNorm], patterns))
+    return set(Trainer.get_decay_parameter_names(None, model))
 
 
 def trainer_groups(model, weight_decay: float = 0.0) -> list[dict]:

@@ -6,6 +6,7 @@
     #   batch_cache/<key>/       E.pt, U.pt: sampled by the first job that needs them, loaded by
     #                            every other job with the same key (here: once per (B_E, B_U))
     #   sweep_summary.csv / .md  one row per job, rewritten as each job ends
+#   sweep_summary.png        predicted vs measured +- SE over lr (and over B when it varies)
 
 Cache key: everything the sampled batches depend on (batch minus save/load, sampling, model,
 task, probe mode, seed, world size), hashed; never the optimizer, so lr sweeps share batches.
@@ -44,7 +45,8 @@ ROWS_DIR = ".summary_rows"
 SUMMARY = "sweep_summary"
 METRICS = ("deltaH_pred", "SE_deltaH_pred", "deltaH_true", "SE_deltaH_true", "deltaH_true_minus_pred",
            "SE_deltaH_true_minus_pred", "ESS_frac", "deltaH1", "SE_deltaH1")
-COLUMNS = ("job", "status", "overrides", *METRICS, "time_s", "batch", "error")
+SETTINGS = ("lr", "B_E", "B_U")  # read from results.json: the plot's x axes
+COLUMNS = ("job", "status", "overrides", *SETTINGS, *METRICS, "time_s", "batch", "error")
 
 
 # ----------------------------------------------------------------------------- batch cache
@@ -98,11 +100,14 @@ def job_row(config: DictConfig, job_return: JobReturn, seconds: float) -> dict:
     row = {"job": int(config.hydra.job.num), "status": "ok" if ok else "failed",
            "overrides": list(job_return.overrides or []), "time_s": round(seconds, 3),
            "output_dir": str(out), "batch": "", "error": ""}
-    row.update({k: float("nan") for k in METRICS})
+    row.update({k: float("nan") for k in (*SETTINGS, *METRICS)})
     results = out / str(config.get("logging", {}).get("results_file", "results.json"))
     if ok and results.is_file():
         res = json.loads(results.read_text())
         row.update({k: res.get(k, float("nan")) for k in METRICS})
+        # single_batch: its one batch B is the update batch, gt/B_E the fresh batch it is measured on
+        row.update(lr=res.get("lr", float("nan")), B_E=res.get("B_E", res.get("gt/B_E", float("nan"))),
+                   B_U=res.get("B_U", res.get("B", float("nan"))))
         row["batch"] = res.get("batch_source", "")
     elif ok:
         row.update(status="failed", error=f"no {results.name} in {out}")
@@ -132,8 +137,31 @@ def _cell(v) -> str:
     return str(v)
 
 
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def plot_summary(rows: list[dict], path: str | Path) -> Path | None:
+    """sweep_summary.png: predicted and measured change +- SE against lr, and against B_E / B_U
+    when they vary, one line per setting of the others (plots.sweep). None when no job has both
+    numbers yet."""
+    ok = [r for r in rows if r["status"] == "ok" and all(_finite(r.get(k)) for k in SETTINGS)
+          and _finite(r.get("deltaH_pred"))]
+    if not ok:
+        return None
+    varying = [k for k in SETTINGS if len({r[k] for r in ok}) > 1]
+    x_keys = varying or ["lr"]
+
+    def series(row: dict, x: str) -> str:
+        return ",".join(f"{k}={row[k]:g}" for k in varying if k != x)
+
+    from entprobe import plots  # here: a missing matplotlib costs the plot, not the summary
+    return plots.sweep(ok, path, x_keys, series)
+
+
 def write_summary(sweep_dir: str | Path) -> tuple[Path, Path]:
-    """sweep_summary.csv (full precision) and sweep_summary.md (a table) from the rows so far."""
+    """sweep_summary.csv (full precision), sweep_summary.md (a table) and sweep_summary.png (a
+    plot: a failure is a warning) from the rows so far."""
     sweep_dir = Path(sweep_dir)
     rows = read_rows(sweep_dir)
     table = [{**r, "overrides": " ".join(o)} for r, o in zip(rows, _varying(rows))]
@@ -146,8 +174,14 @@ def write_summary(sweep_dir: str | Path) -> tuple[Path, Path]:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cell(r[c]).replace("|", "\\|") for c in COLUMNS) + " |" for r in table]
     n_bad = sum(r["status"] != "ok" for r in rows)
+    try:
+        png = plot_summary(rows, sweep_dir / f"{SUMMARY}.png")
+    except Exception as exc:  # a plot is never worth the summary
+        log.warning("sweep summary: plot failed (%s: %s)", type(exc).__name__, exc)
+        png = None
+    figure = f"\n![predicted vs measured]({png.name})\n" if png else ""
     _atomic_write(md_path, f"# Sweep {sweep_dir}\n\n{len(rows)} jobs, {n_bad} failed.\n\n"
-                  + "\n".join(lines) + "\n")
+                  + "\n".join(lines) + "\n" + figure)
     return csv_path, md_path
 
 

@@ -85,6 +85,23 @@ def verdict_lines(r: dict) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def title(r: dict) -> str:
+    """What the verdict's numbers are: the functional and the entropy they change."""
+    H = r.get("H_orig")
+    return (f"entropy change of the next step — {r.get('weighting_mode', '')} functional, nats "
+            f"(H = {H:.4g})" if _finite(H) else "entropy change of the next step")
+
+
+def verdict_markdown(r: dict, fl: list[Flag]) -> str:
+    """The same verdict as ``print_verdict`` as markdown: the title, a table of the headline rows,
+    the flags as a list."""
+    out = [f"**{title(r)}**", "", "| | value ± SE | 95% interval | what it is |", "|---|---:|:---:|---|"]
+    out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in verdict_lines(r)]
+    out.append("")
+    out += [f"- **{code}**: {msg}" for code, msg in fl] or ["No flags: nothing the verdict warns about."]
+    return "\n".join(out) + "\n"
+
+
 def print_verdict(r: dict, fl: list[Flag], phases: dict[str, float] | None = None) -> None:
     """A short panel: the headline rows, the entropy they refer to, the flags, one line of phase times."""
     from rich.console import Console
@@ -98,11 +115,8 @@ def print_verdict(r: dict, fl: list[Flag], phases: dict[str, float] | None = Non
     t.add_column(style="dim")
     for row in verdict_lines(r):
         t.add_row(*row)
-    H = r.get("H_orig")
-    title = (f"entropy change of the next step — {r.get('weighting_mode', '')} functional, nats "
-             f"(H = {H:.4g})" if _finite(H) else "entropy change of the next step")
     con = Console(width=140)
-    con.print(Panel(t, title=title, expand=False))
+    con.print(Panel(t, title=title(r), expand=False))
     for code, msg in fl:
         con.print(f"[yellow]! {code}[/yellow]: {msg}")
     if phases:

@@ -42,6 +42,7 @@ from entprobe import distributed as D
 from entprobe import estimators as est
 from entprobe import paramvec as pv
 from entprobe.geometry import Geometry
+from entprobe.report import write_per_unit
 from entprobe.rollout import RolloutBatch
 from entprobe.stages.accumulate import accumulate, check_grads, global_mean, x_loss_of
 from entprobe.stages.context import ProbeContext
@@ -275,12 +276,14 @@ def run_single_batch(ctx: ProbeContext, batch: RolloutBatch, geo: Geometry, pcfg
         if E is None:
             raise ValueError("single_batch with importance.enabled needs a fresh evaluation batch E: the "
                              "step is fit to this batch, so its change is measured on responses it was not fit to")
-        res.update(held_out_ground_truth(ctx, E, batch, bars, geo, pcfg, icfg, resample))
+        res.update(held_out_ground_truth(ctx, E, batch, bars, geo, pcfg, icfg, resample, run_dir))
+    elif D.is_main():
+        write_per_unit(run_dir)  # no step measured: no per-prompt values (and none left from an earlier run)
     return res
 
 
 def held_out_ground_truth(ctx: ProbeContext, E: RolloutBatch, batch: RolloutBatch, bars: Bars, geo: Geometry,
-                          pcfg, icfg, resample) -> dict:
+                          pcfg, icfg, resample, run_dir: Path) -> dict:
     """The real step on ``batch`` (its full-group gradient), predicted and measured on a fresh E
     sampled at theta: an X pass over E projects each unit onto the update's parts (``e_u``), so
     ``deltaH_pred = -Xbar_E . Delta theta`` has its E-side SE (the step is this batch's: U is
@@ -299,8 +302,12 @@ def held_out_ground_truth(ctx: ProbeContext, E: RolloutBatch, batch: RolloutBatc
     res = {"gt/B_E": B_E, **prediction_results(step, step_dots, e, None)}
     inp = StepInputs(geo.optimizer, geo.lr, Xbar, bars.Ybar_full, geo.P, batch.B, accX.S, bars.token_logp,
                      accX.entropy)
-    res.update(run_ground_truth(ctx, E, batch, inp, icfg, resample=resample))
-    res.update(compare_with_prediction(res, res.pop("gt/psi"), e))
+    gt = run_ground_truth(ctx, E, batch, inp, icfg, resample=resample)
+    psi, log_w = gt.pop("gt/psi"), gt.pop("gt/log_weights")
+    res.update(gt)
+    res.update(compare_with_prediction(res, psi, e))
+    if D.is_main():
+        write_per_unit(run_dir, psi, e, log_w)
     return res
 
 

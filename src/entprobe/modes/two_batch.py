@@ -17,6 +17,7 @@ from entprobe import estimators as est
 from entprobe import paramvec as pv
 from entprobe.attribution import summarize, write_csv
 from entprobe.geometry import Geometry
+from entprobe.report import write_per_unit
 from entprobe.rollout import RolloutBatch
 from entprobe.stages.accumulate import accumulate, global_mean, x_loss_of, y_loss_of
 from entprobe.stages.context import ProbeContext
@@ -111,11 +112,16 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
         if pcfg.save_buffers:
             save_buffers(run_dir / "buffers.safetensors", names, Xbar, Ybar, geo.P)
 
+    psi = log_w = None
     if icfg.enabled:
         inp = StepInputs(geo.optimizer, geo.lr, Xbar, Ybar, geo.P, B_U, accX.S, accY.token_logp,
                          accX.entropy)
-        res.update(run_ground_truth(ctx, E, U, inp, icfg, resample=resample))
-        res.update(compare_with_prediction(res, res.pop("gt/psi"), e))
+        gt = run_ground_truth(ctx, E, U, inp, icfg, resample=resample)
+        psi, log_w = gt.pop("gt/psi"), gt.pop("gt/log_weights")
+        res.update(gt)
+        res.update(compare_with_prediction(res, psi, e))
+    if D.is_main():
+        write_per_unit(run_dir, psi, e, log_w, *((a[:, 0], b[:, 0]) if e is not None else ()), lr=geo.lr)
     return res
 
 

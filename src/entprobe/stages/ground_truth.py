@@ -231,6 +231,7 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
         res["H_upd"] = est_res[f"H_upd_{mode}"]
         res["deltaH_true_per_token"] = est_res["deltaH_per_token"]
         res["gt/psi"] = psi[mode]  # [B_E] per-prompt contributions (popped by the caller)
+        res["gt/log_weights"] = (S_upd_g - S_orig_g).double()  # [B_E, G] log w (popped by the caller)
         # Token-level entropy over the vocabulary on E's generated positions (as verl / TRL log it).
         m = E.response_mask.bool()
         if inp.token_entropy_orig is not None:

