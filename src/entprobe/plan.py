@@ -31,18 +31,22 @@ RESULTS_FILE = "results.json"
 
 
 # ---------------------------------------------------------------- what a run saves
-def save_projections(path: str | Path, B_E: int, B_U: int, G: int, lr: float, a: torch.Tensor,
-                     b: torch.Tensor, parts: list[str]) -> Path:
-    """The two-batch probe's per-unit projections, a few floats per prompt (atomically):
-    ``a`` [B_E, 1 + parts]: ``X_u . P Ybar`` then ``X_u . Delta theta_part`` (the prediction's
-    per-unit contributions are their negatives); ``b`` [B_U, 1 or 2]: ``Y_v . P Xbar`` then, when
-    the step has a Jacobian, ``Y_v . (J * Xbar)``."""
+def projections_record(B_E: int, B_U: int, G: int, lr: float, a: torch.Tensor, b: torch.Tensor,
+                       parts: list[str]) -> dict:
+    """The two-batch probe's per-unit projections, a few floats per prompt: ``a`` [B_E, 1 + parts]:
+    ``X_u . P Ybar`` then ``X_u . Delta theta_part`` (the prediction's per-unit contributions ``e``
+    are their negatives); ``b`` [B_U, 1 or 2]: ``Y_v . P Xbar`` then, when the step has a Jacobian,
+    ``Y_v . (J * Xbar)`` (``u`` is its negative)."""
     a, b = a.double().cpu(), b.double().cpu()
-    return write_json_atomic({
-        "format": 1, "B_E": B_E, "B_U": B_U, "G": G, "lr": lr,
-        "a": a[:, 0].tolist(), "b": b[:, 0].tolist(),
-        "e": {k: (-a[:, 1 + j]).tolist() for j, k in enumerate(parts)},
-        "u": (-b[:, 1]).tolist() if b.shape[1] > 1 else None}, path)
+    return {"format": 1, "B_E": int(B_E), "B_U": int(B_U), "G": int(G), "lr": float(lr),
+            "a": a[:, 0].tolist(), "b": b[:, 0].tolist(),
+            "e": {k: (-a[:, 1 + j]).tolist() for j, k in enumerate(parts)},
+            "u": (-b[:, 1]).tolist() if b.shape[1] > 1 else None}
+
+
+def save_projections(path: str | Path, *args, **kwargs) -> Path:
+    """``projections_record(*args, **kwargs)`` written atomically to ``path``."""
+    return write_json_atomic(projections_record(*args, **kwargs), path)
 
 
 # ---------------------------------------------------------------- what is planned
@@ -242,7 +246,7 @@ def format_rows(rows: list[PlanRow], target_se: float) -> list[str]:
         if r.problem:
             lines.append(now + f"not reachable: {r.problem}")
             continue
-        err = f" (±{r.se_rel_error:.0%})" if math.isfinite(r.se_rel_error) else ""
+        err = f" (≥±{r.se_rel_error:.0%})" if math.isfinite(r.se_rel_error) else ""
         lines.append(now + f"{_sizes(t, r.sizes):<19} {f'{r.se_planned:.3g}{err}':>18} {r.cost:>7.3g} units"
                      + (f"   {t.note}" if t.note else ""))
     return lines
@@ -252,13 +256,13 @@ def format_sweep_fit(sf: SweepFit, target_se: float) -> list[str]:
     f = sf.fit
     k = sf.prompts_per_unit
     lines = [f"single_batch sweep over B: B Var(U_B) = 4 zeta1 + 2 (zeta2 - 2 zeta1)/(B - 1)"
-             f"{f' (units of {k} prompts)' if k > 1 else ''}",
+             f"{f' (B in units of {k} prompts)' if k > 1 else ''}",
              f"  zeta1 = {f.zeta1:.4g}, zeta2 = {f.zeta2:.4g} (least squares on the runs' jackknife variances, "
              f"{f.n_points} runs; rms residual {f.rel_rms_residual:.1%} of the mean)",
-             f"  {'units':>6} {'runs':>5} {'B SE_jack^2':>12} {'fit':>12} {'B Var(U_B) fit':>15} {'replicates':>11}"]
+             f"  {'B':>6} {'runs':>5} {'B SE_jack^2':>12} {'its fit':>12} {'B Var(U_B)':>12} {'replicates':>11}"]
     for m, n, jack, rep in sf.points:
         lines.append(f"  {m:>6} {n:>5} {jack:>12.4g} {m * pm.ustat_jackknife_mean(f.zeta1, f.zeta2, m):>12.4g} "
-                     f"{m * pm.ustat_variance(f.zeta1, f.zeta2, m):>15.4g} {rep:>11.4g}")
+                     f"{m * pm.ustat_variance(f.zeta1, f.zeta2, m):>12.4g} {rep:>11.4g}")
     if sf.M_planned:
         se = sf.lr * math.sqrt(pm.ustat_variance(f.zeta1, f.zeta2, sf.M_planned))
         lines.append(f"  SE(deltaH1) <= {target_se:.3g} at B = {sf.M_planned * k} prompts (SE {se:.3g}; lr {sf.lr:.3g})")
@@ -279,8 +283,8 @@ def plan_directory(path: Path, target_se: float) -> list[str]:
         lines = [f"{path}: {res.get('mode', 'two_batch')}, G={G}, lr {res.get('lr', math.nan):.3g}; target SE {target_se:.3g}"]
         lines += format_rows(plan_rows(targets, target_se), target_se)
         lines.append(f"G held at {G} (the run saves one projection per prompt, not per response). cost: forward+backward "
-                     "over the planned batches in units of one over this run's. (±x%): the planned SE's error from "
-                     "this run's sampling of the per-prompt variances.")
+                     "over the planned batches in units of one over this run's. (≥±x%): the planned SE's error from "
+                     "this run's sampling of the per-prompt variances (a floor when a few prompts dominate).")
         return lines
     jobs = sweep_jobs(path)
     if not jobs:

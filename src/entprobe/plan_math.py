@@ -48,20 +48,22 @@ def unit_variance(x: torch.Tensor) -> float:
 
 
 def variance_rel_se(x: torch.Tensor) -> float:
-    """Relative standard error of the sample variance s^2 of x: ``sqrt(Var(s^2)) / s^2`` with
-    ``Var(s^2) = mu4 / B - s^4 (B - 3) / (B (B - 1))`` (mu4 the fourth central moment, estimated
-    by its sample value). sqrt(2 / (B - 1)) for normal units; heavy tails (a few units carrying
-    most of the sum of squares) make it larger, and the plan less certain. nan for B < 4."""
+    """Relative standard error of the sample variance s^2 of x, ``sqrt(2/(B-1) + k/B)`` with k the
+    excess kurtosis (its small-sample adjusted estimate G2): sqrt(2/(B-1)) for normal units.
+    Heavy tails (a few units carrying most of the sum of squares) make it larger, and a sample of
+    B units under-estimates them, so for such units it is a floor: measured on exponential units
+    at B = 40, 0.35 against an actual 0.44 (tests/test_plan.py). nan for B < 4."""
     x = x.double()
-    B = x.numel()
-    if B < 4:
+    n = x.numel()
+    if n < 4:
         return math.nan
     c = x - x.mean()
-    s2 = float((c ** 2).sum()) / (B - 1)
-    if s2 <= 0:
+    m2, m4 = float((c ** 2).mean()), float((c ** 4).mean())
+    if m2 <= 0:
         return math.nan
-    m4 = float((c ** 4).mean())
-    return math.sqrt(max(m4 / B - s2 * s2 * (B - 3) / (B * (B - 1)), 0.0)) / s2
+    g2 = m4 / (m2 * m2) - 3
+    G2 = ((n + 1) * g2 + 6) * (n - 1) / ((n - 2) * (n - 3))
+    return math.sqrt(max(2 / (n - 1) + G2 / n, 0.0))
 
 
 def standard_error(sides: Sequence[Side], sizes: dict[str, int] | None = None) -> float:
