@@ -52,19 +52,20 @@ def save_projections(path: str | Path, *args, **kwargs) -> Path:
 # ---------------------------------------------------------------- what is planned
 @dataclass
 class Target:
-    """One estimate: its results key, what it is, and the sides its variance comes from."""
+    """One estimate: its results key and the sides its variance comes from."""
 
     key: str
-    what: str
     sides: list[pm.Side]
     note: str = ""
     prompts_per_unit: int = 1
 
 
-def prediction_sides(B_E: int, B_U: int, G: int, var_e: float, rel_se: float = math.nan) -> list[pm.Side]:
+def prediction_sides(B_E: int, B_U: int, G: int, var_e: float, rel_se: float = math.nan,
+                     held: str = "B_U") -> list[pm.Side]:
     """``deltaH_pred``'s sides: given U (the step the optimizer takes on it), the prediction is a
-    mean over E, so its SE is the E side's alone; B_U is held (it changes the step, not this SE)."""
-    return [pm.Side("B_E", B_E, var_e, G, rel_se_var=rel_se), pm.Side("B_U", B_U, 0.0, G, fixed=True)]
+    mean over E, so its SE is the E side's alone; the update batch (``held``: B_U, or B of the
+    single-batch mode) is held: it changes the step, not this SE."""
+    return [pm.Side("B_E", B_E, var_e, G, rel_se_var=rel_se), pm.Side(held, B_U, 0.0, G, fixed=True)]
 
 
 def two_batch_targets(proj: dict) -> list[Target]:
@@ -75,14 +76,14 @@ def two_batch_targets(proj: dict) -> list[Target]:
     def side(name, x, B, scale=1.0):
         return pm.Side(name, B, scale * pm.unit_variance(x), G, rel_se_var=pm.variance_rel_se(x))
 
-    out = [Target("deltaH_pred", "prediction of this step", prediction_sides(
+    out = [Target("deltaH_pred", prediction_sides(
         B_E, B_U, G, pm.unit_variance(e), pm.variance_rel_se(e)), "B_U held: the SE is E's given the step")]
     if proj.get("u") is not None:
         u = torch.tensor(proj["u"], dtype=torch.float64)
-        out.append(Target("deltaH_pred_expected", "prediction, expected step", [side("B_E", e, B_E), side("B_U", u, B_U)],
+        out.append(Target("deltaH_pred_expected", [side("B_E", e, B_E), side("B_U", u, B_U)],
                           "conservative at small B"))
     a, b = (torch.tensor(proj[k], dtype=torch.float64) for k in ("a", "b"))
-    out.append(Target("deltaH1", "seeds' deltaH1", [side("B_E", a, B_E, lr * lr), side("B_U", b, B_U, lr * lr)],
+    out.append(Target("deltaH1", [side("B_E", a, B_E, lr * lr), side("B_U", b, B_U, lr * lr)],
                       "conservative at small B"))
     return out
 
@@ -92,12 +93,12 @@ def single_batch_targets(res: dict) -> list[Target]:
     prompts (``B * SE_jack^2`` as the per-unit variance counts the U-statistic's degenerate part at
     this B: conservative for a larger B), and the held-out prediction's E side when measured."""
     M, k, G = int(res["M"]), int(res.get("unit_size", 1)), int(res["G"])
-    out = [Target("deltaH1", "deltaH1 (U-statistic)", [pm.Side("B", M, M * res["SE_deltaH1"] ** 2, k * G)],
+    out = [Target("deltaH1", [pm.Side("B", M, M * res["SE_deltaH1"] ** 2, k * G)],
                   "conservative for larger B", prompts_per_unit=k)]
     if math.isfinite(res.get("SE_deltaH_pred", math.nan)):
         B_E = int(res["gt/B_E"])
-        out.append(Target("deltaH_pred", "prediction of this step", prediction_sides(
-            B_E, int(res["B"]), G, B_E * res["SE_deltaH_pred"] ** 2), "B held: the SE is E's given the step"))
+        out.append(Target("deltaH_pred", prediction_sides(
+            B_E, int(res["B"]), G, B_E * res["SE_deltaH_pred"] ** 2, held="B"), "B held: the SE is E's given the step"))
     return out
 
 
@@ -292,10 +293,11 @@ def plan_directory(path: Path, target_se: float) -> list[str]:
     results = {j: _read_json(j / RESULTS_FILE) for j in jobs}
     lines = [f"{path}: sweep of {len(jobs)} jobs; target SE {target_se:.3g}"]
     single = [r for r in results.values() if r.get("mode") == "single_batch" and not r.get("pairs_per_block", 0)]
-    if len({int(r["M"]) for r in single}) >= 2:
+    fitted = len({int(r["M"]) for r in single}) >= 2
+    if fitted:
         lines += format_sweep_fit(zeta_sweep(single, target_se), target_se)
     for j in jobs:
-        if results[j].get("mode") == "single_batch":
+        if fitted and results[j].get("mode") == "single_batch":
             continue
         try:
             _, targets = run_targets(j)
