@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+from entprobe.plan import sign_plan_row
+
 Flag = tuple[str, str]  # (code, sentence)
 
 
@@ -70,6 +72,7 @@ def verdict_lines(r: dict) -> list[tuple[str, str, str, str]]:
                                                            if split and dom else "")
         rows.append(("predicted", _pm(r["deltaH_pred"], r.get("SE_deltaH_pred")),
                      _ci(r, "ci95_pred_low", "ci95_pred_high"), note))
+        rows += [row for row in [sign_plan_row(r)] if row]  # the batch size that resolves its sign
     if "deltaH_true" in r:
         rows.append(("measured", _pm(r["deltaH_true"], r.get("SE_deltaH_true")), _ci(r, "ci95_true_low", "ci95_true_high"),
                      f"one real step, E re-weighted ({r.get('is_mode', '')}, ESS/N {r.get('ESS_frac', float('nan')):.2f})"))

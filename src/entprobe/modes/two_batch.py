@@ -17,6 +17,7 @@ from entprobe import estimators as est
 from entprobe import paramvec as pv
 from entprobe.attribution import summarize, write_csv
 from entprobe.geometry import Geometry
+from entprobe.plan import PROJECTIONS_FILE, save_projections
 from entprobe.report import write_per_unit
 from entprobe.rollout import RolloutBatch
 from entprobe.stages.accumulate import accumulate, global_mean, x_loss_of, y_loss_of
@@ -109,6 +110,8 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
     res.update(flat)
     if D.is_main():
         write_csv(rows, run_dir / "attribution.csv")
+        if e is not None:  # what the batch-size planner reads (python -m entprobe.plan)
+            save_projections(run_dir / PROJECTIONS_FILE, B_E, B_U, E.G, geo.lr, a, b, step.names)
         if pcfg.save_buffers:
             save_buffers(run_dir / "buffers.safetensors", names, Xbar, Ybar, geo.P)
 
