@@ -111,6 +111,14 @@ def test_deltaH1_from_coordinates_without_history_is_flagged():
     P = [torch.tensor([1e8, 2.0, 1e8]), torch.tensor([[1e8]])]
     assert pv.dot_where(a, b, P, 0.5e8) == 1.0 * 1.0 + 3.0 * -1.0 + 4.0 * 0.5  # = 0
     assert pv.dot_where(a, b, P, 1.0) == 1.0 + 2.0 - 3.0 + 2.0
+    # the geometry finds those coordinates once, from P and the optimizer's eps
+    from entprobe.geometry import Geometry
+
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(1, 1))]
+    geo = Geometry(torch.optim.AdamW(params, lr=1e-3, eps=1e-8), 1e-3, P)
+    assert [(i, idx.tolist()) for i, idx in geo.no_history] == [(0, [0, 2]), (1, [0])]
+    assert pv.dot_at(a, b, geo.no_history) == 0.0
+    assert Geometry(torch.optim.SGD(params, lr=1e-3), 1e-3, None).no_history is None
     base = {"deltaH1": 10.0, "deltaH1_no_history": 9.0}
     assert [c for c, _ in flags(base)] == ["deltaH1_no_history"]
     assert flags({"deltaH1": 10.0, "deltaH1_no_history": 1.0}) == []

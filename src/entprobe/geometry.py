@@ -2,7 +2,7 @@
 preconditioner P, from a checkpoint's optimizer state (or plain SGD when the user asks for it)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,6 +18,14 @@ class Geometry:
     optimizer: torch.optim.Optimizer
     lr: float
     P: pv.Buffer | None  # Adam preconditioner on the buffers' device, None = identity
+    # coordinates Adam never updated (exp_avg_sq = 0, so P = 1/eps), per parameter index: found
+    # once with the state (``no_history_index``), read by the deltaH1_no_history diagnostic
+    no_history: list[tuple[int, torch.Tensor]] | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        eps = self.optimizer.param_groups[0].get("eps") if self.optimizer.param_groups else None
+        if self.P is not None and eps and self.no_history is None:
+            self.no_history = pv.where_at_least(self.P, 0.5 / float(eps))
 
 
 def build_geometry(cfg: EntprobeConfig, lm, params, buf_dev: torch.device) -> tuple[Geometry, dict]:

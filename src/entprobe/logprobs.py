@@ -68,7 +68,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     if with_entropy:  # a diagnostic: no graph (it would keep [N, T, V] tensors alive until backward)
         with torch.no_grad():
             p_log = logits.detach() - lse.detach().unsqueeze(-1)
-            ent = -(p_log.exp() * p_log).sum(-1)
+            ent = -p_log.exp().mul_(p_log).sum(-1)  # -sum p log p, one [N, T, V] temporary fewer
             entropy = torch.cat([pad.detach(), torch.where(mask, ent, 0.0)], dim=1)
     return TokenLogprobs(logp, entropy)
 

@@ -80,18 +80,32 @@ def dot(a: Buffer, b: Buffer, P: Buffer | None = None) -> float:
     return float(dot_terms(a, b, P).sum())
 
 
-def dot_where(a: Buffer, b: Buffer, c: Buffer, threshold: float) -> float:
-    """``sum_i a_i b_i`` over the coordinates where ``c_i >= threshold`` (fp64 sum of per-tensor
-    terms; one tensor at a time). A tensor whose largest c is below the threshold costs one read
-    and no allocation: the selected coordinates are usually few (Adam's never-updated rows)."""
+def where_at_least(c: Buffer, threshold: float) -> list[tuple[int, torch.Tensor]]:
+    """``[(i, flat indices where c_i >= threshold)]`` for the tensors that have any. A tensor whose
+    largest value is below the threshold costs one read and no allocation (the selected
+    coordinates are usually few: Adam's never-updated rows)."""
+    out = []
+    for i, z in enumerate(c):
+        if z.numel() and float(z.amax()) >= threshold:
+            out.append((i, (z.reshape(-1) >= threshold).nonzero().squeeze(1)))
+    return out
+
+
+def dot_at(a: Buffer, b: Buffer, index: list[tuple[int, torch.Tensor]]) -> float:
+    """``sum a_i b_i`` over the coordinates of ``index`` (``where_at_least``), in at least fp32 per
+    tensor, summed in fp64."""
     total = 0.0
-    for x, y, z in zip(a, b, c):
-        if z.numel() == 0 or float(z.amax()) < threshold:
-            continue
+    for i, idx in index:
+        x, y = a[i].reshape(-1), b[i].reshape(-1).to(a[i].device)
         dt = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
-        idx = (z.reshape(-1) >= threshold).nonzero().squeeze(1).to(x.device)
-        total += float(torch.dot(x.reshape(-1)[idx].to(dt), y.reshape(-1).to(x.device)[idx].to(dt)).double())
+        idx = idx.to(x.device)
+        total += float(torch.dot(x[idx].to(dt), y[idx].to(dt)).double())
     return total
+
+
+def dot_where(a: Buffer, b: Buffer, c: Buffer, threshold: float) -> float:
+    """``sum_i a_i b_i`` over the coordinates where ``c_i >= threshold``."""
+    return dot_at(a, b, where_at_least(c, threshold))
 
 
 def mul(a: Buffer, P: Buffer | None, device=None) -> Buffer:

@@ -54,11 +54,10 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
     bars_dot = float(terms.sum())
     step_dots = pv.dot_set(Xbar, dirE)[1:].tolist()  # Xbar . Delta theta_part
     nX, nPY = pv.norm(Xbar), pv.norm(PY)
-    if geo.P is not None and "eps" in geo.optimizer.param_groups[0]:
+    if geo.no_history is not None:
         # coordinates Adam never updated (v = 0: P = 1/eps there) inflate the seeds' deltaH1, not
         # the real step, which moves them by about lr
-        res["deltaH1_no_history"] = est.delta_h1(
-            geo.lr, pv.dot_where(Xbar, PY, geo.P, 0.5 / float(geo.optimizer.param_groups[0]["eps"])))
+        res["deltaH1_no_history"] = est.delta_h1(geo.lr, pv.dot_at(Xbar, PY, geo.no_history))
     del PY
     res.update({"B_E": B_E, "B_U": B_U, "G": E.G, "lr": geo.lr, "bars_dot": bars_dot,
                 "deltaH1": est.delta_h1(geo.lr, bars_dot), "norm_Xbar": nX, "norm_PYbar": nPY,
