@@ -278,6 +278,7 @@ SCENARIOS = {
     "fail_after_step+recompute": dict(icfg=dict(reuse_probe_gradient=False), fail=_raise),
     "fail_inside_recompute": dict(icfg=dict(reuse_probe_gradient=False, importance_microbatch_size=1),
                                   fail_forward=3),
+    "fail_inside_optimizer_step": dict(icfg=dict(), fail_opt_step=True),  # gradients are views of -Ybar
 }
 
 
@@ -291,6 +292,7 @@ def test_restore_is_bit_exact(world, name):
     icfg = dataclasses.replace(ICFG, **sc["icfg"])
     w.setup.model.train(not sc.get("eval_mode", False))
     before = state_fingerprint(w.setup.params, w.opt)
+    ybar = [y.clone() for y in inp.Ybar_raw]  # the step reads -Ybar_raw as its gradient, in place
     objs = [id(v) for p in w.setup.params for v in w.opt.state[p].values()]
     groups = [{k: v for k, v in g.items() if k != "params"} for g in w.opt.param_groups]
     ctx = dataclasses.replace(w.ctx)
@@ -303,26 +305,36 @@ def test_restore_is_bit_exact(world, name):
                 raise Boom("injected inside the update pass")
             return real(mb, what, **kw)
         ctx.forward_S = forward_S
+    if sc.get("fail_opt_step"):
+        real_step = w.opt.step
+
+        def step(*a, **k):
+            assert all(torch.equal(p.grad, -y) for p, y in zip(w.setup.params, ybar))
+            real_step(*a, **k)  # half-done from the caller's view: theta and the state moved
+            raise Boom("injected inside optimizer.step")
+        w.opt.step = step
     moved = AtThetaPlus(w.setup)
 
     def after_step():
         moved()
         (sc.get("fail") or (lambda: None))()
     try:
-        if "fail" in sc or "fail_forward" in sc:
+        if "fail" in sc or "fail_forward" in sc or "fail_opt_step" in sc:
             with pytest.raises(Boom):
                 run_ground_truth(ctx, E, w.U, inp, icfg, fail_after_step=after_step)
         else:
             run_ground_truth(ctx, E, w.U, inp, icfg, fail_after_step=after_step)
-        if "fail_forward" not in sc:
+        if "fail_forward" not in sc and "fail_opt_step" not in sc:
             assert not torch.equal(moved.theta, flat(w.setup.params))  # a step was really taken
         assert bitwise_equal(before, state_fingerprint(w.setup.params, w.opt))
+        assert bitwise_equal(ybar, inp.Ybar_raw)
         assert objs == [id(v) for p in w.setup.params for v in w.opt.state[p].values()]  # in place
         assert groups == [{k: v for k, v in g.items() if k != "params"} for g in w.opt.param_groups]
         assert all(p.grad is None for p in w.setup.params)
         assert w.setup.model.training == (not sc.get("eval_mode", False))
     finally:
         w.setup.model.train()
+        w.opt.__dict__.pop("step", None)
 
 
 def test_phases_and_update_diagnostics_are_reported(world):

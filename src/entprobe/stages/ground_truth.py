@@ -43,6 +43,24 @@ def _set_grads(ctx: ProbeContext, buf: pv.Buffer, scale: float) -> None:
         p.grad = (b.to(p.device, p.dtype) * scale).contiguous()
 
 
+def _negated_as_grads(ctx: ProbeContext, buf: pv.Buffer) -> bool:
+    """``p.grad = -buf`` without a parameter-sized allocation when buf has the parameters' device,
+    dtype and layout: buf is negated in place (exact: a sign flip) and the gradients are views of
+    it; ``_unnegate`` flips it back. False (nothing done) when it cannot alias."""
+    if not all(b.device == p.device and b.dtype == p.dtype and b.shape == p.shape and b.is_contiguous()
+               for p, b in zip(ctx.params, buf)):
+        return False
+    for p, b in zip(ctx.params, buf):
+        p.grad = b.neg_()
+    return True
+
+
+def _unnegate(ctx: ProbeContext, buf: pv.Buffer) -> None:
+    ctx.zero_grad()
+    for b in buf:
+        b.neg_()
+
+
 def _is_ddp(model) -> bool:
     return isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
@@ -184,10 +202,14 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
     U_lp = inp.U_token_logp
     was_training = ctx.model.training
 
+    aliased = False
+
     def grads_from():
-        nonlocal U_lp
-        if reuse:
-            _set_grads(ctx, inp.Ybar_raw, -1.0)  # grad of the DR-GRPO loss = -Ybar_raw
+        nonlocal U_lp, aliased
+        if reuse:  # grad of the DR-GRPO loss = -Ybar_raw; aliased unless clipping rescales it in place
+            aliased = not icfg.max_grad_norm and _negated_as_grads(ctx, inp.Ybar_raw)
+            if not aliased:
+                _set_grads(ctx, inp.Ybar_raw, -1.0)
         else:
             U_lp = _recompute_grads(ctx, U, icfg, inp.B_U_global)
 
@@ -195,7 +217,11 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
         snap = take(ctx.params, inp.optimizer, snap_dev)
     try:
         with ctx.phase("gt_step"):  # peak memory around the update is recorded for this phase
-            _step(ctx, inp, icfg, grads_from)
+            try:
+                _step(ctx, inp, icfg, grads_from)
+            finally:
+                if aliased:  # Ybar_raw back to its sign, whatever happened in the step
+                    _unnegate(ctx, inp.Ybar_raw)
             res["deltaH1_step"] = -_xbar_dot_step(inp.Xbar, ctx.params, snap.params)
         res["gt/reused_probe_gradient"] = float(reuse and icfg.step_mode.value == "optimizer")
         if fail_after_step is not None:
