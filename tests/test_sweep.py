@@ -15,8 +15,6 @@ import math
 import os
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -104,25 +102,6 @@ def test_cache_key_ignores_the_optimizer_and_tracks_what_sampling_depends_on(tmp
     others = {key("batch.B_E=9"), key("batch.seed_U=3"), key("sampling.temperature=0.7"),
               key("model.builtin_seed=1"), key("probe_rework.mode=single_batch"), key(world=2)}
     assert base not in others and len(others) == 6
-
-
-def test_batch_cache_lock_serialises_jobs(tmp_path):
-    order, folder = [], tmp_path / "batch_cache" / "k"
-
-    def first():
-        with sweep.locked(folder):
-            order.append("first in")
-            time.sleep(0.3)
-            order.append("first out")
-
-    t = threading.Thread(target=first)
-    t.start()
-    while not order:
-        time.sleep(0.01)
-    with sweep.locked(folder):  # blocks until the first holder leaves
-        order.append("second in")
-    t.join()
-    assert order == ["first in", "first out", "second in"]
 
 
 def test_summary_lists_only_the_overrides_that_vary(tmp_path):

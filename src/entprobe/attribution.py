@@ -6,6 +6,8 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from entprobe.atomic_io import atomic_open
+
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
 
 
@@ -52,10 +54,7 @@ def summarize(names: list[str], terms: list[float], top_k: int = 10) -> tuple[di
 
 
 def write_csv(rows: list[dict], path: str | Path) -> None:
-    path = Path(path)
-    tmp = path.with_suffix(".csv.tmp")
-    with tmp.open("w", newline="") as f:
+    with atomic_open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    tmp.replace(path)

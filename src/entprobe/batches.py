@@ -10,56 +10,43 @@ import torch
 
 from entprobe import distributed as D
 from entprobe import sweep
+from entprobe.batch_store import check_saved, fingerprint, load_batches, save_batches
 from entprobe.config import ConfigError, EntprobeConfig
+from entprobe.locks import file_lock
+from entprobe.preflight import CheckedInputs
 from entprobe.rollout import RolloutBatch, draw_prompt_indices, sample_batch
 from entprobe.stages.context import ProbeContext
 
 
-def get_batches(cfg: EntprobeConfig, lm, task, ctx: ProbeContext, cache: Path | None = None
-                ) -> tuple[RolloutBatch, RolloutBatch, str]:
-    """The global E and U, and where they came from: ``batch.load``, else the sweep's batch cache
-    (``cache``, a folder), else fresh samples (written to ``batch.save`` and the cache by rank 0).
+def get_batches(cfg: EntprobeConfig, lm, task, ctx: ProbeContext, inputs: CheckedInputs,
+                cache: Path | None = None) -> tuple[RolloutBatch, RolloutBatch, str]:
+    """The global E and U, and where they came from: ``batch.load`` (read and checked by the
+    preflight, ``inputs.loaded``), else the sweep's batch cache (``cache``, a folder), else fresh
+    samples (written with their fingerprint to ``batch.save`` and the cache by rank 0).
 
     Under DDP each rank samples only its own prompts (seeds offset by rank, see ``rank_seed``);
     the shares are gathered and padded into the global batch, so what is saved is the global
     batch and a run on saved batches gives the same numbers at any world size. Each rank then
     computes on ``shard(batch)``; the token batches are small, every rank holds them whole."""
     b = cfg.batch
-    lock = sweep.locked(cache) if cache is not None and D.is_main() else contextlib.nullcontext()
+    if inputs.loaded is not None:
+        E, U, _ = inputs.loaded
+        return E, U, "load"
+    meta = fingerprint(cfg, inputs.identity)
+    lock = (file_lock(Path(str(cache) + ".lock"), b.lock_timeout_s, f"sweep batch cache {cache}")
+            if cache is not None and D.is_main() else contextlib.nullcontext())
     with lock:  # parallel sweep jobs: one samples, the others wait here and load
         hit = D.broadcast_object(cache is not None and sweep.cache_complete(cache))
-        src = Path(b.load) if b.load else (cache if hit else None)
-        if src is not None:
-            E, U = RolloutBatch.load(src / "E.pt"), RolloutBatch.load(src / "U.pt")
-            check_saved(src, E, U, cfg)
-            source = "load" if b.load else "cache"
-        else:
-            E, U = sample_global(cfg, lm, task, ctx)
-            if D.is_main():
-                for folder in (b.save, cache):
-                    if folder:
-                        E.save(Path(folder) / "E.pt")
-                        U.save(Path(folder) / "U.pt")
-            source = "sampled"
-    return E, U, source
-
-
-def check_saved(src: Path, E: RolloutBatch, U: RolloutBatch, cfg: EntprobeConfig) -> None:
-    """Saved batches must be what the config would sample: the same G, B_E / B_U and temperature
-    (the log-probs every estimate uses are taken at the sampling temperature)."""
-    b = cfg.batch
-    two = cfg.probe_rework.mode.value == "two_batch"
-    for label, batch, B in (("E", E, b.B_E), ("U", U, b.B_U)):
-        if batch.G != b.G:
-            raise ConfigError(f"batch.load={src}: the saved {label} has G={batch.G} responses per prompt, the "
-                              f"config batch.G={b.G}; set batch.G={batch.G} or sample anew")
-        if (two or label == "U") and batch.B != B:
-            raise ConfigError(f"batch.load={src}: the saved {label} has {batch.B} prompts, the config "
-                              f"batch.B_{label}={B}; set batch.B_{label}={batch.B} or sample anew")
-        if abs(batch.temperature - cfg.sampling.temperature) > 1e-12:
-            raise ConfigError(f"batch.load={src}: {label} was sampled at temperature {batch.temperature}, the "
-                              f"config says sampling.temperature={cfg.sampling.temperature}; the log-probs "
-                              "would be of another distribution: set it to the sampling temperature")
+        if hit:
+            E, U, saved = load_batches(cache, b.lock_timeout_s, key="the sweep's batch cache")
+            check_saved(cache, E, U, saved, cfg, inputs.identity)
+            return E, U, "cache"
+        E, U = sample_global(cfg, lm, task, ctx)
+        if D.is_main():
+            for folder in (b.save, cache):
+                if folder:
+                    save_batches(folder, E, U, meta, b.lock_timeout_s)
+    return E, U, "sampled"
 
 
 def rank_seed(seed: int) -> int:

@@ -7,6 +7,7 @@ checks a type cannot express (B >= 2, G >= 2, lr > 0, ...).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
@@ -101,6 +102,7 @@ class BatchConfig:
     adv_eps: float = 1e-6
     save: Optional[str] = None
     load: Optional[str] = None
+    lock_timeout_s: float = 3600.0
 
 
 @dataclass
@@ -259,9 +261,40 @@ def _require(ok: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
+def _finite(*xs) -> bool:
+    return all(x is None or (isinstance(x, (int, float)) and math.isfinite(x)) for x in xs)
+
+
+def _device_spec(spec: str) -> bool:
+    if spec == "auto":
+        return True
+    import torch
+
+    try:
+        torch.device(spec)
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
 def validate(cfg: Any) -> None:
     """Range checks a type cannot express. ``cfg`` is an EntprobeConfig or a DictConfig of one."""
     b, s, p, i = cfg.batch, cfg.sampling, cfg.probe_rework, cfg.importance
+    for key, v in (("batch.adv_eps", b.adv_eps), ("batch.lock_timeout_s", b.lock_timeout_s),
+                   ("sampling.temperature", s.temperature), ("sampling.top_p", s.top_p),
+                   ("probe_rework.unit_grads_budget_mb", p.unit_grads_budget_mb),
+                   ("probe_rework.nograd_memory_mb", p.nograd_memory_mb), ("importance.clip_c", i.clip_c),
+                   ("importance.max_grad_norm", i.max_grad_norm), ("importance.ess_threshold", i.ess_threshold),
+                   ("importance.update_clip_eps", i.update_clip_eps),
+                   ("importance.update_clip_eps_high", i.update_clip_eps_high),
+                   ("optimizer.lr", cfg.optimizer.lr), ("optimizer.eps", cfg.optimizer.eps),
+                   ("optimizer.weight_decay", cfg.optimizer.weight_decay)):
+        _require(_finite(v), key, f"is {v}; must be a finite number")
+    for key, v in (("seed", cfg.seed), ("batch.seed_E", b.seed_E), ("batch.seed_U", b.seed_U),
+                   ("model.builtin_seed", cfg.model.builtin_seed), ("task.seed", cfg.task.seed)):
+        _require(v >= 0, key, f"is {v}; seeds must be >= 0")
+    _require(b.adv_eps > 0, "batch.adv_eps", f"is {b.adv_eps}; must be > 0 (GRPO divides by std + adv_eps)")
+    _require(b.lock_timeout_s >= 0, "batch.lock_timeout_s", f"is {b.lock_timeout_s}; seconds to wait, >= 0")
     _require(b.G >= 2, "batch.G", f"is {b.G}; need >= 2 responses per prompt for the "
              "leave-one-out baseline and group advantages")
     if p.mode == ProbeMode.two_batch:
@@ -287,7 +320,13 @@ def validate(cfg: Any) -> None:
              "probe_rework.block_size/num_blocks/pairs_per_block", "must be >= 0")
     _require(not (p.block_size and p.num_blocks), "probe_rework.block_size",
              "set block_size or num_blocks, not both")
+    _require(p.top_k_params >= 0, "probe_rework.top_k_params", f"is {p.top_k_params}; must be >= 0")
+    _require(p.top_units >= 0, "probe_rework.top_units", f"is {p.top_units}; must be >= 0")
     _require(i.clip_c > 0, "importance.clip_c", "must be > 0")
+    _require(i.max_grad_norm is None or i.max_grad_norm > 0, "importance.max_grad_norm",
+             f"is {i.max_grad_norm}; must be > 0 (or null: no clipping)")
+    _require(i.update_clip_eps >= 0 and i.update_clip_eps_high >= 0, "importance.update_clip_eps/_high",
+             "must be >= 0")
     _require(not (p.cross_fit and p.weighting_mode == WeightingMode.dr_grpo), "probe_rework.cross_fit",
              "needs a weighting mode whose functional is a mean over responses (sequence or "
              "per_token_avg): dr_grpo's couples the whole group through Lmax, so X cannot use half of it")
@@ -297,6 +336,12 @@ def validate(cfg: Any) -> None:
     _require(i.rl_grad_accum >= 1, "importance.rl_grad_accum", "must be >= 1")
     _require(i.snapshot_device in ("auto", "cpu", "gpu", "model"), "importance.snapshot_device",
              f"is {i.snapshot_device!r}; use auto, cpu or gpu")
+    _require(cfg.ddp.timeout_s > 0, "ddp.timeout_s", f"is {cfg.ddp.timeout_s}; seconds, must be > 0")
+    _require(cfg.ddp.backend in ("auto", "nccl", "gloo", "mpi", "ucc"), "ddp.backend",
+             f"is {cfg.ddp.backend!r}; use auto, nccl or gloo")
+    _require(_device_spec(cfg.model.device), "model.device", f"is {cfg.model.device!r}; use auto, cpu, cuda or cuda:N")
+    _require(cfg.task.num_prompts >= 0, "task.num_prompts", f"is {cfg.task.num_prompts}; must be >= 0 (0: all)")
+    _require(cfg.task.max_operand >= 0, "task.max_operand", f"is {cfg.task.max_operand}; must be >= 0")
     _require(cfg.model.source != ModelSource.hf or bool(cfg.model.path), "model.path",
              "is required with model=hf: the save_pretrained checkpoint folder")
     o = cfg.optimizer

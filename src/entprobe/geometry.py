@@ -3,14 +3,13 @@ preconditioner P, from a checkpoint's optimizer state (or plain SGD when the use
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from entprobe import paramvec as pv
 from entprobe.config import ConfigError, EntprobeConfig
 from entprobe.models import DTYPES
-from entprobe.optim_state import load_optimizer
+from entprobe.optim_state import StoredOptimizerState, load_optimizer
 
 
 @dataclass
@@ -28,27 +27,24 @@ class Geometry:
             self.no_history = pv.where_at_least(self.P, 0.5 / float(eps))
 
 
-def build_geometry(cfg: EntprobeConfig, lm, params, buf_dev: torch.device) -> tuple[Geometry, dict]:
-    """The optimizer to step with, the lr, and Adam's preconditioner P (or identity) on ``buf_dev``."""
+def build_geometry(cfg: EntprobeConfig, lm, params, buf_dev: torch.device,
+                   stored: StoredOptimizerState | None) -> tuple[Geometry, dict]:
+    """The optimizer to step with, the lr, and Adam's preconditioner P (or identity) on ``buf_dev``.
+    ``stored``: the optimizer state ``preflight.check_inputs`` read and checked (None: plain SGD at
+    ``optimizer.lr``; the preflight has refused that combination with the adam preconditioner)."""
     o = cfg.optimizer
-    path = o.state_path or (lm.checkpoint_dir if cfg.model.source.value == "builtin" else None)
-    if path is None and lm.checkpoint_dir and (Path(lm.checkpoint_dir) / "optimizer.pt").is_file():
-        path = lm.checkpoint_dir
     buf_dtype = DTYPES[cfg.probe_rework.buffers_dtype.value]
-    if path is None:
-        if o.preconditioner.value == "adam":
-            raise ConfigError(
-                "no optimizer state: set optimizer.state_path=<optimizer.pt or a Trainer checkpoint "
-                "folder> for Adam geometry, or optimizer.preconditioner=identity optimizer.lr=<lr> "
-                "to probe in plain SGD geometry")
-        if o.lr is None:
-            raise ConfigError("optimizer.lr is required with optimizer.preconditioner=identity and no state")
+    if stored is None:
+        if o.lr is None or o.preconditioner.value == "adam":
+            raise ConfigError("no optimizer state: set optimizer.state_path, or optimizer.preconditioner=identity "
+                              "optimizer.lr=<lr> for plain SGD geometry")
         return Geometry(torch.optim.SGD(params, lr=o.lr), o.lr, None), {"lr_source": "optimizer.lr (config)"}
-    lo = load_optimizer(lm.model, path, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                        step=o.step)
+    lo = load_optimizer(lm.model, stored, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, step=o.step)
     P = None
     if o.preconditioner.value == "adam":
         P = pv.adam_preconditioner(lo.exp_avg_sq, lo.step, lo.betas[1], lo.eps, buf_dev, buf_dtype)
     meta = {"lr_source": lo.lr_source, "adam_step": lo.step, "adam_beta1": lo.betas[0],
             "adam_beta2": lo.betas[1], "adam_eps": lo.eps, "optimizer_path": lo.path}
+    if stored.last_step_lr is not None:
+        meta["lr_last_step"] = stored.last_step_lr  # trainer_state.json: the lr of the step already taken
     return Geometry(lo.optimizer, lo.lr, P), meta

@@ -18,10 +18,11 @@ from __future__ import annotations
 import csv
 import io
 import math
+import os
 from pathlib import Path
 
 from entprobe.report import headline_rows
-from entprobe.sweep import _atomic_write as write_text_atomic  # the sweep summary's text writer
+from entprobe.atomic_io import write_text_atomic
 
 CSV_FILE = "results.csv"
 # overrides that do not say what a run computes: left out of its name
@@ -46,14 +47,26 @@ def run_name(overrides: list[str], max_len: int = 120) -> str:
     return name if len(name) <= max_len else name[:max_len - 3] + "..."
 
 
+def offline_env(mode: str) -> None:
+    """Put wandb's mode in the environment before wandb reads it: ``mode=`` given to ``wandb.init``
+    alone leaves wandb's process-wide telemetry online (0.31 resolves its server's host name from
+    a background thread). Offline also turns off its error reporting and git probing."""
+    os.environ["WANDB_MODE"] = mode
+    if mode != "online":
+        os.environ["WANDB_ERROR_REPORTING"] = "false"
+        os.environ["WANDB_DISABLE_GIT"] = "true"
+
+
 class WandbLogger:
     """A wandb run (rank 0 only; a no-op elsewhere). ``log`` writes the summary, the table and the
     images; ``finish`` closes the run with the job's exit code."""
 
     def __init__(self, wcfg, run_dir: Path, config: dict, name: str, group: str | None, tags: list[str],
                  job_type: str):
+        offline_env(wcfg.mode)
         import wandb
 
+        wandb.setup(settings=wandb.Settings(mode=wcfg.mode))  # the process-wide settings its telemetry reads
         self.wandb = wandb
         self.run = wandb.init(mode=wcfg.mode, project=wcfg.project, entity=wcfg.entity, name=wcfg.name or name,
                               group=wcfg.group or group, tags=list(dict.fromkeys([*wcfg.tags, *tags])),

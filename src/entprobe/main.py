@@ -12,6 +12,7 @@ wiring only: load (models.py, geometry.py) -> batches (batches.py) -> one of the
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 
 import hydra
@@ -21,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from entprobe import distributed as D
 from entprobe import paramvec as pv
 from entprobe import sweep
+from entprobe.atomic_io import write_json_atomic
 from entprobe.batches import get_batches, shard, shard_resample
 from entprobe.config import EntprobeConfig, register_configs, validate
 from entprobe.ecosystem import trainer_metrics
@@ -29,11 +31,14 @@ from entprobe.loggers import make_logger
 from entprobe.models import DTYPES, LoadedModel, load_model
 from entprobe.modes.single_batch import run_single_batch
 from entprobe.modes.two_batch import run_two_batch
-from entprobe.report import console_table, write_json_atomic
+from entprobe.preflight import check_inputs
+from entprobe.report import console_table
 from entprobe.report_md import PLOT_FILES, write_report
 from entprobe.rollout import RolloutBatch
+from entprobe.rundir import marks_failure, set_aside_earlier_run
 from entprobe.stages.context import ProbeContext, resolve_buffers_device
 from entprobe.tasks import Task, build_task
+from entprobe.tasks.base import check_encodable
 from entprobe.verdict import flags, print_verdict
 
 register_configs()
@@ -54,11 +59,12 @@ def to_typed(cfg: DictConfig) -> EntprobeConfig:
 
 
 def load_probe(cfg: EntprobeConfig) -> tuple[LoadedModel, Task, ProbeContext]:
-    """The model (DDP-wrapped in the context when a process group exists), the task, and the
-    probe's context: trainable parameters, microbatching, where the buffers live (``auto``:
-    ``resolve_buffers_device``)."""
-    lm = load_model(cfg.model)
+    """The task, the model (DDP-wrapped in the context when a process group exists; the task's
+    prompts are checked against the tokenizer before the weights load), and the probe's context:
+    trainable parameters, microbatching, where the buffers live (``auto``: ``resolve_buffers_device``)."""
     task = build_task(OmegaConf.structured(cfg.task))
+    where = f"task.path={cfg.task.path}" if cfg.task.path else f"task._target_={cfg.task._target_}"
+    lm = load_model(cfg.model, check_tokenizer=lambda tok: check_encodable(task, tok, where))
     names, params = pv.trainable(lm.model)
     pcfg = cfg.probe_rework
     dtype = DTYPES[pcfg.buffers_dtype.value]
@@ -70,19 +76,29 @@ def load_probe(cfg: EntprobeConfig) -> tuple[LoadedModel, Task, ProbeContext]:
     return lm, task, ctx
 
 
-def run(cfg, batch_cache: str | Path | None = None) -> dict:
-    """The whole job: load -> sample -> probe -> write results. Returns flat results (identical on
-    every rank; only rank 0 writes). ``batch_cache``: a folder shared by the jobs of a sweep."""
-    t0 = time.perf_counter()
-    cfg = to_typed(cfg)
-    run_dir = Path(cfg.run_dir)
+def run(cfg, batch_cache: str | Path | None = None, set_aside: bool = True) -> dict:
+    """The whole job: check inputs -> load -> sample -> probe -> write results. Returns flat results
+    (identical on every rank; only rank 0 writes). ``batch_cache``: a folder shared by the jobs of
+    a sweep. The run dir holds this run only (``rundir``: an earlier run's outputs are moved aside
+    unless ``set_aside=False``, the caller having done it); a failure leaves ``FAILED`` there."""
+    run_dir, main_rank = Path(str(cfg.run_dir)), D.env_rank() == 0
     run_dir.mkdir(parents=True, exist_ok=True)
-    D.init_from_env(cfg.ddp.backend, cfg.ddp.timeout_s, str(cfg.model.device))
+    if set_aside and main_rank:
+        set_aside_earlier_run(run_dir, str(cfg.logging.results_file))
+    with marks_failure(run_dir, enabled=main_rank):
+        cfg = to_typed(cfg)
+        D.init_from_env(cfg.ddp.backend, cfg.ddp.timeout_s, str(cfg.model.device))
+        return _run(cfg, run_dir, Path(batch_cache) if batch_cache else None)
+
+
+def _run(cfg: EntprobeConfig, run_dir: Path, batch_cache: Path | None) -> dict:
+    t0 = time.perf_counter()
+    inputs = check_inputs(cfg)  # everything that needs no model, before it loads
     torch.manual_seed(cfg.seed)
     lm, task, ctx = load_probe(cfg)
     pcfg = cfg.probe_rework
-    geo, meta = build_geometry(cfg, lm, ctx.params, ctx.buffers_device)
-    E_all, U_all, batch_source = get_batches(cfg, lm, task, ctx, Path(batch_cache) if batch_cache else None)
+    geo, meta = build_geometry(cfg, lm, ctx.params, ctx.buffers_device, inputs.optimizer_state)
+    E_all, U_all, batch_source = get_batches(cfg, lm, task, ctx, inputs, batch_cache)
     E, U = shard(E_all), shard(U_all)
 
     def resample() -> RolloutBatch:
@@ -106,6 +122,9 @@ def run(cfg, batch_cache: str | Path | None = None) -> dict:
     fl = flags(results, cfg.importance.ess_threshold, truncated_sampling=s.top_k > 0 or s.top_p < 1)
     results["flags"] = ",".join(code for code, _ in fl)
     if D.is_main():
+        for code, msg in fl:
+            if code == "non_finite":  # printed whatever logging.verdict says
+                warnings.warn(f"entprobe: {msg} results.json has it as NaN, flagged non_finite", stacklevel=2)
         write_json_atomic(results, run_dir / cfg.logging.results_file)
         if cfg.logging.console_table:
             per_token = ("H_orig_per_token", "deltaH_true_per_token") if cfg.importance.report_per_token else ()
@@ -138,20 +157,23 @@ def main(cfg: DictConfig) -> float | None:
     try:
         hydra_files = {hc.output_subdir or ".hydra", f"{hc.job.name}.log"}
         run_dir = D.shared_run_dir(hc.runtime.output_dir, hydra_files)
-        with_dir = OmegaConf.to_container(cfg, resolve=True)
-        with_dir["run_dir"] = str(run_dir)
-        typed = to_typed(OmegaConf.create(with_dir))
-        cache = None
-        multirun = hc.mode == RunMode.MULTIRUN
-        if multirun and not typed.batch.load:
-            sweep_dir = Path(hc.runtime.cwd) / hc.sweep.dir  # absolute, also with hydra.job.chdir
-            cache = D.broadcast_object(str(sweep.batch_cache_dir(sweep_dir, typed, D.world())))
-        logger = make_logger(typed.logging, run_dir, with_dir, D.is_main(), list(hc.overrides.task),
-                             str(hc.sweep.dir) if multirun else None, typed)
-        results = run(typed, batch_cache=cache)
-        logger.log(results, {n: run_dir / f for n, f in PLOT_FILES.items() if (run_dir / f).is_file()})
-        ok = True
-        return results.get("deltaH1")
+        if D.is_main():  # before the logger starts writing into run_dir (wandb/, csv)
+            set_aside_earlier_run(run_dir, str(cfg.logging.results_file))
+        with marks_failure(run_dir, enabled=D.is_main()):
+            with_dir = OmegaConf.to_container(cfg, resolve=True)
+            with_dir["run_dir"] = str(run_dir)
+            typed = to_typed(OmegaConf.create(with_dir))
+            cache = None
+            multirun = hc.mode == RunMode.MULTIRUN
+            if multirun and not typed.batch.load:
+                sweep_dir = Path(hc.runtime.cwd) / hc.sweep.dir  # absolute, also with hydra.job.chdir
+                cache = D.broadcast_object(str(sweep.batch_cache_dir(sweep_dir, typed, D.world())))
+            logger = make_logger(typed.logging, run_dir, with_dir, D.is_main(), list(hc.overrides.task),
+                                 str(hc.sweep.dir) if multirun else None, typed)
+            results = run(typed, batch_cache=cache, set_aside=False)
+            logger.log(results, {n: run_dir / f for n, f in PLOT_FILES.items() if (run_dir / f).is_file()})
+            ok = True
+            return results.get("deltaH1")
     finally:
         if logger is not None:
             logger.finish(0 if ok else 1)

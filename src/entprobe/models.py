@@ -8,8 +8,11 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
+
+from entprobe.input_files import InputFileError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -53,8 +56,9 @@ def locate_gguf(gguf_file: str | None, package: str | None) -> tuple[str, str]:
     raise FileNotFoundError(f"model.gguf_file={gguf_file!r} not found; give a path or model.gguf_package")
 
 
-def load_model(cfg) -> LoadedModel:
-    """Build the model and tokenizer described by ``cfg`` (a ModelConfig) on its device."""
+def load_model(cfg, check_tokenizer: Callable[[object], None] | None = None) -> LoadedModel:
+    """Build the model and tokenizer described by ``cfg`` (a ModelConfig) on its device.
+    ``check_tokenizer(tok)`` runs after the tokenizer loads and before the weights do."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = getattr(cfg.source, "value", cfg.source)
@@ -68,31 +72,53 @@ def load_model(cfg) -> LoadedModel:
         from entprobe.train import ensure_default_checkpoint
 
         ckpt_dir = str(ensure_default_checkpoint(cfg.cache_dir, seed=cfg.builtin_seed))
-        model = AutoModelForCausalLM.from_pretrained(ckpt_dir, **common)
         tok = AutoTokenizer.from_pretrained(ckpt_dir)
+        _ready_tokenizer(tok, check_tokenizer)
+        model = AutoModelForCausalLM.from_pretrained(ckpt_dir, **common)
         where = f"builtin:{ckpt_dir}"
     elif source == "hf":
         if not cfg.path or not Path(cfg.path).expanduser().is_dir():
             raise FileNotFoundError(f"model.path={cfg.path!r} must be a save_pretrained folder "
                                     "(config.json + weights); nothing is downloaded")
         ckpt_dir = str(Path(cfg.path).expanduser())
-        model = AutoModelForCausalLM.from_pretrained(ckpt_dir, local_files_only=True, **common)
         tok = AutoTokenizer.from_pretrained(cfg.tokenizer_path or ckpt_dir, local_files_only=True,
                                             trust_remote_code=bool(cfg.trust_remote_code))
+        _ready_tokenizer(tok, check_tokenizer)
+        model = _named(ckpt_dir, "model.path", lambda: AutoModelForCausalLM.from_pretrained(
+            ckpt_dir, local_files_only=True, **common))
         where = f"hf:{ckpt_dir}"
     elif source == "gguf":
         folder, name = locate_gguf(cfg.gguf_file, cfg.gguf_package)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, **common)
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        where = f"gguf:{folder}/{name}"
+        where = f"{folder}/{name}"
+        tok = _named(where, "model.gguf_file", lambda: AutoTokenizer.from_pretrained(folder, gguf_file=name))
+        _ready_tokenizer(tok, check_tokenizer)
+        model = _named(where, "model.gguf_file", lambda: AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, **common))
+        where = f"gguf:{where}"
     else:
         raise ValueError(f"model.source={source!r}; use builtin, hf or gguf")
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
     model.to(device)
     model.train()  # the probe differentiates; dropout-free models behave the same in train mode
     _disable_dropout(model)
     return LoadedModel(model, tok, device, autocast, where, ckpt_dir)
+
+
+def _ready_tokenizer(tok, check_tokenizer) -> None:
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if check_tokenizer is not None:
+        check_tokenizer(tok)
+
+
+def _named(path: str, key: str, load: Callable):
+    """``load()``, with a failure to parse the checkpoint reported against its file (transformers'
+    errors on a truncated GGUF / safetensors name neither)."""
+    try:
+        return load()
+    except (ValueError, OSError, RuntimeError, KeyError, IndexError) as exc:
+        raise InputFileError(f"{path}: cannot load the model ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0][:200]}); check {key} and that the file is complete"
+                             ) from None
 
 
 def _disable_dropout(model: torch.nn.Module) -> None:

@@ -8,18 +8,18 @@ is matched in model order. Nothing is unpickled: ``torch.load(weights_only=True)
 """
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from entprobe.input_files import load_json_file, load_torch_file
 from entprobe.paramvec import trainable
 
 
 class OptimizerStateError(ValueError):
-    pass
+    """The optimizer state does not fit the model or the step; the message says what to change."""
 
 
 @dataclass
@@ -60,33 +60,93 @@ def _resolve_files(path: str) -> tuple[Path, Path | None]:
     if p.is_dir():
         opt = p / "optimizer.pt"
         if not opt.is_file():
-            raise OptimizerStateError(f"{p} has no optimizer.pt; point optimizer.state_path at the "
-                                      "AdamW state_dict file or a Trainer checkpoint folder")
+            raise OptimizerStateError(f"optimizer.state_path={path!r}: {p} has no optimizer.pt; point "
+                                      "optimizer.state_path at the AdamW state_dict file or a Trainer "
+                                      "checkpoint folder, or use optimizer.preconditioner=identity "
+                                      "optimizer.lr=<lr> for plain SGD geometry")
         return opt, p
     if not p.is_file():
         raise OptimizerStateError(f"optimizer.state_path={path!r} does not exist")
     return p, p.parent
 
 
-def _lr_from_folder(folder: Path | None) -> tuple[float | None, str]:
-    """The lr of the next step: scheduler.pt's last lr, else trainer_state.json's last logged lr."""
-    if folder is None:
-        return None, ""
-    sched = folder / "scheduler.pt"
-    if sched.is_file():
-        try:
-            st = torch.load(sched, map_location="cpu", weights_only=True)
-            last = st.get("_last_lr") or []
-            if last and float(last[0]) > 0:
-                return float(last[0]), "scheduler.pt"
-        except Exception as exc:  # unreadable scheduler: fall back, but say so
-            warnings.warn(f"could not read {sched}: {exc}")
-    ts = folder / "trainer_state.json"
-    if ts.is_file():
-        hist = [h for h in json.loads(ts.read_text()).get("log_history", []) if "learning_rate" in h]
-        if hist and float(hist[-1]["learning_rate"]) > 0:
-            return float(hist[-1]["learning_rate"]), "trainer_state.json"
-    return None, ""
+_SET_LR = "set optimizer.lr to the lr of the step you want to simulate"
+
+
+def _last_step_lr(folder: Path | None) -> float | None:
+    """The lr of the step already taken: trainer_state.json's last logged ``learning_rate`` (HF
+    Trainer logs the lr before its scheduler steps). Informative only: the next step's lr is the
+    scheduler's. A file that is there must be readable (the error names it)."""
+    ts = folder / "trainer_state.json" if folder is not None else None
+    if ts is None or not ts.is_file():
+        return None
+    state = load_json_file(ts, "the Trainer state", f"fix or remove it, or {_SET_LR}")
+    hist = [h for h in state.get("log_history", []) if isinstance(h, dict) and "learning_rate" in h] \
+        if isinstance(state, dict) else []
+    return float(hist[-1]["learning_rate"]) if hist else None
+
+
+def next_step_lr(opt_file: Path, folder: Path | None, stored_groups: list[dict],
+                 last_step_lr: float | None = None) -> tuple[float, str]:
+    """The lr of the step the probe simulates when ``optimizer.lr`` is not set: the scheduler's next
+    lr (``scheduler.pt``'s ``_last_lr``), else the lr the scheduler left in ``optimizer.pt``'s param
+    groups (torch schedulers write it there before the checkpoint is saved). A next lr of 0 is the
+    end of the schedule: an error that says so and asks for ``optimizer.lr``."""
+    sched = folder / "scheduler.pt" if folder is not None else None
+    if sched is not None and sched.is_file():
+        st = load_torch_file(sched, "the lr scheduler state", f"fix or remove it, or {_SET_LR}")
+        last = st.get("_last_lr") if isinstance(st, dict) else None
+        lr, src = (float(last[0]), str(sched)) if last else (None, "")
+    else:
+        lr, src = None, ""
+    if lr is None:
+        lr, src = float(stored_groups[0].get("lr", 0.0)), f"{opt_file} param_groups"
+    if not (lr > 0 and lr == lr and lr != float("inf")):
+        taken = last_step_lr
+        before = f"; the last step was taken at lr {taken:g} (trainer_state.json)" if taken else ""
+        raise OptimizerStateError(
+            f"the schedule has ended: the next step's lr is {lr:g} ({src}){before}. A step at lr 0 "
+            f"changes nothing: {_SET_LR}, e.g. optimizer.lr={taken or 1e-6:g}")
+    return lr, ("scheduler.pt" if src == str(sched) else "optimizer.pt param_groups")
+
+
+@dataclass
+class StoredOptimizerState:
+    """An optimizer state_dict read and checked without the model, and the lr of the next step."""
+    state_dict: dict
+    file: Path
+    lr: float
+    lr_source: str
+    last_step_lr: float | None  # trainer_state.json's, when the folder has one
+
+
+def read_optimizer_state(path: str, lr: float | None = None) -> StoredOptimizerState:
+    """Read ``optimizer.pt`` (a file or a Trainer checkpoint folder) and check what needs no model:
+    it is a state_dict of 1 or 2 param groups, every Adam moment is finite and ``exp_avg_sq >= 0``,
+    and the next step has a positive lr (``lr`` from the config, else ``next_step_lr``)."""
+    opt_file, folder = _resolve_files(path)
+    todo = ("point optimizer.state_path at an intact optimizer.pt, or use optimizer.preconditioner=identity "
+            "optimizer.lr=<lr> for plain SGD geometry")
+    sd = load_torch_file(opt_file, "the optimizer state", todo)
+    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+        raise OptimizerStateError(f"{opt_file} is not an optimizer state_dict (no 'state'/'param_groups'); {todo}")
+    if len(sd["param_groups"]) not in (1, 2):
+        raise OptimizerStateError(f"{opt_file} has {len(sd['param_groups'])} param groups; entprobe matches "
+                                  "1 (model order) or 2 (HF Trainer decay / no-decay)")
+    for gi, g in enumerate(sd["param_groups"]):
+        for idx in g["params"]:
+            st = sd["state"].get(idx, {})
+            bad = [k for k in ("exp_avg", "exp_avg_sq") if k in st and not torch.isfinite(st[k]).all()]
+            if bad or ("exp_avg_sq" in st and float(st["exp_avg_sq"].min()) < 0):
+                what = f"non-finite {'/'.join(bad)}" if bad else "negative exp_avg_sq"
+                raise OptimizerStateError(f"{opt_file}: {what} for the parameter at index {idx} (param group "
+                                          f"{gi}): the optimizer state is corrupt; use another checkpoint")
+    taken = _last_step_lr(folder)
+    if lr is not None:
+        lr_val, lr_src = float(lr), "optimizer.lr (config)"
+    else:
+        lr_val, lr_src = next_step_lr(opt_file, folder, sd["param_groups"], taken)
+    return StoredOptimizerState(sd, opt_file, lr_val, lr_src, taken)
 
 
 def _first_disagreement(group: dict, stored: dict, state: dict) -> str:
@@ -102,27 +162,23 @@ def _first_disagreement(group: dict, stored: dict, state: dict) -> str:
     return ""
 
 
-def load_optimizer(model, path: str, lr=None, betas=None, eps=None, weight_decay=None,
+def load_optimizer(model, path: "str | StoredOptimizerState", lr=None, betas=None, eps=None, weight_decay=None,
                    step=None) -> LoadedOptimizer:
-    """Match the stored AdamW state to the model's trainable parameters and build a live AdamW."""
-    opt_file, folder = _resolve_files(path)
-    sd = torch.load(opt_file, map_location="cpu", weights_only=True)
-    if "state" not in sd or "param_groups" not in sd:
-        raise OptimizerStateError(f"{opt_file} is not an optimizer state_dict (no 'state'/'param_groups')")
+    """Match the stored AdamW state to the model's trainable parameters and build a live AdamW.
+    ``path``: a file / folder (read here) or what ``read_optimizer_state`` returned."""
+    stored = path if isinstance(path, StoredOptimizerState) else read_optimizer_state(path, lr)
+    opt_file, sd = stored.file, stored.state_dict
     stored_groups = sd["param_groups"]
     names, params = trainable(model)
     wd_stored = max((g.get("weight_decay", 0.0) for g in stored_groups), default=0.0)
     if len(stored_groups) == 1:
         groups = [{"params": params, "names": names, "weight_decay": stored_groups[0].get("weight_decay", 0.0)}]
-    elif len(stored_groups) == 2:
-        groups = trainer_groups(model, wd_stored)
     else:
-        raise OptimizerStateError(f"{opt_file} has {len(stored_groups)} param groups; entprobe matches "
-                                  "1 (model order) or 2 (HF Trainer decay / no-decay)")
+        groups = trainer_groups(model, wd_stored)
     for gi, (g, sg) in enumerate(zip(groups, stored_groups)):
         if len(g["params"]) != len(sg["params"]):
             raise OptimizerStateError(
-                f"param group {gi}: the checkpoint has {len(sg['params'])} parameters, the model's "
+                f"{opt_file}: param group {gi}: the checkpoint has {len(sg['params'])} parameters, the model's "
                 f"{('decay', 'no-decay')[gi] if len(groups) == 2 else 'trainable'} group has "
                 f"{len(g['params'])}{_first_disagreement(g, sg, sd['state'])}; is this optimizer.pt "
                 "from this model?")
@@ -131,32 +187,17 @@ def load_optimizer(model, path: str, lr=None, betas=None, eps=None, weight_decay
         for name, p, idx in zip(g["names"], g["params"], sg["params"]):
             st = sd["state"].get(idx)
             if st is None or "exp_avg_sq" not in st:
-                raise OptimizerStateError(f"no Adam state for parameter {name!r} (index {idx}); "
+                raise OptimizerStateError(f"{opt_file}: no Adam state for parameter {name!r} (index {idx}); "
                                           "use optimizer.preconditioner=identity for SGD geometry")
             if tuple(st["exp_avg_sq"].shape) != tuple(p.shape):
                 raise OptimizerStateError(
-                    f"state shape mismatch at parameter {name!r}: checkpoint {tuple(st['exp_avg_sq'].shape)}"
-                    f" vs model {tuple(p.shape)}; the optimizer.pt does not belong to this model")
-            bad = [k for k in ("exp_avg", "exp_avg_sq") if k in st and not torch.isfinite(st[k]).all()]
-            if bad or float(st["exp_avg_sq"].min()) < 0:
-                what = f"non-finite {'/'.join(bad)}" if bad else "negative exp_avg_sq"
-                raise OptimizerStateError(f"{opt_file}: {what} for parameter {name!r} (index {idx}): the "
-                                          "optimizer state is corrupt; use another checkpoint")
+                    f"{opt_file}: state shape mismatch at parameter {name!r}: checkpoint "
+                    f"{tuple(st['exp_avg_sq'].shape)} vs model {tuple(p.shape)}; the optimizer.pt does not "
+                    "belong to this model")
     g0 = stored_groups[0]
     betas = tuple(betas) if betas is not None else tuple(g0.get("betas", (0.9, 0.999)))
     eps = float(eps if eps is not None else g0.get("eps", 1e-8))
-    stored_lr = float(g0.get("lr", 0.0))
-    if lr is not None:
-        lr_val, lr_src = float(lr), "optimizer.lr (config)"
-    else:
-        lr_val, lr_src = _lr_from_folder(folder)
-        if lr_val is None and stored_lr > 0:
-            lr_val, lr_src = stored_lr, "optimizer.pt param_groups"
-        if lr_val is None:
-            raise OptimizerStateError(
-                f"the stored lr is {stored_lr} (the scheduler's value at save time, e.g. the end of a "
-                "linear decay) and no scheduler.pt/trainer_state.json gives a positive lr: set "
-                "optimizer.lr to the lr of the step you want to simulate")
+    lr_val, lr_src = stored.lr, stored.lr_source
     torch_groups = [{"params": g["params"],
                      "weight_decay": float(weight_decay) if weight_decay is not None and g["weight_decay"] > 0
                      else g["weight_decay"]} for g in groups]

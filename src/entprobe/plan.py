@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from entprobe import plan_math as pm
-from entprobe.report import write_json_atomic
+from entprobe.atomic_io import write_json_atomic
 
 PROJECTIONS_FILE = "projections.json"
 RESULTS_FILE = "results.json"

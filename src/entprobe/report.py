@@ -1,31 +1,11 @@
-"""Results: atomic JSON, the per-prompt arrays behind the SEs, the headline rows and a console table
-(loggers.py sends them to wandb / csv; report_md.py writes report.md)."""
+"""Results: the per-prompt arrays behind the SEs, the headline rows and a console table
+(loggers.py sends them to wandb / csv; report_md.py writes report.md); JSON through atomic_io."""
 from __future__ import annotations
 
-import json
 import math
-import os
-import tempfile
 from pathlib import Path
 
-
-def write_json_atomic(obj, path: str | Path) -> Path:
-    """Write JSON to a temp file in the same folder, fsync, then rename over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True, default=_jsonable)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
+from entprobe.atomic_io import write_json_atomic
 
 PER_UNIT_FILE = "per_unit.json"
 
@@ -47,14 +27,6 @@ def write_per_unit(run_dir: str | Path, psi=None, e=None, log_weights=None, a=No
               "U/deltaH1": None if b is None else -lr * b.double()}
     return write_json_atomic({k: v.tolist() for k, v in arrays.items() if v is not None},
                              Path(run_dir) / PER_UNIT_FILE)
-
-
-def _jsonable(x):
-    if hasattr(x, "item"):
-        return x.item()
-    if hasattr(x, "value"):
-        return x.value
-    return str(x)
 
 
 def fmt(v) -> str:

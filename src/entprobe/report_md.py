@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from entprobe.report import PER_UNIT_FILE, fmt, headline_rows
-from entprobe.sweep import _atomic_write as write_text_atomic  # the sweep summary's text writer
+from entprobe.atomic_io import write_text_atomic
 from entprobe.verdict import Flag, verdict_markdown
 
 REPORT_FILE = "report.md"

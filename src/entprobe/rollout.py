@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from entprobe.atomic_io import torch_save_atomic
+from entprobe.input_files import InputFileError, load_torch_file
 from entprobe.logprobs import position_ids_from_mask
 
 
@@ -69,15 +71,17 @@ class RolloutBatch:
                      for t in (self.input_ids, self.attention_mask, self.response_mask))
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        torch.save(asdict(self), tmp)
-        tmp.replace(path)
+        """Atomically, through a unique temp file (``atomic_io``)."""
+        torch_save_atomic(asdict(self), path)
 
     @classmethod
-    def load(cls, path: str | Path) -> "RolloutBatch":
-        data = torch.load(path, map_location="cpu", weights_only=True)
+    def load(cls, path: str | Path, todo: str = "sample anew, or save the batches again") -> "RolloutBatch":
+        """A batch written by ``save``; anything else is an ``InputFileError`` naming the file."""
+        data = load_torch_file(path, "a saved batch", todo)
+        names = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or not names >= set(data) or any(
+                not isinstance(data.get(f.name), torch.Tensor) for f in fields(cls) if f.name != "temperature"):
+            raise InputFileError(f"{path}: not a batch written by entprobe (fields {sorted(names)}); {todo}")
         return cls(**data)
 
     def stats(self, prefix: str) -> dict[str, float]:

@@ -10,7 +10,8 @@
 
 Cache key: everything the sampled batches depend on (batch minus save/load, sampling, model,
 task, probe mode, seed, world size), hashed; never the optimizer, so lr sweeps share batches.
-Jobs running in parallel (submitit) take a file lock per key: one samples, the others wait and load.
+Jobs running in parallel (submitit) take a file lock per key (``<key>.lock``, ``entprobe.locks``): one
+samples, the others wait (printing who holds the lock, up to ``batch.lock_timeout_s``) and load.
 
 Failures: a job that raises is marked FAILED by Hydra and recorded here with its error; the
 other jobs of the batch still run (Hydra raises the first failure only after the whole batch,
@@ -19,7 +20,6 @@ even though Hydra skips ``on_multirun_end`` after a failure.
 """
 from __future__ import annotations
 
-import contextlib
 import csv
 import dataclasses
 import hashlib
@@ -27,7 +27,6 @@ import io
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from entprobe.atomic_io import write_text_atomic
 from entprobe.distributed import env_rank
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ COLUMNS = ("job", "status", "overrides", *SETTINGS, *METRICS, "time_s", "batch",
 # ----------------------------------------------------------------------------- batch cache
 def batch_cache_key(cfg, world: int) -> str:
     """Hash of what determines the sampled E and U (``cfg`` is a typed EntprobeConfig)."""
-    batch = {k: v for k, v in dataclasses.asdict(cfg.batch).items() if k not in ("save", "load")}
+    batch = {k: v for k, v in dataclasses.asdict(cfg.batch).items() if k not in ("save", "load", "lock_timeout_s")}
     parts = {"batch": batch, "sampling": dataclasses.asdict(cfg.sampling),
              "model": dataclasses.asdict(cfg.model), "task": dataclasses.asdict(cfg.task),
              "mode": cfg.probe_rework.mode, "seed": cfg.seed, "world": world}
@@ -69,30 +69,7 @@ def cache_complete(folder: str | Path) -> bool:
     return (Path(folder) / "E.pt").is_file() and (Path(folder) / "U.pt").is_file()
 
 
-@contextlib.contextmanager
-def locked(folder: str | Path):
-    """Exclusive lock on ``<folder>.lock`` while one job samples; a file system without locks
-    (some network mounts) degrades to no lock: both jobs then sample and the last write wins."""
-    lock = Path(str(folder) + ".lock")
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a") as f:
-        try:
-            import fcntl
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except (ImportError, OSError) as exc:
-            log.warning("batch cache %s: no file lock (%s); parallel jobs may sample twice", folder, exc)
-        yield
-
-
 # ----------------------------------------------------------------------------- summary
-def _atomic_write(path: Path, text: str) -> None:
-    """Write beside ``path`` (this process's own temp name), then rename over it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def job_row(config: DictConfig, job_return: JobReturn, seconds: float) -> dict:
     """One summary row from a finished job: its results.json when it completed, its error if not."""
     out = Path(config.hydra.runtime.output_dir)
@@ -170,7 +147,7 @@ def write_summary(sweep_dir: str | Path) -> tuple[Path, Path]:
     w.writeheader()
     w.writerows(table)
     csv_path, md_path = sweep_dir / f"{SUMMARY}.csv", sweep_dir / f"{SUMMARY}.md"
-    _atomic_write(csv_path, buf.getvalue())
+    write_text_atomic(csv_path, buf.getvalue())
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cell(r[c]).replace("|", "\\|") for c in COLUMNS) + " |" for r in table]
     n_bad = sum(r["status"] != "ok" for r in rows)
@@ -180,7 +157,7 @@ def write_summary(sweep_dir: str | Path) -> tuple[Path, Path]:
         log.warning("sweep summary: plot failed (%s: %s)", type(exc).__name__, exc)
         png = None
     figure = f"\n![predicted vs measured]({png.name})\n" if png else ""
-    _atomic_write(md_path, f"# Sweep {sweep_dir}\n\n{len(rows)} jobs, {n_bad} failed.\n\n"
+    write_text_atomic(md_path, f"# Sweep {sweep_dir}\n\n{len(rows)} jobs, {n_bad} failed.\n\n"
                   + "\n".join(lines) + "\n" + figure)
     return csv_path, md_path
 
@@ -211,7 +188,7 @@ class SweepSummary(Callback):
         num = int(config.hydra.job.num)
         row = job_row(config, job_return, time.perf_counter() - self._start.pop(num, time.perf_counter()))
         sweep = self._sweep_dir(config)
-        _atomic_write(sweep / ROWS_DIR / f"{num:06d}.json", json.dumps(row))
+        write_text_atomic(sweep / ROWS_DIR / f"{num:06d}.json", json.dumps(row))
         write_summary(sweep)
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:

@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from entprobe.atomic_io import staging_dir
 from entprobe.builtin import build_char_tokenizer, build_tiny_llama
 from entprobe.config import SamplingConfig
 from entprobe.estimators import y_loss
@@ -112,12 +111,8 @@ def ensure_default_checkpoint(cache_dir: str | None = None, seed: int = 0) -> Pa
     if (target / "optimizer.pt").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=root))
-    build_default_checkpoint(tmp, seed=seed)
-    try:
-        tmp.rename(target)
-    except OSError:  # another process finished first: keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
+    with staging_dir(target) as tmp:  # another process may publish first: then theirs is kept
+        build_default_checkpoint(tmp, seed=seed)
     return target
 
 

@@ -41,6 +41,7 @@ import torch
 from entprobe import distributed as D
 from entprobe import estimators as est
 from entprobe import paramvec as pv
+from entprobe.atomic_io import atomic_open
 from entprobe.geometry import Geometry
 from entprobe.report import write_per_unit
 from entprobe.rollout import RolloutBatch
@@ -326,12 +327,9 @@ def top_unit_results(phi: torch.Tensor, prompts: torch.Tensor, k: int, n: int) -
 def write_units_csv(path: Path, prompts: torch.Tensor, k: int, phi: torch.Tensor,
                     abd: torch.Tensor | None) -> None:
     """One row per unit: its task prompt indices, phi_u and (complete design) a_u, b_u, d_u."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".csv.tmp")
-    with tmp.open("w", newline="") as f:
+    with atomic_open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["unit", "prompt_index", "phi"] + (["a", "b", "d"] if abd is not None else []))
         for i in range(phi.numel()):
             ids = " ".join(str(int(x)) for x in prompts[i * k:(i + 1) * k])
             w.writerow([i, ids, float(phi[i])] + ([float(x) for x in abd[i]] if abd is not None else []))
-    tmp.replace(path)

@@ -15,6 +15,7 @@ from typing import Callable
 from entprobe import distributed as D
 from entprobe import estimators as est
 from entprobe import paramvec as pv
+from entprobe.atomic_io import write_bytes_atomic
 from entprobe.attribution import summarize, write_csv
 from entprobe.geometry import Geometry
 from entprobe.plan import PROJECTIONS_FILE, save_projections
@@ -129,7 +130,7 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
 
 def save_buffers(path: Path, names: list[str], Xbar, Ybar, P) -> None:
     """Xbar, raw Ybar and P as safetensors keyed ``Xbar/<param>``, ``Ybar_raw/<param>``, ``P/<param>``."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     tensors = {}
     for n, x, y, *p in zip(names, Xbar, Ybar, *([P] if P is not None else [])):
@@ -137,6 +138,4 @@ def save_buffers(path: Path, names: list[str], Xbar, Ybar, P) -> None:
         tensors[f"Ybar_raw/{n}"] = y.detach().float().cpu().contiguous()
         if p:
             tensors[f"P/{n}"] = p[0].detach().float().cpu().contiguous()
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp))
-    tmp.replace(path)
+    write_bytes_atomic(path, save(tensors))

@@ -37,3 +37,19 @@ def build_task(task_cfg: Any) -> Task:
     if len(task.prompts) == 0:
         raise ValueError(f"task {target} has no prompts (check task.path / task.num_prompts)")
     return task
+
+
+def check_encodable(task: Task, tokenizer, where: str, sample: int = 256, max_unknown: float = 0.5) -> None:
+    """Refuse prompts the tokenizer cannot read: when more than ``max_unknown`` of the tokens of the
+    first ``sample`` prompts are the unknown token, every response would be conditioned on
+    ``<unk>``s (English on a 16-symbol vocabulary). ``where`` names the task for the message."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:  # byte-level vocabularies encode any text
+        return
+    ids = [i for p in task.prompts[:sample] for i in tokenizer(p.text, add_special_tokens=False)["input_ids"]]
+    frac = sum(i == unk for i in ids) / max(1, len(ids))
+    if frac > max_unknown:
+        first = task.prompts[0].text[:60]
+        raise ValueError(f"{where}: {frac:.0%} of the prompts' tokens are unknown to the tokenizer "
+                         f"({tokenizer.unk_token!r}), e.g. {first!r}: the model cannot read these prompts; "
+                         "use a task in the model's vocabulary or a model whose tokenizer covers it")

@@ -18,7 +18,7 @@ class JsonlTask:
         if not p.is_file():
             raise FileNotFoundError(f"task.path={path!r} does not exist")
         self.prompts = []
-        for lineno, line in enumerate(p.read_text().splitlines(), 1):
+        for lineno, line in enumerate(p.read_text(encoding="utf-8").split("\n"), 1):  # not splitlines: U+2028 etc. are not line ends in JSONL
             if not line.strip():
                 continue
             try:

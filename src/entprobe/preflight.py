@@ -1,0 +1,105 @@
+"""Checks that need no model, run before it loads (seconds instead of minutes to a bad-input error):
+the model's files are there and intact, the optimizer state exists when the geometry needs one
+and is readable, finite and has a next-step lr, and batches to load fit the config.
+
+    inputs = check_inputs(cfg)      # then load_model, build_geometry(..., inputs.optimizer_state), ...
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from entprobe.batch_store import check_saved, load_batches, model_identity
+from entprobe.config import ConfigError, EntprobeConfig
+from entprobe.input_files import check_gguf, check_safetensors, load_json_file
+from entprobe.optim_state import StoredOptimizerState, read_optimizer_state
+from entprobe.rollout import RolloutBatch
+
+
+@dataclass
+class CheckedInputs:
+    model_dir: Path | None  # the folder the weights come from (None for a GGUF file)
+    gguf: Path | None
+    identity: dict  # {"model", "tokenizer"} file digests (saved batches' fingerprint)
+    optimizer_state: StoredOptimizerState | None  # None: plain SGD geometry, no state
+    loaded: tuple[RolloutBatch, RolloutBatch, dict | None] | None  # batch.load's (E, U, fingerprint)
+
+
+def _check_hf_folder(folder: Path, key: str) -> None:
+    """config.json parses; the weights are there and (safetensors) complete."""
+    todo = f"point {key} at a save_pretrained folder (config.json + weights)"
+    load_json_file(folder / "config.json", "the model config", todo)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(load_json_file(index, "the weights index", todo).get("weight_map", {}).values()))
+        weights = [folder / s for s in shards]
+    else:
+        weights = sorted(folder.glob("*.safetensors"))
+    for w in weights:
+        check_safetensors(w, f"copy the checkpoint again ({key})")
+    if not weights and not any(folder.glob("pytorch_model*.bin")):
+        raise ConfigError(f"{key}={folder}: no weights (model.safetensors or pytorch_model.bin); {todo}")
+
+
+def model_files(cfg: EntprobeConfig) -> tuple[Path | None, Path | None]:
+    """(weights folder, GGUF file) of ``cfg.model``, checked; builds the built-in default on first use."""
+    m = cfg.model
+    source = m.source.value
+    if m.tokenizer_path and not Path(m.tokenizer_path).expanduser().exists():
+        raise ConfigError(f"model.tokenizer_path={m.tokenizer_path!r} does not exist")
+    if source == "builtin":
+        from entprobe.train import ensure_default_checkpoint
+
+        return ensure_default_checkpoint(m.cache_dir, seed=m.builtin_seed), None
+    if source == "hf":
+        folder = Path(m.path).expanduser()
+        if not folder.is_dir():
+            raise ConfigError(f"model.path={m.path!r} must be a save_pretrained folder (config.json + weights); "
+                              "nothing is downloaded")
+        _check_hf_folder(folder, "model.path")
+        return folder, None
+    from entprobe.models import locate_gguf
+
+    try:
+        folder, name = locate_gguf(m.gguf_file, m.gguf_package)
+    except FileNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+    gguf = Path(folder) / name
+    check_gguf(gguf, "give an intact GGUF file (model.gguf_file) or reinstall its package (model.gguf_package)")
+    return None, gguf
+
+
+def optimizer_state_path(cfg: EntprobeConfig, model_dir: Path | None) -> str | None:
+    """``optimizer.state_path``, else the model's own folder when it holds an optimizer.pt."""
+    if cfg.optimizer.state_path:
+        return cfg.optimizer.state_path
+    if model_dir is not None and (model_dir / "optimizer.pt").is_file():
+        return str(model_dir)
+    return None
+
+
+def check_inputs(cfg: EntprobeConfig) -> CheckedInputs:
+    """Every check that needs no model, in the order a user fixes them."""
+    o = cfg.optimizer
+    model_dir, gguf = model_files(cfg)
+    path = optimizer_state_path(cfg, model_dir)
+    state = None
+    if path is None:
+        if o.preconditioner.value == "adam":
+            where = "the GGUF file holds weights only" if gguf is not None else f"{model_dir} has no optimizer.pt"
+            raise ConfigError(
+                f"no optimizer state ({where}): set optimizer.state_path=<optimizer.pt or a Trainer checkpoint "
+                "folder> for Adam geometry, or optimizer.preconditioner=identity optimizer.lr=<lr> "
+                "to probe in plain SGD geometry")
+        if o.lr is None:
+            raise ConfigError("optimizer.lr is required with optimizer.preconditioner=identity and no state "
+                              "(there is no schedule to read it from)")
+    else:
+        state = read_optimizer_state(path, o.lr)
+    tok_dir = Path(cfg.model.tokenizer_path).expanduser() if cfg.model.tokenizer_path else None
+    identity = model_identity(model_dir, gguf, tok_dir)
+    loaded = None
+    if cfg.batch.load:
+        loaded = load_batches(cfg.batch.load, cfg.batch.lock_timeout_s)
+        check_saved(Path(cfg.batch.load), *loaded, cfg, identity)
+    return CheckedInputs(model_dir, gguf, identity, state, loaded)

@@ -1,0 +1,138 @@
+"""Concurrent runs: unique temp names, a lock per saved-batch folder and per sweep cache entry
+whose waiters say who holds it and give up after ``batch.lock_timeout_s``."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import compose_cfg
+from entprobe.atomic_io import atomic_open
+from entprobe.locks import LockTimeout, file_lock
+from entprobe.main import run
+from entprobe.rollout import RolloutBatch
+
+QUICK = ("importance.enabled=false", "probe_rework.variance_enabled=false")
+
+
+class Holder:
+    """Holds a lock from another thread (its own open file: flock treats it as another holder)
+    until ``release()``."""
+
+    def __init__(self, path: Path):
+        self._go, self._held = threading.Event(), threading.Event()
+        self._t = threading.Thread(target=self._hold, args=(path,))
+        self._t.start()
+        assert self._held.wait(10)
+
+    def _hold(self, path):
+        with file_lock(path, timeout_s=10, what="test holder"):
+            self._held.set()
+            self._go.wait(30)
+
+    def release(self):
+        self._go.set()
+        self._t.join()
+
+
+def test_a_waiter_names_the_holder_and_gets_the_lock_when_it_is_released(tmp_path, capsys):
+    lock = tmp_path / "f" / ".lock"
+    holder = Holder(lock)
+    threading.Timer(0.5, holder.release).start()
+    t0 = time.monotonic()
+    with file_lock(lock, timeout_s=20, what="saving batches"):
+        waited = time.monotonic() - t0
+        rec = json.loads(lock.read_text())
+    assert waited >= 0.4
+    err = capsys.readouterr().err
+    assert f"saving batches: waiting for the lock {lock}, held by pid" in err and " on host " in err and " since " in err
+    assert "batch.lock_timeout_s" in err
+    assert rec["pid"] > 0 and rec["host"] and rec["since"]  # this process's record while it holds the lock
+
+
+def test_a_stuck_lock_times_out_with_the_holder_and_the_key(tmp_path):
+    lock = tmp_path / ".lock"
+    holder = Holder(lock)
+    try:
+        with pytest.raises(LockTimeout, match=r"gave up after \d+ s waiting for the lock .*held by pid \d+ on host "
+                                              r".*Raise batch\.lock_timeout_s"):
+            with file_lock(lock, timeout_s=0.3, what="loading batches"):
+                pass
+    finally:
+        holder.release()
+
+
+def test_a_lock_file_left_by_a_dead_process_is_free(tmp_path):
+    lock = tmp_path / ".lock"
+    lock.write_text(json.dumps({"pid": 999_999_999, "host": "gone", "since": "2020-01-01T00:00:00+00:00"}))
+    t0 = time.monotonic()
+    with file_lock(lock, timeout_s=0, what="x"):
+        assert json.loads(lock.read_text())["host"] != "gone"
+    assert time.monotonic() - t0 < 1
+
+
+def test_two_writers_of_one_path_use_their_own_temp_files(tmp_path):
+    target = tmp_path / "E.pt"
+    with atomic_open(target, "wb") as a, atomic_open(target, "wb") as b:
+        temps = sorted(p.name for p in tmp_path.iterdir())
+        assert len(temps) == 2 and all(t.startswith(".E.pt.") and t.endswith(".tmp") for t in temps)
+        a.write(b"A" * 1000)
+        b.write(b"B" * 10)
+    assert target.read_bytes() == b"A" * 1000  # the last rename wins, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["E.pt"]  # no temp file left
+
+
+def test_two_runs_saving_to_one_folder_leave_one_runs_complete_pair(tmp_path):
+    """Different seeds, so the two runs sample different batches; the folder ends with E, U and
+    batches.json all from one of them (the lock serialises the three writes)."""
+    folder, results, errors = tmp_path / "b", {}, []
+
+    cfgs = {seed: compose_cfg(tmp_path / f"run{seed}", f"batch.save='{folder}'", f"batch.seed_E={seed}",
+                              f"batch.seed_U={seed + 100}", *QUICK) for seed in (11, 12)}
+
+    def one(seed: int):
+        try:
+            results[seed] = run(cfgs[seed])
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in cfgs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 2
+    meta = json.loads((folder / "batches.json").read_text())
+    seed = meta["seed_E"]
+    assert meta["seed_U"] == seed + 100
+    # the pair in the folder is that run's: rerun it on the saved batches and get its numbers back
+    again = run(compose_cfg(tmp_path / "again", f"batch.load='{folder}'", f"batch.seed_E={seed}",
+                            f"batch.seed_U={seed + 100}", *QUICK))
+    assert again["deltaH1"] == results[seed]["deltaH1"] and again["batch_source"] == "load"
+    assert sorted(p.name for p in folder.iterdir()) == [".lock", "E.pt", "U.pt", "batches.json"]
+
+
+def test_a_run_waits_for_a_held_save_folder_then_writes(tmp_path, capsys):
+    folder = tmp_path / "b"
+    holder = Holder(folder / ".lock")
+    cfg = compose_cfg(tmp_path / "run", f"batch.save='{folder}'", *QUICK)
+    threading.Timer(1.0, holder.release).start()
+    run(cfg)
+    assert "waiting for the lock" in capsys.readouterr().err
+    assert RolloutBatch.load(folder / "U.pt").B == 4
+
+
+def test_a_sweep_job_behind_a_stuck_cache_lock_fails_with_the_key(tmp_path):
+    cache = tmp_path / "batch_cache" / "k"
+    cfg = compose_cfg(tmp_path / "run", "batch.lock_timeout_s=0.5", *QUICK)
+    holder = Holder(Path(str(cache) + ".lock"))
+    try:
+        with pytest.raises(LockTimeout, match=r"sweep batch cache .*Raise batch\.lock_timeout_s"):
+            run(cfg, batch_cache=cache)
+    finally:
+        holder.release()
+    assert (tmp_path / "run" / "FAILED").read_text().count("LockTimeout") >= 1
+    assert not (tmp_path / "run" / "results.json").exists()
