@@ -1,6 +1,7 @@
 """HF Trainer checkpoint folders built in the test: a tiny Llama after real AdamW steps with the
 Trainer's own decay / no-decay grouping (transformers' Trainer.get_decay_parameter_names), an
-optimizer.pt whose lr the scheduler had taken to 0, and a trainer_state.json that holds the lr."""
+optimizer.pt holding the lr its scheduler set for the next step, and a trainer_state.json that logs
+the lr of the step already taken (transformers 5 logs it before its scheduler steps)."""
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ from entprobe.main import run
 from entprobe.optim_state import OptimizerStateError, load_optimizer
 from entprobe.train import ensure_default_checkpoint
 
-BETAS, EPS, WD, LR_LOGGED, STEPS = (0.9, 0.95), 1e-6, 0.1, 7e-4, 3
+BETAS, EPS, WD, LR_LOGGED, LR_NEXT, STEPS = (0.9, 0.95), 1e-6, 0.1, 7e-4, 5e-4, 3
 
 
 def hf_trainer_groups(model) -> list[list[str]]:
@@ -30,8 +31,8 @@ def hf_trainer_groups(model) -> list[list[str]]:
 
 
 def train_steps(model, groups: list[list[str]], steps: int = STEPS) -> torch.optim.AdamW:
-    """A few real AdamW steps of next-token loss on arithmetic strings, then the lr set to 0 as a
-    linear schedule leaves it at the end of training."""
+    """A few real AdamW steps of next-token loss on arithmetic strings, then the lr a decaying
+    schedule sets for the next step (LR_NEXT)."""
     tok = build_char_tokenizer()
     by_name = dict(model.named_parameters())
     opt = torch.optim.AdamW([{"params": [by_name[n] for n in g], "weight_decay": WD if i == 0 else 0.0}
@@ -43,7 +44,7 @@ def train_steps(model, groups: list[list[str]], steps: int = STEPS) -> torch.opt
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
     for g in opt.param_groups:
-        g["lr"] = 0.0
+        g["lr"] = LR_NEXT
     return opt
 
 
@@ -82,13 +83,14 @@ def test_trainer_checkpoint_runs_with_its_lr_and_preconditioner(ckpt, tmp_path):
     folder, groups = ckpt
     res = run(compose_cfg(tmp_path, "model=hf", f"model.path='{folder}'", f"optimizer.state_path='{folder}'",
                           "probe_rework.save_buffers=true"))
-    assert res["lr"] == LR_LOGGED and res["lr_source"] == "trainer_state.json"  # stored lr is 0.0
+    assert res["lr"] == LR_NEXT and res["lr_source"] == "optimizer.pt param_groups"  # the next step's lr
+    assert res["lr_last_step"] == LR_LOGGED  # trainer_state.json: the step already taken
     assert (res["adam_step"], res["adam_beta1"], res["adam_beta2"], res["adam_eps"]) == (STEPS, *BETAS, EPS)
     for k in ("deltaH1", "SE_deltaH1", "deltaH_true"):
         assert math.isfinite(res[k]), k
     sd = torch.load(folder / "optimizer.pt", weights_only=True)
     stored = [(g["lr"], g["weight_decay"], len(g["params"])) for g in sd["param_groups"]]
-    assert stored == [(0.0, WD, 16), (0.0, 0.0, 5)]  # the scheduler's lr at save time: 0
+    assert stored == [(LR_NEXT, WD, 16), (LR_NEXT, 0.0, 5)]  # the scheduler's lr for the next step
     buffers = load_file(str(tmp_path / "buffers.safetensors"))
     trainer_order = groups[0] + groups[1]  # optimizer.pt indexes state by position in the groups
     for name in ("model.layers.1.input_layernorm.weight", "model.layers.0.mlp.down_proj.weight",
@@ -99,14 +101,17 @@ def test_trainer_checkpoint_runs_with_its_lr_and_preconditioner(ckpt, tmp_path):
     assert sum(k.startswith("P/") for k in buffers) == len(trainer_order)
 
 
-def test_lr_must_come_from_somewhere(ckpt, tmp_path):
+def test_end_of_schedule_says_so_and_asks_for_optimizer_lr(ckpt, tmp_path):
+    """A linear decay's last step leaves lr 0 for the next one: probing at the lr of the step already
+    taken (trainer_state.json) would simulate a step the optimizer will not take."""
     folder, _ = ckpt
     zero = shutil.copytree(folder, tmp_path / "zero")
-    state = json.loads((zero / "trainer_state.json").read_text())
-    for h in state["log_history"]:
-        h.pop("learning_rate", None)
-    (zero / "trainer_state.json").write_text(json.dumps(state))
-    with pytest.raises(OptimizerStateError, match=r"set optimizer\.lr to the lr of the step"):
+    sd = torch.load(zero / "optimizer.pt", weights_only=True)
+    for g in sd["param_groups"]:
+        g["lr"] = 0.0
+    torch.save(sd, zero / "optimizer.pt")
+    with pytest.raises(OptimizerStateError, match=r"the schedule has ended: the next step's lr is 0 .*the last step "
+                                                  r"was taken at lr 0\.0007 .*set optimizer\.lr"):
         run(compose_cfg(tmp_path / "run", "model=hf", f"model.path='{zero}'", f"optimizer.state_path='{zero}'"))
     model = AutoModelForCausalLM.from_pretrained(zero)
     lo = load_optimizer(model, str(zero), lr=2e-4)

@@ -51,9 +51,11 @@ def flags(r: dict, ess_threshold: float = 0.3, truncated_sampling: bool = False)
         out.append(("deltaH1_no_history", f"{abs(nh) / abs(d1):.0%} of the seeds' deltaH1 comes from coordinates "
                     "Adam never updated (v = 0, P = 1/eps there), which the real step moves by only ~lr: "
                     "read deltaH_pred, not deltaH1."))
-    for k in ("deltaH_pred", "deltaH_true", "deltaH1"):
-        if k in r and not _finite(r[k]):
-            out.append(("non_finite", f"{k} is not finite."))
+    bad = [k for k in ("deltaH_pred", "SE_deltaH_pred", "deltaH_true", "SE_deltaH_true", "deltaH1", "SE_deltaH1")
+           if k in r and not _finite(r[k])]
+    if bad:
+        out.append(("non_finite", f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not finite: do not read "
+                    "the headline; look for NaN / Inf log-probs or weights."))
     return out
 
 
