@@ -81,8 +81,10 @@ def load_model(cfg, check_tokenizer: Callable[[object], None] | None = None) -> 
             raise FileNotFoundError(f"model.path={cfg.path!r} must be a save_pretrained folder "
                                     "(config.json + weights); nothing is downloaded")
         ckpt_dir = str(Path(cfg.path).expanduser())
-        tok = AutoTokenizer.from_pretrained(cfg.tokenizer_path or ckpt_dir, local_files_only=True,
-                                            trust_remote_code=bool(cfg.trust_remote_code))
+        tok_dir = cfg.tokenizer_path or ckpt_dir
+        tok_key = "model.tokenizer_path" if cfg.tokenizer_path else "model.path"
+        tok = _named(tok_dir, tok_key, lambda: AutoTokenizer.from_pretrained(
+            tok_dir, local_files_only=True, trust_remote_code=bool(cfg.trust_remote_code)), "the tokenizer")
         _ready_tokenizer(tok, check_tokenizer)
         model = _named(ckpt_dir, "model.path", lambda: AutoModelForCausalLM.from_pretrained(
             ckpt_dir, local_files_only=True, **common))
@@ -90,7 +92,8 @@ def load_model(cfg, check_tokenizer: Callable[[object], None] | None = None) -> 
     elif source == "gguf":
         folder, name = locate_gguf(cfg.gguf_file, cfg.gguf_package)
         where = f"{folder}/{name}"
-        tok = _named(where, "model.gguf_file", lambda: AutoTokenizer.from_pretrained(folder, gguf_file=name))
+        tok = _named(where, "model.gguf_file", lambda: AutoTokenizer.from_pretrained(folder, gguf_file=name),
+                     "the tokenizer")
         _ready_tokenizer(tok, check_tokenizer)
         model = _named(where, "model.gguf_file", lambda: AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=name, **common))
@@ -110,13 +113,13 @@ def _ready_tokenizer(tok, check_tokenizer) -> None:
         check_tokenizer(tok)
 
 
-def _named(path: str, key: str, load: Callable):
+def _named(path: str, key: str, load: Callable, what: str = "the model"):
     """``load()``, with a failure to parse the checkpoint reported against its file (transformers'
-    errors on a truncated GGUF / safetensors name neither)."""
+    errors on a truncated GGUF / a broken tokenizer.json name neither)."""
     try:
         return load()
     except (ValueError, OSError, RuntimeError, KeyError, IndexError) as exc:
-        raise InputFileError(f"{path}: cannot load the model ({type(exc).__name__}: "
+        raise InputFileError(f"{path}: cannot load {what} ({type(exc).__name__}: "
                              f"{str(exc).splitlines()[0][:200]}); check {key} and that the file is complete"
                              ) from None
 
