@@ -20,20 +20,19 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from entprobe.atomic_io import atomic_open
+
 DPI = 110
 
 
 def _save(fig: Figure, path: str | Path) -> Path:
-    """Render on an Agg canvas into ``path`` (a partial file is removed if rendering fails)."""
+    """Render on an Agg canvas into ``path``, atomically (``atomic_io``: a failed render leaves
+    the earlier file, never a partial one)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=DPI)
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, dpi=DPI, format=path.suffix.lstrip(".") or "png")
     return path
 
 
