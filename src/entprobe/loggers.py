@@ -66,7 +66,6 @@ class WandbLogger:
         offline_env(wcfg.mode)
         import wandb
 
-        wandb.setup(settings=wandb.Settings(mode=wcfg.mode))  # the process-wide settings its telemetry reads
         self.wandb = wandb
         self.run = wandb.init(mode=wcfg.mode, project=wcfg.project, entity=wcfg.entity, name=wcfg.name or name,
                               group=wcfg.group or group, tags=list(dict.fromkeys([*wcfg.tags, *tags])),
