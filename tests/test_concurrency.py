@@ -3,6 +3,9 @@ whose waiters say who holds it and give up after ``batch.lock_timeout_s``."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -85,26 +88,31 @@ def test_two_writers_of_one_path_use_their_own_temp_files(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["E.pt"]  # no temp file left
 
 
+RUN_ONE = """
+import json, sys
+from conftest import compose_cfg
+from entprobe.main import run
+run_dir, folder, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+res = run(compose_cfg(run_dir, f"batch.save='{folder}'", f"batch.seed_E={seed}", f"batch.seed_U={seed + 100}",
+                      *sys.argv[4:]))
+print(json.dumps({"deltaH1": res["deltaH1"]}))
+"""
+
+
 def test_two_runs_saving_to_one_folder_leave_one_runs_complete_pair(tmp_path):
-    """Different seeds, so the two runs sample different batches; the folder ends with E, U and
-    batches.json all from one of them (the lock serialises the three writes)."""
-    folder, results, errors = tmp_path / "b", {}, []
-
-    cfgs = {seed: compose_cfg(tmp_path / f"run{seed}", f"batch.save='{folder}'", f"batch.seed_E={seed}",
-                              f"batch.seed_U={seed + 100}", *QUICK) for seed in (11, 12)}
-
-    def one(seed: int):
-        try:
-            results[seed] = run(cfgs[seed])
-        except Exception as exc:  # surfaced below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(s,)) for s in cfgs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors and len(results) == 2
+    """Two processes with different seeds, so they sample different batches, save to one folder at
+    once; it ends with E, U and batches.json all from one of them (the lock serialises the writes)."""
+    folder = tmp_path / "b"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    procs = {seed: subprocess.Popen([sys.executable, "-c", RUN_ONE, str(tmp_path / f"run{seed}"), str(folder),
+                                     str(seed), *QUICK], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True) for seed in (11, 12)}
+    results = {}
+    for seed, p in procs.items():
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        results[seed] = json.loads(out.strip().splitlines()[-1])
     meta = json.loads((folder / "batches.json").read_text())
     seed = meta["seed_E"]
     assert meta["seed_U"] == seed + 100
