@@ -21,7 +21,7 @@ from entprobe import estimators as est
 from entprobe import paramvec as pv
 from entprobe import plan_math as pm
 from entprobe.plan import (PROJECTIONS_FILE, main, plan_directory, prediction_sides, projections_record,
-                           save_projections, sign_plan_row, two_batch_targets)
+                           sign_plan_row, two_batch_targets)
 from entprobe.verdict import verdict_lines
 from exact_oracle import N_PROMPTS, make_oracle
 
@@ -250,7 +250,7 @@ def run_dir(tmp_path_factory):
 
 
 def test_command_plans_from_a_real_run(run_dir, capsys):
-    """projections.json holds the SEs results.json reports; the printed plan is the closed form
+    """per_unit.json holds the SEs results.json reports; the printed plan is the closed form
     on them; ``--target-se`` is the same command."""
     res = json.loads((run_dir / "results.json").read_text())
     proj = json.loads((run_dir / PROJECTIONS_FILE).read_text())

@@ -4,7 +4,7 @@
     python -m entprobe.plan SWEEP_DIR target_se=0.01      # a multirun directory (one plan per job;
                                                           # single_batch jobs over B: the zeta fit)
 
-A two-batch run writes its per-unit projections to ``projections.json`` (``save_projections``);
+A two-batch run writes its per-unit projections into ``per_unit.json`` (``projections_record``);
 the planner reads them, estimates each side's per-unit variance (and how well the run pins it
 down), and prints, for each estimate, the sizes now, the SE now, the cheapest sizes for the target
 SE (plan_math.optimal_sizes), the SE they give, and their cost in units of one forward+backward
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from entprobe import plan_math as pm
-from entprobe.atomic_io import write_json_atomic
+from entprobe.report import PER_UNIT_FILE
 
-PROJECTIONS_FILE = "projections.json"
+PROJECTIONS_FILE = PER_UNIT_FILE  # per_unit.json: the report's plots read it too
 RESULTS_FILE = "results.json"
 
 
@@ -42,11 +42,6 @@ def projections_record(B_E: int, B_U: int, G: int, lr: float, a: torch.Tensor, b
             "a": a[:, 0].tolist(), "b": b[:, 0].tolist(),
             "e": {k: (-a[:, 1 + j]).tolist() for j, k in enumerate(parts)},
             "u": (-b[:, 1]).tolist() if b.shape[1] > 1 else None}
-
-
-def save_projections(path: str | Path, *args, **kwargs) -> Path:
-    """``projections_record(*args, **kwargs)`` written atomically to ``path``."""
-    return write_json_atomic(projections_record(*args, **kwargs), path)
 
 
 # ---------------------------------------------------------------- what is planned
@@ -69,7 +64,7 @@ def prediction_sides(B_E: int, B_U: int, G: int, var_e: float, rel_se: float = m
 
 
 def two_batch_targets(proj: dict) -> list[Target]:
-    """The plans of a two-batch run from its ``projections.json`` record."""
+    """The plans of a two-batch run from its ``per_unit.json`` record."""
     B_E, B_U, G, lr = int(proj["B_E"]), int(proj["B_U"]), int(proj["G"]), float(proj["lr"])
     e = torch.tensor(list(proj["e"].values()), dtype=torch.float64).sum(0)  # [B_E]
 
@@ -177,11 +172,11 @@ def run_targets(run_dir: Path) -> tuple[dict, list[Target]]:
                             "or no SE: plan from a complete-design run (probe_rework.pairs_per_block=0)")
         return res, single_batch_targets(res)
     proj_path = run_dir / PROJECTIONS_FILE
-    if not proj_path.is_file():
-        raise PlanError(f"{run_dir} has no {PROJECTIONS_FILE} (the per-prompt projections the planner needs): "
+    proj = _read_json(proj_path) if proj_path.is_file() else {}
+    if "a" not in proj:
+        raise PlanError(f"{run_dir} has no per-prompt projections in {PROJECTIONS_FILE} (what the planner needs): "
                         "the run had probe_rework.variance_enabled=false or predates the planner; rerun it "
                         "with variance_enabled=true")
-    proj = _read_json(proj_path)
     missing = [k for k in ("B_E", "B_U", "G", "lr", "a", "b", "e") if k not in proj]
     if missing:
         raise PlanError(f"{proj_path} lacks {missing}: incomplete; rerun the job")
@@ -311,7 +306,7 @@ def plan_directory(path: Path, target_se: float) -> list[str]:
 
 def parse_args(argv: list[str]) -> tuple[Path, float]:
     ap = argparse.ArgumentParser(prog="python -m entprobe.plan", description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir", type=Path, help="a run directory (results.json, projections.json) or a sweep directory")
+    ap.add_argument("run_dir", type=Path, help="a run directory (results.json, per_unit.json) or a sweep directory")
     ap.add_argument("overrides", nargs="*", help="target_se=VALUE: the standard error wanted (nats)")
     ap.add_argument("--target-se", type=float, default=None, help="the standard error wanted (nats)")
     args = ap.parse_args(argv)

@@ -11,7 +11,7 @@ PER_UNIT_FILE = "per_unit.json"
 
 
 def write_per_unit(run_dir: str | Path, psi=None, e=None, log_weights=None, a=None, b=None,
-                   lr: float = float("nan")) -> Path:
+                   lr: float = float("nan"), record: dict | None = None) -> Path:
     """``per_unit.json`` in the run dir: the per-prompt values behind the headline means and SEs
     (global, on rank 0), what report_md.py plots. Keys present when their inputs are given:
 
@@ -20,13 +20,15 @@ def write_per_unit(run_dir: str | Path, psi=None, e=None, log_weights=None, a=No
     - ``E/deltaH_true`` [B_E]: ``psi``, its measured contribution (mean = ``deltaH_true``);
     - ``E/log_weights`` [B_E][G]: ``S(theta_plus) - S(theta)`` of each response of E;
     - ``E/deltaH1`` [B_E], ``U/deltaH1`` [B_U]: ``-lr a_u``, ``-lr b_v`` (``a_u = X_u . P Ybar``,
-      ``b_v = Y_v . P Xbar``; both means are ``deltaH1``, their SEs ``lr sqrt(V_X)``, ``lr sqrt(V_Y)``).
+      ``b_v = Y_v . P Xbar``; both means are ``deltaH1``, their SEs ``lr sqrt(V_X)``, ``lr sqrt(V_Y)``);
+    - ``record``'s keys (``plan.projections_record``: sizes, lr and the raw projections the
+      batch-size planner reads).
     """
     arrays = {"E/deltaH_pred": None if e is None else e.double().sum(1), "E/deltaH_true": psi,
               "E/log_weights": log_weights, "E/deltaH1": None if a is None else -lr * a.double(),
               "U/deltaH1": None if b is None else -lr * b.double()}
-    return write_json_atomic({k: v.tolist() for k, v in arrays.items() if v is not None},
-                             Path(run_dir) / PER_UNIT_FILE)
+    out = {k: v.tolist() for k, v in arrays.items() if v is not None}
+    return write_json_atomic({**(record or {}), **out}, Path(run_dir) / PER_UNIT_FILE)
 
 
 def fmt(v) -> str:

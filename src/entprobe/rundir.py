@@ -23,7 +23,7 @@ from entprobe.atomic_io import write_text_atomic
 FAILED = "FAILED"
 # what a run writes into its run dir besides the results file (modes/, report.py, report_md.py,
 # loggers.py, plan.py); Hydra's .hydra/ and job log are Hydra's own
-OUTPUTS = ("attribution.csv", "ustat_units.csv", "buffers.safetensors", "per_unit.json", "projections.json",
+OUTPUTS = ("attribution.csv", "ustat_units.csv", "buffers.safetensors", "per_unit.json",
            "report.md", "*.png", "results.csv", "wandb", FAILED)
 
 

@@ -18,7 +18,7 @@ from entprobe import paramvec as pv
 from entprobe.atomic_io import write_bytes_atomic
 from entprobe.attribution import summarize, write_csv
 from entprobe.geometry import Geometry
-from entprobe.plan import PROJECTIONS_FILE, save_projections
+from entprobe.plan import projections_record
 from entprobe.report import write_per_unit
 from entprobe.rollout import RolloutBatch
 from entprobe.stages.accumulate import accumulate, global_mean, x_loss_of, y_loss_of
@@ -110,8 +110,6 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
     res.update(flat)
     if D.is_main():
         write_csv(rows, run_dir / "attribution.csv")
-        if e is not None:  # what the batch-size planner reads (python -m entprobe.plan)
-            save_projections(run_dir / PROJECTIONS_FILE, B_E, B_U, E.G, geo.lr, a, b, step.names)
         if pcfg.save_buffers:
             save_buffers(run_dir / "buffers.safetensors", names, Xbar, Ybar, geo.P)
 
@@ -124,7 +122,10 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
         res.update(gt)
         res.update(compare_with_prediction(res, psi, e))
     if D.is_main():
-        write_per_unit(run_dir, psi, e, log_w, *((a[:, 0], b[:, 0]) if e is not None else ()), lr=geo.lr)
+        # per-prompt values: the report's plots, and the projections the batch-size planner reads
+        rec = projections_record(B_E, B_U, E.G, geo.lr, a, b, step.names) if e is not None else None
+        write_per_unit(run_dir, psi, e, log_w, *((a[:, 0], b[:, 0]) if e is not None else ()), lr=geo.lr,
+                       record=rec)
     return res
 
 
