@@ -119,7 +119,7 @@ def test_bool_scale_rewards_and_per_sequence_single_batch_are_accepted(tmp_path)
 
 
 @pytest.mark.parametrize("overrides,name", [
-    (("objective=trl", "objective.loss_type=dr_grpo"), "trl/dr_grpo"),
+    (("objective=trl", "objective.scale_rewards=batch", "objective.loss_type=grpo"), "trl/grpo"),
     (("objective=trl",), "trl/dapo"),  # token-mean: linearised V_Y
     (("objective=verl", "objective.loss_agg_mode=seq-mean-token-sum-norm"), "verl/seq-mean-token-sum-norm"),
 ])
@@ -133,3 +133,21 @@ def test_run_with_a_preset(tmp_path, overrides, name):
     assert res["deltaH1_step"] != pytest.approx(base["deltaH1_step"], rel=1e-3)
     for k in ("SE_deltaH_pred", "SE_deltaH1", "V_Y", "deltaH_cov", "deltaH_true"):
         assert res[k] == res[k] and abs(res[k]) < float("inf"), k
+
+
+def test_documented_trl_command_runs_verbatim(tmp_path):
+    """README and docs/objectives.md: ``python -m entprobe.main objective=trl objective.loss_type=dr_grpo``."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    cmd = "python -m entprobe.main objective=trl objective.loss_type=dr_grpo"
+    proc = subprocess.run([sys.executable, *cmd.split()[1:]], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = Path(tmp_path).glob("outputs/*/*")
+    res = json.loads((run_dir / "results.json").read_text())
+    assert res["objective"] == "trl/dr_grpo" and res["SE_deltaH_pred"] > 0
