@@ -29,9 +29,9 @@ from entprobe.ecosystem import trainer_metrics
 from entprobe.geometry import build_geometry
 from entprobe.loggers import make_logger
 from entprobe.models import DTYPES, LoadedModel, load_model
-from entprobe.objectives import prepare as prepare_objective
 from entprobe.modes.single_batch import run_single_batch
 from entprobe.modes.two_batch import run_two_batch
+from entprobe.objectives import prepare as prepare_objective
 from entprobe.preflight import check_inputs
 from entprobe.report import console_table
 from entprobe.report_md import PLOT_FILES, write_report
