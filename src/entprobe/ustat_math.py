@@ -32,19 +32,20 @@ def cross_fit_split(G: int) -> int:
 
 
 def unit_coefficients(S: torch.Tensor, L: torch.Tensor, Lmax: torch.Tensor, A: torch.Tensor, mode: str,
-                      cross_fit: bool) -> UnitCoeffs:
-    """Per-response weights of X_n and Y_n [n, G].
+                      cross_fit: bool, cy_full: torch.Tensor | None = None) -> UnitCoeffs:
+    """Per-response weights of X_n and Y_n [n, G]. ``cy_full``: the update objective's weights of
+    the full-group Y_n (``objectives.unit_weights``); None: entprobe's ``A / (G Lmax)``.
 
-    Plain: cx = ``x_unit_coeffs`` (E[X_n] = -grad H_n in the weighting mode), cy = A / (G Lmax).
+    Plain: cx = ``x_unit_coeffs`` (E[X_n] = -grad H_n in the weighting mode), cy = cy_full.
     Cross-fit (modes whose functional is a mean over responses, not ``dr_grpo``):
     X from the first G1 = ceil(G/2) responses, its weights computed within that half and 0
-    elsewhere; Y from the other G2 = G - G1, ``cy = A / (G2 Lmax)`` there and 0 elsewhere, with the
+    elsewhere; Y from the other G2 = G - G1, ``cy = cy_full G / G2`` (``A / (G2 Lmax)``) there and 0 elsewhere, with the
     batch's advantages A and group Lmax unchanged. By exchangeability of the G responses both
     halves keep the expectations of the full-group vectors (E[X^half] = E[X], E[Y^half] = E[Y]),
     so the U-statistic's target is unchanged; X_n and Y_n then share no response of prompt n.
     """
     S = S.detach()
-    cy_full = y_unit_coeffs(A.to(S.dtype), Lmax)
+    cy_full = y_unit_coeffs(A.to(S.dtype), Lmax) if cy_full is None else cy_full.to(S.dtype)
     if not cross_fit:
         return UnitCoeffs(x_unit_coeffs(S, L, Lmax, mode), cy_full, cy_full)
     if getattr(mode, "value", mode) == "dr_grpo":

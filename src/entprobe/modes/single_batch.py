@@ -83,7 +83,7 @@ def plan_units(B_local: int, block_size: int, num_blocks: int) -> UnitPlan:
 
 def _coeffs(ctx: ProbeContext, S: torch.Tensor, mb: RolloutBatch, cross_fit: bool) -> UnitCoeffs:
     return unit_coefficients(S, mb.gen_lengths.to(S.device), mb.Lmax.to(S.device), mb.advantages.to(S.device),
-                             ctx.weighting_mode, cross_fit)
+                             ctx.weighting_mode, cross_fit, cy_full=ctx.y_weights(mb, S.device))
 
 
 def _backward(ctx: ProbeContext, loss: torch.Tensor, mb: RolloutBatch, retain: bool = False) -> None:
@@ -271,7 +271,7 @@ def run_single_batch(ctx: ProbeContext, batch: RolloutBatch, geo: Geometry, pcfg
     L_g, Lmax_g, A_g = (D.gather_units(t) for t in (batch.gen_lengths, batch.Lmax, batch.advantages))
     Sw_g = est.weighted_S(S_g, L_g, Lmax_g, ctx.weighting_mode)
     res["H_orig"] = float(-Sw_g.double().mean())
-    res["deltaH_cov"] = est.delta_h_cov(lr, Sw_g, A_g)
+    res["deltaH_cov"] = est.delta_h_cov(lr, Sw_g, ctx.objective.effective_advantages(A_g, L_g, Lmax_g))
 
     if icfg.enabled:
         if E is None:

@@ -64,8 +64,10 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
                 "deltaH1": est.delta_h1(geo.lr, bars_dot), "norm_Xbar": nX, "norm_PYbar": nPY,
                 "cos_Xbar_PYbar": bars_dot / (nX * nPY) if nX * nPY > 0 else float("nan")})
     S_U = D.gather_units(accY.S)
-    Sw_U = est.weighted_S(S_U, D.gather_units(U.gen_lengths), D.gather_units(U.Lmax), ctx.weighting_mode)
-    res["deltaH_cov"] = est.delta_h_cov(geo.lr, Sw_U, D.gather_units(U.advantages))
+    L_U, Lmax_U = D.gather_units(U.gen_lengths), D.gather_units(U.Lmax)
+    Sw_U = est.weighted_S(S_U, L_U, Lmax_U, ctx.weighting_mode)
+    res["deltaH_cov"] = est.delta_h_cov(geo.lr, Sw_U, ctx.objective.effective_advantages(
+        D.gather_units(U.advantages), L_U, Lmax_U))
     S_E = D.gather_units(accX.S)
     res["H_orig"] = float(-est.weighted_S(S_E, D.gather_units(E.gen_lengths), D.gather_units(E.Lmax),
                                           ctx.weighting_mode).double().mean())
@@ -93,7 +95,8 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
                 a = project_backward(ctx, E, dirE, "X", "a_u over E")
                 b = project_backward(ctx, U, dirU, "Y", "b_u over U")
             del dirU
-            a, b = D.gather_units(a), D.gather_units(b)
+            # b: the units' first-order influences when the objective couples them (objectives.py)
+            a, b = D.gather_units(a), ctx.objective.linearize(D.gather_units(b))
             v = est.two_batch_variance(a[:, 0], b[:, 0], geo.lr, bars_dot)
             e = -a[:, 1:]  # per-unit contributions to deltaH_pred: -X_u . Delta theta_part
             u = -b[:, 1] if b.shape[1] > 1 else None  # -Y_v . (J * Xbar)

@@ -25,7 +25,7 @@ import torch
 from entprobe import distributed as D
 from entprobe import paramvec as pv
 from entprobe.distributed import no_sync
-from entprobe.estimators import x_loss, y_loss
+from entprobe.estimators import x_loss
 from entprobe.rollout import RolloutBatch
 from entprobe.stages.context import ProbeContext
 
@@ -49,8 +49,9 @@ def x_loss_of(ctx: ProbeContext) -> Callable[[torch.Tensor, RolloutBatch], torch
 
 
 def y_loss_of(ctx: ProbeContext) -> Callable[[torch.Tensor, RolloutBatch], torch.Tensor]:
-    """``L_Y(S, mb) = sum_n (1/G) sum_g (A / Lmax) * S``."""
-    return lambda S, mb: y_loss(S, mb.advantages.to(S.device), mb.Lmax.to(S.device))
+    """``L_Y(S, mb) = sum_n sum_g w[n,g] S[n,g]`` with the context's objective's weights
+    (entprobe: ``w = A / (G Lmax)``; objectives.py): its gradient is ``sum_n Y_n``."""
+    return ctx.y_loss
 
 
 def check_grads(ctx: ProbeContext, what: str) -> None:

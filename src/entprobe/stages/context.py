@@ -10,6 +10,7 @@ import torch
 
 from entprobe import distributed as D
 from entprobe.logprobs import check_finite, token_logprobs
+from entprobe.objectives import ENTPROBE, Objective
 from entprobe.rollout import RolloutBatch
 
 
@@ -112,6 +113,16 @@ class ProbeContext:
     progress: bool = False
     nograd_memory_mb: float = 1024.0
     stats: PhaseStats = field(default_factory=PhaseStats)
+    objective: Objective = ENTPROBE  # the update objective bound to U (objectives.bind)
+
+    def y_loss(self, S: torch.Tensor, mb: RolloutBatch) -> torch.Tensor:
+        """The objective's ``sum_n sum_g w[n,g] S[n,g]`` on microbatch ``mb``: gradient ``sum_n Y_n``."""
+        return self.objective.y_loss(S, mb.advantages.to(S.device), mb.gen_lengths.to(S.device),
+                                     mb.Lmax.to(S.device))
+
+    def y_weights(self, mb: RolloutBatch, device) -> torch.Tensor:
+        """The objective's per-unit weights ``w[n,g]`` of ``Y_n = sum_g w grad S`` on ``mb``."""
+        return self.objective.unit_weights(mb.advantages.to(device), mb.gen_lengths.to(device), mb.Lmax.to(device))
 
     def nograd_mb(self, batch: RolloutBatch, tangent: bool, fixed: int | None = None) -> int:
         """Prompts per microbatch for a pass without a graph over ``batch``: ``fixed`` when set,

@@ -1,6 +1,6 @@
 """Stage 3: the entropy change on E after one real optimizer step on U (docs/math.md).
 
-snapshot -> grads on U (reused ``-Ybar_raw`` or recomputed DR-GRPO / NLL loss) -> one step ->
+snapshot -> grads on U (reused ``-Ybar_raw`` or the recomputed objective's / NLL loss) -> one step ->
 S_upd on E -> importance-sampling estimates of H(theta_plus) -> restore bit-exactly (also on error).
 
 Distributed: the reused gradient is already the global mean; the recomputed one is all-reduced
@@ -30,7 +30,7 @@ class StepInputs:
     optimizer: torch.optim.Optimizer  # AdamW with the checkpoint state (or SGD for identity)
     lr: float
     Xbar: pv.Buffer  # global mean of X over E (buffers device)
-    Ybar_raw: pv.Buffer  # global mean of raw Y over U: minus the DR-GRPO loss gradient
+    Ybar_raw: pv.Buffer  # global mean of raw Y over U: minus the objective's loss gradient
     P: pv.Buffer | None  # preconditioner (None = identity)
     B_U_global: int
     S_orig: torch.Tensor  # [B_E, G] local E log-probs at theta (from the X pass)
@@ -68,7 +68,8 @@ def _is_ddp(model) -> bool:
 def _recompute_grads(ctx: ProbeContext, U: RolloutBatch, icfg, B_U_global: int) -> torch.Tensor:
     """Gradient of the training loss on U by microbatched backward, DDP sync on.
 
-    rl: mean over prompts of ``-(sum A * mask * logp) / (G * Lmax)``; nll: ``-sum logp / #tokens``
+    rl: the objective's loss, ``-mean_n Y_n``'s potential (entprobe: mean over prompts of
+    ``-(sum A * mask * logp) / (G * Lmax)``; objectives.py); nll: ``-sum logp / #tokens``
     (both global: B_U_global prompts, all ranks' tokens). A forward covers
     ``importance_microbatch_size * rl_grad_accum`` prompts (``mb_size_prompts`` when null). DDP averages gradients over ranks, so
     the local loss carries a factor world size; DDP decides at forward time whether to reduce, so
@@ -86,7 +87,7 @@ def _recompute_grads(ctx: ProbeContext, U: RolloutBatch, icfg, B_U_global: int) 
         with sync, torch.enable_grad():
             S, lp, _ = ctx.forward_S(mb, f"update microbatch [{start}, {start + mb.B})")
             if icfg.training_loss.value == "rl":
-                loss = -est.y_loss(S, mb.advantages.to(S.device), mb.Lmax.to(S.device)) * (world / B_U_global)
+                loss = -ctx.y_loss(S, mb) * (world / B_U_global)
             else:
                 loss = -S.sum() * (world / n_tok)
             loss.backward()
@@ -206,7 +207,7 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
 
     def grads_from():
         nonlocal U_lp, aliased
-        if reuse:  # grad of the DR-GRPO loss = -Ybar_raw; aliased unless clipping rescales it in place
+        if reuse:  # grad of the objective's loss = -Ybar_raw; aliased unless clipping rescales it in place
             aliased = not icfg.max_grad_norm and _negated_as_grads(ctx, inp.Ybar_raw)
             if not aliased:
                 _set_grads(ctx, inp.Ybar_raw, -1.0)

@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from entprobe import distributed as D
 from entprobe import paramvec as pv
 from entprobe.distributed import no_sync
-from entprobe.estimators import x_unit_coeffs, y_unit_coeffs
+from entprobe.estimators import x_unit_coeffs
 from entprobe.rollout import RolloutBatch
 from entprobe.stages.context import ProbeContext, device_budget_bytes, model_dims
 
@@ -56,7 +56,7 @@ def unit_coeffs(ctx: ProbeContext, S: torch.Tensor, mb: RolloutBatch, side: str)
     """Per-response weights w [b, G] such that the unit vector is ``sum_g w[n,g] grad S[n,g]``."""
     if side == "X":
         return x_unit_coeffs(S, mb.gen_lengths.to(S.device), mb.Lmax.to(S.device), ctx.weighting_mode)
-    return y_unit_coeffs(mb.advantages.to(S.device), mb.Lmax.to(S.device))
+    return ctx.y_weights(mb, S.device)
 
 
 _T = torch.Tensor
