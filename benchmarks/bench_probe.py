@@ -9,7 +9,7 @@ each repetition runs, in this order:
 - ``probe``: ``run_two_batch`` as configured (default ``projection=auto``: Stage 1 with the
   per-unit projections of the path it picks, docs/variance.md; ground truth stepping from the
   stored ``-Ybar_raw``: snapshot, AdamW step, E at theta_plus, IS, step split, restore);
-- ``literal``: the spec-literal schedule, ``probe_rework.projection=backward`` (a backward per
+- ``literal``: the spec-literal schedule, ``probe.projection=backward`` (a backward per
   unit and a parameter-sized host transfer per unit) and ``importance.reuse_probe_gradient=false``
   (a separate update pass over U).
 
@@ -121,8 +121,8 @@ def bench(model: str, reps: int, extra: list[str]) -> dict:
 
     cfg, lm, ctx, E, U, geo = build(model, extra)
     schedules = {
-        "probe": (cfg.probe_rework, cfg.importance),
-        "literal": (dataclasses.replace(cfg.probe_rework, projection=ProjectionMode.backward),
+        "probe": (cfg.probe, cfg.importance),
+        "literal": (dataclasses.replace(cfg.probe, projection=ProjectionMode.backward),
                     dataclasses.replace(cfg.importance, reuse_probe_gradient=False)),
     }
     blocks = ("train", *schedules)

@@ -18,7 +18,7 @@ step. In one process, on the same sampled batches, each repetition times, in thi
 The *variance phase* of a path is what it adds to Stage 1 (per repetition, then the median):
 ``stored``: ``(Y_U_keep - Y_U) + (X_E_fused - X_E) + dots_U`` (loop or vmap per-unit backward);
 ``fused``: ``(X_E_fused_loop - X_E) + jvp_U``; ``jvp``: ``jvp_E + jvp_U``; ``backward``: ``backward``.
-The script prints all of them and which one ``probe_rework.projection=auto`` picks on the model,
+The script prints all of them and which one ``probe.projection=auto`` picks on the model,
 and checks that every path gives the backward's a_u, b_u (relative differences printed). Peak memory
 of each block is the increase of the high-water mark over the memory in use at the block's start
 (CPU: ``VmHWM`` reset through ``/proc/self/clear_refs``, with ``MALLOC_MMAP_THRESHOLD_=131072`` so RSS
@@ -29,7 +29,7 @@ identically zero.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_variance.py                           # builtin, ~1 min
     OMP_NUM_THREADS=1 python benchmarks/bench_variance.py --model smollm2 --reps 3  # ~15 min on 2 cores
-    python benchmarks/bench_variance.py -- probe_rework.mb_size_prompts=1            # extra overrides
+    python benchmarks/bench_variance.py -- probe.mb_size_prompts=1            # extra overrides
 
 Exits 0 whatever the ratios (a measurement); ``--target`` (default 0.6) only labels the line.
 """

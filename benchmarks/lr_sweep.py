@@ -107,7 +107,7 @@ def run_sweep(a: argparse.Namespace, lrs: list[float], out: Path) -> list[dict]:
 
     batches = out / "batches"
     base = [f"batch.B_E={a.B_E}", f"batch.B_U={a.B_U}", f"batch.G={a.G}",
-            f"sampling.max_new_tokens={a.max_new_tokens}", f"probe_rework.weighting_mode={a.weighting_mode}",
+            f"sampling.max_new_tokens={a.max_new_tokens}", f"probe.weighting_mode={a.weighting_mode}",
             "logging.wandb.mode=disabled", "logging.progress=false",
             f"logging.console_table={'true' if a.table else 'false'}"]
     if a.checkpoint:

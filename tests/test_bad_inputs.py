@@ -171,7 +171,7 @@ CASES = [
     ("top_p_above_1", cfg_case("sampling.top_p=1.5", "sampling.top_p"), ConfigError, True),
     ("top_k_negative", cfg_case("sampling.top_k=-1", "sampling.top_k"), ConfigError, True),
     ("max_new_tokens_zero", cfg_case("sampling.max_new_tokens=0", "sampling.max_new_tokens"), ConfigError, True),
-    ("mb_size_zero", cfg_case("probe_rework.mb_size_prompts=0", "probe_rework.mb_size_prompts"), ConfigError, True),
+    ("mb_size_zero", cfg_case("probe.mb_size_prompts=0", "probe.mb_size_prompts"), ConfigError, True),
     ("clip_c_zero", cfg_case("importance.clip_c=0", "importance.clip_c"), ConfigError, True),
     ("ess_threshold_2", cfg_case("importance.ess_threshold=2", "importance.ess_threshold"), ConfigError, True),
     ("max_grad_norm_zero", cfg_case("importance.max_grad_norm=0", "importance.max_grad_norm"), ConfigError, True),
@@ -179,7 +179,7 @@ CASES = [
     ("ddp_timeout_zero", cfg_case("ddp.timeout_s=0", "ddp.timeout_s"), ConfigError, True),
     ("model_device_bad", cfg_case("model.device=gpu7", "model.device"), ConfigError, True),
     ("wandb_mode_bad", cfg_case("logging.wandb.mode=cloud", "logging.wandb.mode"), ConfigError, True),
-    ("cross_fit_dr_grpo", cfg_case("probe_rework.cross_fit=true", "probe_rework.cross_fit"), ConfigError, True),
+    ("cross_fit_dr_grpo", cfg_case("probe.cross_fit=true", "probe.cross_fit"), ConfigError, True),
     # the optimizer state
     ("optimizer_truncated", opt_file(truncate), InputFileError, True),
     ("optimizer_empty", opt_file(empty), InputFileError, True),

@@ -26,7 +26,7 @@ def test_loaded_batches_reproduce_the_run_bit_for_bit(tmp_path):
         assert again[k] == first[k], k
     # The seeds do matter when sampling: the identity above comes from the loaded batches.
     fresh = run(compose_cfg(tmp_path / "c", *other_seeds, "importance.enabled=false",
-                            "probe_rework.variance_enabled=false"))  # deltaH1 is all this needs
+                            "probe.variance_enabled=false"))  # deltaH1 is all this needs
     assert fresh["deltaH1"] != first["deltaH1"]
 
 

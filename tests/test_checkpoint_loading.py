@@ -82,7 +82,7 @@ def adam_P(exp_avg_sq: torch.Tensor, step: int) -> torch.Tensor:
 def test_trainer_checkpoint_runs_with_its_lr_and_preconditioner(ckpt, tmp_path):
     folder, groups = ckpt
     res = run(compose_cfg(tmp_path, "model=hf", f"model.path='{folder}'", f"optimizer.state_path='{folder}'",
-                          "probe_rework.save_buffers=true"))
+                          "probe.save_buffers=true"))
     assert res["lr"] == LR_NEXT and res["lr_source"] == "optimizer.pt param_groups"  # the next step's lr
     assert res["lr_last_step"] == LR_LOGGED  # trainer_state.json: the step already taken
     assert (res["adam_step"], res["adam_beta1"], res["adam_beta2"], res["adam_eps"]) == (STEPS, *BETAS, EPS)

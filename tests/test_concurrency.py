@@ -18,7 +18,7 @@ from entprobe.locks import LockTimeout, file_lock
 from entprobe.main import run
 from entprobe.rollout import RolloutBatch
 
-QUICK = ("importance.enabled=false", "probe_rework.variance_enabled=false")
+QUICK = ("importance.enabled=false", "probe.variance_enabled=false")
 
 
 class Holder:

@@ -90,13 +90,13 @@ def test_validate_range_checks_name_the_key(tmp_path, override, key):
 def test_validate_accepts_defaults_and_single_batch_with_one_E_prompt(tmp_path):
     assert validate(compose_cfg(tmp_path)) is None  # raises ConfigError on any range violation
     # E is unused by single_batch without the ground truth ...
-    single = compose_cfg(tmp_path, "probe_rework.mode=single_batch", "batch.B_E=1", "importance.enabled=false")
+    single = compose_cfg(tmp_path, "probe.mode=single_batch", "batch.B_E=1", "importance.enabled=false")
     assert validate(single) is None and single.batch.B_E == 1
     # ... and is the held-out batch the step is measured on with it
     with pytest.raises(ConfigError, match="batch.B_E"):
-        validate(compose_cfg(tmp_path, "probe_rework.mode=single_batch", "batch.B_E=1"))
-    with pytest.raises(ConfigError, match="probe_rework.cross_fit"):
-        validate(compose_cfg(tmp_path, "probe_rework.cross_fit=true"))  # default mode dr_grpo
+        validate(compose_cfg(tmp_path, "probe.mode=single_batch", "batch.B_E=1"))
+    with pytest.raises(ConfigError, match="probe.cross_fit"):
+        validate(compose_cfg(tmp_path, "probe.cross_fit=true"))  # default mode dr_grpo
 
 
 def _plain(v):
@@ -126,7 +126,7 @@ def test_every_group_option_composes_onto_the_schema(tmp_path):
     extra = {("model", "hf"): [f"model.path='{tmp_path}'"], ("task", "jsonl"): [f"task.path='{jsonl}'"]}
     options = group_options()
     groups = {g for g, _ in options}
-    assert {"batch", "sampling", "probe_rework", "importance", "optimizer", "ddp", "model", "task",
+    assert {"batch", "sampling", "probe", "importance", "optimizer", "ddp", "model", "task",
             "logging", "experiment"} <= groups
     for group, name in options:
         in_hydra = group.startswith("hydra/")  # e.g. hydra/launcher: lives under the cfg's hydra node
@@ -178,3 +178,17 @@ def test_report_per_token_puts_per_token_entropy_in_the_headline(tmp_path, capsy
     out = capsys.readouterr().out
     # headline rows come before the alphabetical rest, which starts with attr/...
     assert out.index("deltaH_true_per_token") < out.index("attr/")
+
+
+def test_former_group_name_probe_rework_is_read_as_probe(tmp_path):
+    """``probe_rework`` (the probe group's former name) still works on the command line, with a
+    FutureWarning: every override form is rewritten to ``probe`` and then composes."""
+    from entprobe.main import renamed_overrides
+
+    argv = ["probe_rework.projection=jvp", "+probe_rework.x=1", "~probe_rework.top_k_params", "probe_rework=default",
+            "batch.B_E=8", "probe.mode=two_batch", "probe_reworked.a=1"]
+    with pytest.warns(FutureWarning, match="'probe_rework' is now 'probe'"):
+        out = renamed_overrides(argv)
+    assert out == ["probe.projection=jvp", "+probe.x=1", "~probe.top_k_params", "probe=default",
+                   "batch.B_E=8", "probe.mode=two_batch", "probe_reworked.a=1"]
+    assert compose_cfg(tmp_path, out[0]).probe.projection == "jvp"

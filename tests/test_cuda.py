@@ -27,7 +27,7 @@ def cuda_runs(tmp_path_factory) -> dict:
     for autocast in ("false", "true"):
         for proj in PATHS:
             cfg = compose_cfg(tmp_path_factory.mktemp(f"cuda_{proj}_{autocast}"), "model.device=cuda:0",
-                              f"model.autocast_bf16={autocast}", f"probe_rework.projection={proj}")
+                              f"model.autocast_bf16={autocast}", f"probe.projection={proj}")
             out[autocast, proj] = run(cfg)
     return out
 
@@ -53,7 +53,7 @@ def test_paths_agree_on_cuda(cuda_runs, autocast, tol):
 
 def test_fp32_cuda_matches_cpu(cuda_runs, tmp_path):
     """The same batches and state on the CPU give the same prediction as fp32 on cuda:0."""
-    cpu = run(compose_cfg(tmp_path, "probe_rework.projection=backward"))
+    cpu = run(compose_cfg(tmp_path, "probe.projection=backward"))
     gpu = cuda_runs["false", "backward"]
     for key in KEYS:
         assert rel(gpu[key], cpu[key]) < 1e-3, (key, gpu[key], cpu[key])

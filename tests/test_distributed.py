@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 KEYS = ("deltaH1", "SE_deltaH1", "V_X", "V_Y", "deltaH_true", "SE_deltaH_true", "deltaH_pred", "SE_deltaH_pred")
 # 5 = 3 + 2 and 3 = 2 + 1 prompts on 2 ranks; seed_U=7 gives every U group some reward variance
 SMALL = ("batch.B_E=5", "batch.B_U=3", "batch.G=4", "batch.seed_U=7")
-DDP_PATHS = ("probe_rework.projection=backward", "importance.reuse_probe_gradient=false", "ddp.timeout_s=120")
+DDP_PATHS = ("probe.projection=backward", "importance.reuse_probe_gradient=false", "ddp.timeout_s=120")
 
 
 # deltaH1_step = -Xbar . (theta_plus - theta) reads the step off fp32 weights: a last-bit change of
@@ -63,7 +63,7 @@ def _worker(rank: int, world: int, port: int, saved: str, out: str) -> None:
     torch.set_num_threads(1)
     out = Path(out)
     # B: the 1-process run's saved batches; C: sampled under DDP (each rank its own prompts), saved.
-    for name, extra in (("B", (*DDP_PATHS, f"batch.load='{saved}'")), ("C", (f"batch.save='{out / 'saved_C'}'", "probe_rework.projection=stored"))):
+    for name, extra in (("B", (*DDP_PATHS, f"batch.load='{saved}'")), ("C", (f"batch.save='{out / 'saved_C'}'", "probe.projection=stored"))):
         res = run(compose_cfg(out / f"run{name}_rank{rank}", *SMALL, *extra))
         (out / f"{name}_rank{rank}.json").write_text(json.dumps(res))
     # Hydra gave each rank its own ${now:} directory; rank 0's wins, the other's empty one goes.
@@ -100,7 +100,7 @@ def test_two_ranks_equal_one_rank_and_each_other(tmp_path):
     assert (E.B, U.B, E.G, C0["batch_source"]) == (5, 3, 4, "sampled")
     assert C0["batch_E/reward_mean"] == pytest.approx(E.rewards.mean().item(), rel=1e-7)
     again = run(compose_cfg(tmp_path / "again", *SMALL, f"batch.load='{tmp_path / 'saved_C'}'",
-                            "probe_rework.projection=stored"))
+                            "probe.projection=stored"))
     for k in KEYS + ("H_orig", "ESS", "deltaH1_step"):
         assert math.isfinite(again[k]) and again[k] != 0.0, k
         assert _rel(C0[k], again[k]) < STEP_TOL.get(k, 1e-6), (k, C0[k], again[k])

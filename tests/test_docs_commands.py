@@ -88,7 +88,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
         ("run", "tests/test_plan.py::test_planning_doc_commands_run_verbatim"),
     ".venv/bin/python -m entprobe.plan outputs/pilot target_se=0.01":
         ("run", "tests/test_plan.py::test_planning_doc_commands_run_verbatim"),
-    ".venv/bin/python -m entprobe.main -m probe_rework.mode=single_batch batch.B_U=8,16,32 hydra.sweep.dir=multirun/zeta":
+    ".venv/bin/python -m entprobe.main -m probe.mode=single_batch batch.B_U=8,16,32 hydra.sweep.dir=multirun/zeta":
         ("run", "tests/test_plan.py::test_planning_doc_commands_run_verbatim"),
     ".venv/bin/python -m entprobe.plan multirun/zeta target_se=0.01":
         ("run", "tests/test_plan.py::test_planning_doc_commands_run_verbatim"),

@@ -103,8 +103,8 @@ def test_trl_advantages_by_hand():
     (("objective=trl", "+objective.loss_agg_mode=token-mean"), "objective.loss_agg_mode"),
     (("objective=verl", "objective.loss_agg_mode=token_mean"), "objective.loss_agg_mode"),
     (("objective=trl", "batch.advantage=grpo"), "batch.advantage"),
-    (("objective=trl", "probe_rework.mode=single_batch"), "probe_rework.mode"),
-    (("objective=verl", "probe_rework.mode=single_batch"), "probe_rework.mode"),
+    (("objective=trl", "probe.mode=single_batch"), "probe.mode"),
+    (("objective=verl", "probe.mode=single_batch"), "probe.mode"),
 ])
 def test_objective_config_refusals_name_the_key(tmp_path, overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -113,7 +113,7 @@ def test_objective_config_refusals_name_the_key(tmp_path, overrides, key):
 
 def test_bool_scale_rewards_and_per_sequence_single_batch_are_accepted(tmp_path):
     cfg = to_typed(compose_cfg(tmp_path, "objective=trl", "objective.scale_rewards=false",
-                               "objective.loss_type=grpo", "probe_rework.mode=single_batch"))
+                               "objective.loss_type=grpo", "probe.mode=single_batch"))
     assert ob.scale_rewards_choice(cfg.objective.scale_rewards) == "none"
     assert not ob.is_coupled(cfg.objective)
 

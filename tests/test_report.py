@@ -69,7 +69,7 @@ def test_a_failing_plot_is_a_warning_and_the_run_keeps_its_results(tmp_path, mon
 
 
 def test_no_report_when_switched_off(tmp_path):
-    run(compose_cfg(tmp_path, "logging.report=false", "importance.enabled=false", "probe_rework.variance_enabled=false"))
+    run(compose_cfg(tmp_path, "logging.report=false", "importance.enabled=false", "probe.variance_enabled=false"))
     assert (tmp_path / "results.json").is_file() and not (tmp_path / REPORT_FILE).exists()
     assert not list(tmp_path.glob("*.png"))
 

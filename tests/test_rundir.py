@@ -14,7 +14,7 @@ from entprobe.main import run
 from entprobe.rundir import set_aside_earlier_run
 from entprobe.verdict import flags
 
-QUICK = ("importance.enabled=false", "probe_rework.variance_enabled=false")
+QUICK = ("importance.enabled=false", "probe.variance_enabled=false")
 
 
 def test_a_rerun_moves_the_earlier_outputs_aside_and_a_failed_rerun_is_marked(tmp_path):

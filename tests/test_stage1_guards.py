@@ -1,5 +1,5 @@
 """Stage 1 guards: every misuse ends in a clear error that says what and where; and
-``probe_rework.save_buffers`` writes buffers whose dot reproduces the reported bars_dot."""
+``probe.save_buffers`` writes buffers whose dot reproduces the reported bars_dot."""
 from __future__ import annotations
 
 import csv
@@ -159,8 +159,8 @@ def test_save_buffers_reproduce_bars_dot(cfg, tmp_path):
     from entprobe.main import run
 
     cfg.importance.enabled = False
-    cfg.probe_rework.variance_enabled = False
-    cfg.probe_rework.save_buffers = True
+    cfg.probe.variance_enabled = False
+    cfg.probe.save_buffers = True
     res = run(cfg)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["bars_dot"] == res["bars_dot"] and res["bars_dot"] != 0

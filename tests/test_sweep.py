@@ -100,7 +100,7 @@ def test_cache_key_ignores_the_optimizer_and_tracks_what_sampling_depends_on(tmp
     base = key()
     assert key("optimizer.lr=1e-3", "importance.is_mode=clip", "batch.save=/x") == base
     others = {key("batch.B_E=9"), key("batch.seed_U=3"), key("sampling.temperature=0.7"),
-              key("model.builtin_seed=1"), key("probe_rework.mode=single_batch"), key(world=2)}
+              key("model.builtin_seed=1"), key("probe.mode=single_batch"), key(world=2)}
     assert base not in others and len(others) == 6
 
 

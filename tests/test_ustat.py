@@ -460,7 +460,7 @@ def test_run_single_batch_end_to_end(tmp_path):
     from conftest import compose_cfg
     from entprobe.main import run
 
-    res = run(compose_cfg(tmp_path, "probe_rework.mode=single_batch", "batch.B_U=7", "probe_rework.top_units=3"))
+    res = run(compose_cfg(tmp_path, "probe.mode=single_batch", "batch.B_U=7", "probe.top_units=3"))
     for key in ("deltaH1", "U_cross", "SE_plugin", "SE_jack", "SE_deltaH1", "deltaH_true", "deltaH1_step"):
         assert math.isfinite(res[key]), key
     assert res["mode"] == "single_batch" and res["M"] == res["B"] == 7 and res["G"] == 4

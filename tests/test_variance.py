@@ -281,8 +281,8 @@ def builtin_runs(tmp_path_factory) -> dict:
     out = {}
     for mode in MODES:
         for proj in ("auto", *PATHS, "backward"):
-            cfg = compose_cfg(tmp_path_factory.mktemp(f"{mode}_{proj}"), f"probe_rework.projection={proj}",
-                              f"probe_rework.weighting_mode={mode}", "importance.enabled=false")
+            cfg = compose_cfg(tmp_path_factory.mktemp(f"{mode}_{proj}"), f"probe.projection={proj}",
+                              f"probe.weighting_mode={mode}", "importance.enabled=false")
             out[mode, proj] = run(cfg)
     return out
 

@@ -71,7 +71,7 @@ def fingerprint(cfg: EntprobeConfig, identity: dict) -> dict:
     return {**identity, "task": task, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
             "max_new_tokens": s.max_new_tokens, "G": b.G, "B_E": b.B_E, "B_U": b.B_U,
             "seed_E": b.seed_E, "seed_U": b.seed_U, "advantage": b.advantage.value,
-            "mode": cfg.probe_rework.mode.value}
+            "mode": cfg.probe.mode.value}
 
 
 def save_batches(folder: str | Path, E: RolloutBatch, U: RolloutBatch, meta: dict, timeout_s: float) -> None:
@@ -102,7 +102,7 @@ def check_saved(src: Path, E: RolloutBatch, U: RolloutBatch, meta: dict | None, 
     top_k / top_p (the log-probs every estimate uses are those of the sampling distribution), task,
     and (``identity``) the same model and tokenizer."""
     b, s = cfg.batch, cfg.sampling
-    two = cfg.probe_rework.mode.value == "two_batch"
+    two = cfg.probe.mode.value == "two_batch"
     for label, batch, B in (("E", E, b.B_E), ("U", U, b.B_U)):
         if batch.G != b.G:
             raise ConfigError(f"batch.load={src}: the saved {label} has G={batch.G} responses per prompt, the "

@@ -68,7 +68,7 @@ def sample_global(cfg: EntprobeConfig, lm, task, ctx: ProbeContext) -> tuple[Rol
         return concat_batches(D.gather_objects(mine), lm.tokenizer.pad_token_id) if D.is_dist() else mine
 
     # single_batch measures its step on a fresh E too (responses the step was not fit to)
-    need_E = cfg.probe_rework.mode.value == "two_batch" or cfg.importance.enabled
+    need_E = cfg.probe.mode.value == "two_batch" or cfg.importance.enabled
     E = draw(b.B_E, b.seed_E, "E") if need_E else None
     U = draw(b.B_U, b.seed_U, "U")
     return (E if E is not None else U), U

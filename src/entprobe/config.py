@@ -253,7 +253,7 @@ class EntprobeConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
-    probe_rework: ProbeConfig = field(default_factory=ProbeConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
     importance: ImportanceConfig = field(default_factory=ImportanceConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
@@ -303,11 +303,11 @@ def _device_spec(spec: str) -> bool:
 
 def validate(cfg: Any) -> None:
     """Range checks a type cannot express. ``cfg`` is an EntprobeConfig or a DictConfig of one."""
-    b, s, p, i = cfg.batch, cfg.sampling, cfg.probe_rework, cfg.importance
+    b, s, p, i = cfg.batch, cfg.sampling, cfg.probe, cfg.importance
     for key, v in (("batch.adv_eps", b.adv_eps), ("batch.lock_timeout_s", b.lock_timeout_s),
                    ("sampling.temperature", s.temperature), ("sampling.top_p", s.top_p),
-                   ("probe_rework.unit_grads_budget_mb", p.unit_grads_budget_mb),
-                   ("probe_rework.nograd_memory_mb", p.nograd_memory_mb), ("importance.clip_c", i.clip_c),
+                   ("probe.unit_grads_budget_mb", p.unit_grads_budget_mb),
+                   ("probe.nograd_memory_mb", p.nograd_memory_mb), ("importance.clip_c", i.clip_c),
                    ("importance.max_grad_norm", i.max_grad_norm), ("importance.ess_threshold", i.ess_threshold),
                    ("importance.update_clip_eps", i.update_clip_eps),
                    ("importance.update_clip_eps_high", i.update_clip_eps_high),
@@ -333,25 +333,25 @@ def validate(cfg: Any) -> None:
     _require(0 < s.top_p <= 1, "sampling.top_p", "must be in (0, 1]")
     _require(s.max_new_tokens >= 1, "sampling.max_new_tokens", "must be >= 1")
     _require(s.gen_microbatch_prompts >= 1, "sampling.gen_microbatch_prompts", "must be >= 1")
-    _require(p.mb_size_prompts >= 1, "probe_rework.mb_size_prompts", "must be >= 1")
-    _require(p.jvp_mb_size_prompts is None or p.jvp_mb_size_prompts >= 1, "probe_rework.jvp_mb_size_prompts",
+    _require(p.mb_size_prompts >= 1, "probe.mb_size_prompts", "must be >= 1")
+    _require(p.jvp_mb_size_prompts is None or p.jvp_mb_size_prompts >= 1, "probe.jvp_mb_size_prompts",
              "must be >= 1 (or null: sized from nograd_memory_mb)")
-    _require(p.unit_grads_budget_mb >= 0, "probe_rework.unit_grads_budget_mb", "must be >= 0 (0: never store)")
-    _require(p.nograd_memory_mb >= 0, "probe_rework.nograd_memory_mb", "must be >= 0")
+    _require(p.unit_grads_budget_mb >= 0, "probe.unit_grads_budget_mb", "must be >= 0 (0: never store)")
+    _require(p.nograd_memory_mb >= 0, "probe.nograd_memory_mb", "must be >= 0")
     _require(p.buffers_device in ("auto", "cpu", "model") or p.buffers_device.startswith("cuda"),
-             "probe_rework.buffers_device", f"is {p.buffers_device!r}; use auto, cpu, model or cuda[:N]")
+             "probe.buffers_device", f"is {p.buffers_device!r}; use auto, cpu, model or cuda[:N]")
     _require(p.block_size >= 0 and p.num_blocks >= 0 and p.pairs_per_block >= 0,
-             "probe_rework.block_size/num_blocks/pairs_per_block", "must be >= 0")
-    _require(not (p.block_size and p.num_blocks), "probe_rework.block_size",
+             "probe.block_size/num_blocks/pairs_per_block", "must be >= 0")
+    _require(not (p.block_size and p.num_blocks), "probe.block_size",
              "set block_size or num_blocks, not both")
-    _require(p.top_k_params >= 0, "probe_rework.top_k_params", f"is {p.top_k_params}; must be >= 0")
-    _require(p.top_units >= 0, "probe_rework.top_units", f"is {p.top_units}; must be >= 0")
+    _require(p.top_k_params >= 0, "probe.top_k_params", f"is {p.top_k_params}; must be >= 0")
+    _require(p.top_units >= 0, "probe.top_units", f"is {p.top_units}; must be >= 0")
     _require(i.clip_c > 0, "importance.clip_c", "must be > 0")
     _require(i.max_grad_norm is None or i.max_grad_norm > 0, "importance.max_grad_norm",
              f"is {i.max_grad_norm}; must be > 0 (or null: no clipping)")
     _require(i.update_clip_eps >= 0 and i.update_clip_eps_high >= 0, "importance.update_clip_eps/_high",
              "must be >= 0")
-    _require(not (p.cross_fit and p.weighting_mode == WeightingMode.dr_grpo), "probe_rework.cross_fit",
+    _require(not (p.cross_fit and p.weighting_mode == WeightingMode.dr_grpo), "probe.cross_fit",
              "needs a weighting mode whose functional is a mean over responses (sequence or "
              "per_token_avg): dr_grpo's couples the whole group through Lmax, so X cannot use half of it")
     _require(0 <= i.ess_threshold <= 1, "importance.ess_threshold", "is a fraction ESS/N in [0, 1]")

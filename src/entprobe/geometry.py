@@ -33,7 +33,7 @@ def build_geometry(cfg: EntprobeConfig, lm, params, buf_dev: torch.device,
     ``stored``: the optimizer state ``preflight.check_inputs`` read and checked (None: plain SGD at
     ``optimizer.lr``; the preflight has refused that combination with the adam preconditioner)."""
     o = cfg.optimizer
-    buf_dtype = DTYPES[cfg.probe_rework.buffers_dtype.value]
+    buf_dtype = DTYPES[cfg.probe.buffers_dtype.value]
     if stored is None:
         if o.lr is None or o.preconditioner.value == "adam":
             raise ConfigError("no optimizer state: set optimizer.state_path, or optimizer.preconditioner=identity "

@@ -124,6 +124,6 @@ def make_logger(lcfg, run_dir: Path, config: dict, is_main: bool, overrides: lis
         return NullLogger()
     if kind == "csv":
         return CsvLogger(run_dir)
-    mode = cfg.probe_rework.mode.value
-    tags = [mode, cfg.model.source.value, cfg.probe_rework.weighting_mode.value] + (["sweep"] if sweep_dir else [])
+    mode = cfg.probe.mode.value
+    tags = [mode, cfg.model.source.value, cfg.probe.weighting_mode.value] + (["sweep"] if sweep_dir else [])
     return WandbLogger(lcfg.wandb, run_dir, config, run_name(overrides), sweep_dir, tags, mode)

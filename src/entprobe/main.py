@@ -11,6 +11,7 @@ wiring only: load (models.py, geometry.py) -> batches (batches.py) -> one of the
 """
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -67,7 +68,7 @@ def load_probe(cfg: EntprobeConfig) -> tuple[LoadedModel, Task, ProbeContext]:
     where = f"task.path={cfg.task.path}" if cfg.task.path else f"task._target_={cfg.task._target_}"
     lm = load_model(cfg.model, check_tokenizer=lambda tok: check_encodable(task, tok, where))
     names, params = pv.trainable(lm.model)
-    pcfg = cfg.probe_rework
+    pcfg = cfg.probe
     dtype = DTYPES[pcfg.buffers_dtype.value]
     buf_dev = resolve_buffers_device(pcfg.buffers_device, params, dtype)
     model = D.wrap(lm.model, lm.device, cfg.ddp.find_unused_parameters)  # DDP under torchrun / SLURM
@@ -97,7 +98,7 @@ def _run(cfg: EntprobeConfig, run_dir: Path, batch_cache: Path | None) -> dict:
     inputs = check_inputs(cfg)  # everything that needs no model, before it loads
     torch.manual_seed(cfg.seed)
     lm, task, ctx = load_probe(cfg)
-    pcfg = cfg.probe_rework
+    pcfg = cfg.probe
     geo, meta = build_geometry(cfg, lm, ctx.params, ctx.buffers_device, inputs.optimizer_state)
     E_all, U_all, batch_source = get_batches(cfg, lm, task, ctx, inputs, batch_cache)
     same = E_all is U_all  # single_batch without a ground truth: one batch
@@ -149,8 +150,34 @@ def global_pass_counts(stats: dict) -> dict:
     return {**stats, **{k: int(v) for k, v in zip(keys, totals)}}
 
 
+LEGACY_GROUPS = {"probe_rework": "probe"}  # former group names the command line still accepts
+
+
+def renamed_overrides(argv: list[str]) -> list[str]:
+    """Command-line overrides with former group names replaced (``probe_rework.x=1`` ->
+    ``probe.x=1``, also with ``+``/``~``/``++`` prefixes and as a group choice), each with a warning."""
+    out = []
+    for arg in argv:
+        head = arg[:len(arg) - len(arg.lstrip("+~"))]
+        for old, new in LEGACY_GROUPS.items():
+            rest = arg[len(head):]
+            if rest == old or rest.startswith((old + ".", old + "=")):
+                warnings.warn(f"entprobe: the config group '{old}' is now '{new}'; read {arg!r} as "
+                              f"{head + new + rest[len(old):]!r}", FutureWarning, stacklevel=2)
+                arg = head + new + rest[len(old):]
+        out.append(arg)
+    return out
+
+
+def main() -> float | None:
+    """The command line (``entprobe`` / ``python -m entprobe.main``): Hydra's, with former group
+    names accepted."""
+    sys.argv[1:] = renamed_overrides(sys.argv[1:])
+    return hydra_main()
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> float | None:
+def hydra_main(cfg: DictConfig) -> float | None:
     """Process group first (rank decides who logs), then one run dir for all ranks (rank 0's),
     the sweep's batch cache in multirun mode, the logger on rank 0 (``logging.logger``), ``run``, teardown."""
     from hydra.core.hydra_config import HydraConfig

@@ -231,11 +231,11 @@ def config_errors(ocfg, cfg) -> list[tuple[str, str]]:
             errs.append(("objective.loss_scale_factor", "must be > 0 (or null: sampling.max_new_tokens)"))
     elif preset != "entprobe":
         errs.append(("objective.preset", f"is {preset!r}; one of entprobe, trl, verl"))
-    if is_coupled(ocfg) and getattr(cfg.probe_rework.mode, "value", cfg.probe_rework.mode) == "single_batch":
-        errs.append(("probe_rework.mode", f"single_batch needs per-prompt Y vectors that do not depend on the "
+    if is_coupled(ocfg) and getattr(cfg.probe.mode, "value", cfg.probe.mode) == "single_batch":
+        errs.append(("probe.mode", f"single_batch needs per-prompt Y vectors that do not depend on the "
                      f"rest of the batch; objective={preset} with this aggregation normalises by batch "
                      "statistics (token count or the batch's reward std), so the U-statistic is not defined: "
-                     "use probe_rework.mode=two_batch (linearised SEs), or a per-sequence aggregation"))
+                     "use probe.mode=two_batch (linearised SEs), or a per-sequence aggregation"))
     return errs
 
 

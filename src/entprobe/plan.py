@@ -169,13 +169,13 @@ def run_targets(run_dir: Path) -> tuple[dict, list[Target]]:
     if res.get("mode") == "single_batch":
         if res.get("pairs_per_block", 0) or not math.isfinite(res.get("SE_deltaH1", math.nan)):
             raise PlanError(f"{run_dir}: a single_batch run with an incomplete design (pairs_per_block > 0) "
-                            "or no SE: plan from a complete-design run (probe_rework.pairs_per_block=0)")
+                            "or no SE: plan from a complete-design run (probe.pairs_per_block=0)")
         return res, single_batch_targets(res)
     proj_path = run_dir / PROJECTIONS_FILE
     proj = _read_json(proj_path) if proj_path.is_file() else {}
     if "a" not in proj:
         raise PlanError(f"{run_dir} has no per-prompt projections in {PROJECTIONS_FILE} (what the planner needs): "
-                        "the run had probe_rework.variance_enabled=false or predates the planner; rerun it "
+                        "the run had probe.variance_enabled=false or predates the planner; rerun it "
                         "with variance_enabled=true")
     missing = [k for k in ("B_E", "B_U", "G", "lr", "a", "b", "e") if k not in proj]
     if missing:

@@ -55,7 +55,7 @@ def batch_cache_key(cfg, world: int) -> str:
     batch = {k: v for k, v in dataclasses.asdict(cfg.batch).items() if k not in ("save", "load", "lock_timeout_s")}
     parts = {"batch": batch, "sampling": dataclasses.asdict(cfg.sampling),
              "model": dataclasses.asdict(cfg.model), "task": dataclasses.asdict(cfg.task),
-             "mode": cfg.probe_rework.mode, "seed": cfg.seed, "world": world}
+             "mode": cfg.probe.mode, "seed": cfg.seed, "world": world}
     blob = json.dumps(parts, sort_keys=True, default=lambda v: getattr(v, "value", str(v)))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -69,7 +69,7 @@ def plan_units(B_local: int, block_size: int, num_blocks: int) -> UnitPlan:
     B = sum(counts)
     k = block_size or (B // num_blocks if num_blocks else 1)
     if num_blocks and B % num_blocks:
-        raise ValueError(f"probe_rework.num_blocks={num_blocks} does not divide the batch's {B} prompts")
+        raise ValueError(f"probe.num_blocks={num_blocks} does not divide the batch's {B} prompts")
     bad = [r for r, c in enumerate(counts) if c % k]
     if bad:
         raise ValueError(f"units of {k} consecutive prompts: rank(s) {bad} hold {[counts[r] for r in bad]} "
@@ -226,7 +226,7 @@ def run_single_batch(ctx: ProbeContext, batch: RolloutBatch, geo: Geometry, pcfg
     plan = plan_units(batch.B, pcfg.block_size, pcfg.num_blocks)
     K = pcfg.pairs_per_block
     if K > plan.M_min - 1:
-        raise ValueError(f"probe_rework.pairs_per_block={K}: partners are chosen among a rank's own units, "
+        raise ValueError(f"probe.pairs_per_block={K}: partners are chosen among a rank's own units, "
                          f"so it must be <= {plan.M_min - 1} (the fewest units on a rank, minus 1)")
     full_y = pcfg.cross_fit and icfg.enabled
     f0, b0 = _probe_passes(ctx)

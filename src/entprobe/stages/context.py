@@ -54,7 +54,7 @@ def device_budget_bytes(device: torch.device, reserved: float = 0.0) -> float:
 
 
 def resolve_buffers_device(spec: str, params, dtype: torch.dtype) -> torch.device:
-    """Where the parameter-sized buffers live (``probe_rework.buffers_device``).
+    """Where the parameter-sized buffers live (``probe.buffers_device``).
 
     ``auto``: on the model's device when ``PROBE_BUFFERS`` buffers of ``dtype`` fit
     ``device_budget_bytes`` on every rank (one collective decides for all), else on the CPU,

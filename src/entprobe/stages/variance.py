@@ -1,6 +1,6 @@
 """Stage 2: per-unit projections a_u = X_u . P Ybar and b_u = Y_u . P Xbar (docs/variance.md).
 
-Selected by ``probe_rework.projection`` (``resolve_projection``); U is accumulated before E, so
+Selected by ``probe.projection`` (``resolve_projection``); U is accumulated before E, so
 ``P Ybar`` is known during the X pass:
 - ``stored``: the E side is projected during the X accumulation (one backward per unit, a device
   dot each; see accumulate.py); the Y pass also runs one backward per unit and keeps each unit's
@@ -177,7 +177,7 @@ def _host_bound(ctx: ProbeContext) -> bool:
 
 
 def resolve_projection(pcfg, ctx: ProbeContext, B_U_local: int) -> str:
-    """The projection path for ``probe_rework.projection``. ``auto``: ``stored`` when the largest
+    """The projection path for ``probe.projection``. ``auto``: ``stored`` when the largest
     local U shard's parameter-sized gradients fit the budget on every rank (one collective decides
     for all), else ``fused``. (Forward mode carries one direction a pass and the probe projects
     each side onto several -- P Ybar and the update's parts on E, P Xbar and J Xbar on U -- so
@@ -199,7 +199,7 @@ CUDA_HOST_BOUND_FLOPS = 2e13  # a microbatch backward below ~4 N tokens FLOPs is
 
 
 def resolve_unit_backward(pcfg, ctx: ProbeContext, batches: tuple[RolloutBatch, ...] = ()) -> str:
-    """``loop`` or ``vmap`` for ``probe_rework.unit_backward``. A batched backward (``vmap``) runs
+    """``loop`` or ``vmap`` for ``probe.unit_backward``. A batched backward (``vmap``) runs
     one backward's ops with ``b`` times its arithmetic and memory, a loop ``b`` backwards.
 
     ``auto``: on the CPU, ``vmap`` for models under ``SMALL_MODEL_PARAMS`` (larger ones pay the
