@@ -205,6 +205,7 @@ class ModelConfig:
     gguf_file: Optional[str] = None
     gguf_package: Optional[str] = None
     tokenizer_path: Optional[str] = None
+    base_path: Optional[str] = None  # a PEFT adapter's base model folder (peft_support.py)
     dtype: DType = DType.float32
     device: str = "auto"
     autocast_bf16: bool = True
