@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import entprobe.main as main_mod
 from conftest import compose_cfg
-from entprobe.config import ModelConfig, ModelSource
+from entprobe.config import ConfigError, ModelConfig, ModelSource
 from entprobe.models import load_model
 from entprobe.optim_state import OptimizerStateError
 from entprobe.peft_support import AdapterError, adapter_module
@@ -178,8 +178,11 @@ def test_a_hub_id_base_is_refused_and_model_base_path_replaces_it(trl_ckpt, tmp_
 
 
 def test_base_path_without_an_adapter_is_refused(tmp_path):
+    base = ensure_default_checkpoint()
     with pytest.raises(AdapterError, match=r"model\.base_path is set but model\.path=.* holds no adapter_config\.json"):
-        _run(tmp_path, ensure_default_checkpoint(), f"model.base_path='{ensure_default_checkpoint()}'")
+        _run(tmp_path, base, f"model.base_path='{base}'")
+    with pytest.raises(ConfigError, match=r"model\.base_path: is the base model of a PEFT adapter.*model=hf"):
+        main_mod.run(compose_cfg(tmp_path / "tiny", f"model.base_path='{base}'"))
 
 
 def test_adapter_parameters_are_named_by_their_module_for_every_recognised_kind():
