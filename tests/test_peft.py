@@ -167,8 +167,8 @@ def test_a_base_folder_that_is_gone_says_to_set_model_base_path(trl_ckpt, tmp_pa
 
 def test_a_hub_id_base_is_refused_and_model_base_path_replaces_it(trl_ckpt, tmp_path):
     ckpt = _with_base(trl_ckpt[0], tmp_path, "HuggingFaceTB/SmolLM2-135M")
-    with pytest.raises(AdapterError, match=r"'HuggingFaceTB/SmolLM2-135M' .* is a Hugging Face Hub id, not a local "
-                       r"folder, and entprobe downloads nothing.*set model\.base_path="):
+    with pytest.raises(AdapterError, match=r"'HuggingFaceTB/SmolLM2-135M' .* is no folder here but a Hugging Face Hub "
+                       r"id, and entprobe downloads nothing.*set model\.base_path="):
         _run(tmp_path, ckpt)
     base = ensure_default_checkpoint()
     lm = load_model(ModelConfig(source=ModelSource.hf, path=str(ckpt), base_path=str(base), device="cpu"))

@@ -76,7 +76,7 @@ def resolve_base(adapter_dir: Path, base_path: str | None, adapter_cfg: dict) ->
             if _HUB_ID.match(recorded) and not recorded.startswith((".", "~")):
                 raise AdapterError(
                     f"the adapter's base model {recorded!r} (base_model_name_or_path in "
-                    f"{adapter_dir / ADAPTER_CONFIG}) is a Hugging Face Hub id, not a local folder, and "
+                    f"{adapter_dir / ADAPTER_CONFIG}) is no folder here but a Hugging Face Hub id, and "
                     "entprobe downloads nothing: fetch it where you have access (e.g. `hf download "
                     f"{recorded} --local-dir /models/base`) and set model.base_path=/models/base")
             raise AdapterError(f"the adapter's base model folder {recorded!r} (base_model_name_or_path in "
