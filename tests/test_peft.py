@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 import entprobe.main as main_mod
 from conftest import compose_cfg
 from entprobe.config import ConfigError, ModelConfig, ModelSource
+from entprobe.input_files import InputFileError
 from entprobe.models import load_model
 from entprobe.optim_state import OptimizerStateError
 from entprobe.peft_support import AdapterError, adapter_module
@@ -175,6 +176,14 @@ def test_a_hub_id_base_is_refused_and_model_base_path_replaces_it(trl_ckpt, tmp_
     trainable = [n for n, p in lm.model.named_parameters() if p.requires_grad]
     assert len(trainable) == 2 * 2 * len(TARGETS) and all(adapter_module(n) for n in trainable)
     assert lm.meta["adapter_base_path"] == str(base) and lm.checkpoint_dir == str(ckpt)
+
+
+def test_a_truncated_adapter_is_named_before_anything_loads(trl_ckpt, tmp_path):
+    ckpt = _copy(trl_ckpt[0], tmp_path)
+    weights = ckpt / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(InputFileError, match=r"adapter_model\.safetensors.*copy the adapter checkpoint again"):
+        _run(tmp_path, ckpt)
 
 
 def test_base_path_without_an_adapter_is_refused(tmp_path):

@@ -16,12 +16,13 @@ groups from the same ``PeftModel`` (optim_state.py matches it by name and shape)
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from entprobe.input_files import load_json_file
 
 ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the wrapped model's parameter names
@@ -51,11 +52,8 @@ def adapter_module(name: str) -> str | None:
 
 
 def read_adapter_config(adapter_dir: Path) -> dict:
-    try:
-        return json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise AdapterError(f"{adapter_dir / ADAPTER_CONFIG} is not readable JSON ({exc}); "
-                           "is model.path a PEFT adapter folder?") from exc
+    return load_json_file(adapter_dir / ADAPTER_CONFIG, "the PEFT adapter config",
+                          "copy the adapter checkpoint again (model.path)")
 
 
 def resolve_base(adapter_dir: Path, base_path: str | None, adapter_cfg: dict) -> Path:
