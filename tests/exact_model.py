@@ -123,12 +123,25 @@ class ExactSetup:
         return torch.stack(Js).mean()
 
 
-def make_setup(seed: int = 0, hidden: int = 16) -> ExactSetup:
-    """A tiny random Llama (fp64 for tight comparisons) over the 6-token vocabulary."""
+# The LoRA variant's adapter, rank 2: peft's default Llama targets (q_proj, v_proj) and the head.
+LORA_TARGETS = ["q_proj", "v_proj", "lm_head"]
+
+
+def make_setup(seed: int = 0, hidden: int = 16, lora: bool = False) -> ExactSetup:
+    """A tiny random Llama (fp64 for tight comparisons) over the 6-token vocabulary. ``lora``: the
+    same model frozen under a peft LoRA adapter (``LORA_TARGETS``, rank 2, B initialised to zero
+    as peft does), whose parameters are then the only trainable ones."""
     tok = build_char_tokenizer(CONTENT)
     model = build_tiny_llama(len(tok), seed=seed, hidden=hidden, layers=1, heads=2, max_positions=16)
     with torch.no_grad():  # sharpen the policy a little so that entropy gradients are sizeable
         model.lm_head.weight.mul_(4.0)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
+                                                     target_modules=LORA_TARGETS))
     model.double()
     model.train()
     return ExactSetup(model, tok, ExactTask())

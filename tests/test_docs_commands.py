@@ -45,6 +45,9 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "task.path=data/math.jsonl task.reward=boxed batch.B_E=16 batch.B_U=16 batch.G=8 "
     "sampling.max_new_tokens=512 model.dtype=bfloat16": ("compose", "your checkpoint and data"),
     "python -m entprobe.main model=smollm2 optimizer.preconditioner=identity optimizer.lr=1e-5": ("slow", ""),
+    "python -m entprobe.main model=hf model.path=/ckpt/lora/checkpoint-500 model.base_path=/models/base "
+    "task=jsonl task.path=data/math.jsonl task.reward=boxed":
+        ("compose", "your LoRA checkpoint and base model; tests/test_peft.py probes a TRL + peft one"),
     "python -m entprobe.main --help": ("run", "tests/test_help.py::test_help_lists_groups_and_documents_every_key"),
     # README.md and docs/objectives.md
     "python -m entprobe.main objective=trl objective.loss_type=dr_grpo":

@@ -205,6 +205,7 @@ class ModelConfig:
     gguf_file: Optional[str] = None
     gguf_package: Optional[str] = None
     tokenizer_path: Optional[str] = None
+    base_path: Optional[str] = None  # a PEFT adapter's base model folder (peft_support.py)
     dtype: DType = DType.float32
     device: str = "auto"
     autocast_bf16: bool = True
@@ -368,6 +369,8 @@ def validate(cfg: Any) -> None:
     _require(cfg.task.max_operand >= 0, "task.max_operand", f"is {cfg.task.max_operand}; must be >= 0")
     _require(cfg.model.source != ModelSource.hf or bool(cfg.model.path), "model.path",
              "is required with model=hf: the save_pretrained checkpoint folder")
+    _require(not cfg.model.base_path or cfg.model.source == ModelSource.hf, "model.base_path",
+             "is the base model of a PEFT adapter folder given as model.path: use it with model=hf")
     o = cfg.optimizer
     _require(o.lr is None or o.lr > 0, "optimizer.lr", "must be > 0")
     _require(o.betas is None or len(o.betas) == 2, "optimizer.betas", "must be [beta1, beta2]")

@@ -118,6 +118,7 @@ def _run(cfg: EntprobeConfig, run_dir: Path, batch_cache: Path | None) -> dict:
         results.update(batch.stats(f"batch_{label}"))
     results.update(trainer_metrics(U_all, cfg.sampling.max_new_tokens, results.get("token_entropy_orig")))
     results.update(meta)
+    results.update(lm.meta)  # a PEFT adapter's path, base and size
     results.update(global_pass_counts(ctx.stats.flat()))  # times and memory stay this rank's
     results.update({"model_source": lm.source, "world_size": D.world(), "batch_source": batch_source,
                     "weighting_mode": ctx.weighting_mode, "objective": ctx.objective.name,

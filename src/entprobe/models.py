@@ -1,4 +1,5 @@
-"""Model and tokenizer loading: the built-in default, an HF ``save_pretrained`` folder, or a GGUF file.
+"""Model and tokenizer loading: the built-in default, an HF ``save_pretrained`` folder (or a PEFT
+adapter folder over its base: peft_support.py), or a GGUF file.
 
 Loading never executes checkpoint code: ``trust_remote_code`` only when the user sets it, and
 every torch file goes through ``torch.load(weights_only=True)``.
@@ -6,13 +7,14 @@ every torch file goes through ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from entprobe.input_files import InputFileError
+from entprobe.peft_support import AdapterError, apply_adapter, is_adapter_dir, resolve_adapter
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -25,6 +27,7 @@ class LoadedModel:
     autocast_dtype: torch.dtype | None  # bf16 autocast on CUDA, None on CPU
     source: str  # where the weights came from
     checkpoint_dir: str | None  # folder that may also hold optimizer.pt
+    meta: dict = field(default_factory=dict)  # for results.json (a PEFT adapter's path, base, size)
 
 
 def pick_device(spec: str) -> torch.device:
@@ -67,7 +70,7 @@ def load_model(cfg, check_tokenizer: Callable[[object], None] | None = None) -> 
     autocast = torch.bfloat16 if (cfg.autocast_bf16 and device.type == "cuda") else None
     common = dict(dtype=dtype, attn_implementation=cfg.attn_implementation,
                   trust_remote_code=bool(cfg.trust_remote_code))
-    ckpt_dir = None
+    ckpt_dir, meta = None, {}
     if source == "builtin":
         from entprobe.train import ensure_default_checkpoint
 
@@ -79,16 +82,26 @@ def load_model(cfg, check_tokenizer: Callable[[object], None] | None = None) -> 
     elif source == "hf":
         if not cfg.path or not Path(cfg.path).expanduser().is_dir():
             raise FileNotFoundError(f"model.path={cfg.path!r} must be a save_pretrained folder "
-                                    "(config.json + weights); nothing is downloaded")
+                                    "(config.json + weights) or a PEFT adapter folder (adapter_config.json); "
+                                    "nothing is downloaded")
         ckpt_dir = str(Path(cfg.path).expanduser())
-        tok_dir = cfg.tokenizer_path or ckpt_dir
+        adapter = resolve_adapter(ckpt_dir, cfg.base_path) if is_adapter_dir(ckpt_dir) else None
+        if adapter is None and cfg.base_path:
+            raise AdapterError(f"model.base_path is set but model.path={cfg.path!r} holds no adapter_config.json: "
+                               "base_path is the base of a PEFT adapter; drop it to load a full model")
+        # a PEFT adapter: the weights are its base's, the tokenizer the one saved beside it (else the base's)
+        weights_dir, weights_key = (str(adapter.base_dir), "model.base_path") if adapter else (ckpt_dir, "model.path")
+        tok_dir = cfg.tokenizer_path or (str(adapter.tokenizer_dir) if adapter else ckpt_dir)
         tok_key = "model.tokenizer_path" if cfg.tokenizer_path else "model.path"
         tok = _named(tok_dir, tok_key, lambda: AutoTokenizer.from_pretrained(
             tok_dir, local_files_only=True, trust_remote_code=bool(cfg.trust_remote_code)), "the tokenizer")
         _ready_tokenizer(tok, check_tokenizer)
-        model = _named(ckpt_dir, "model.path", lambda: AutoModelForCausalLM.from_pretrained(
-            ckpt_dir, local_files_only=True, **common))
+        model = _named(weights_dir, weights_key, lambda: AutoModelForCausalLM.from_pretrained(
+            weights_dir, local_files_only=True, **common))
         where = f"hf:{ckpt_dir}"
+        if adapter is not None:  # only the adapter's parameters stay trainable
+            model, meta = apply_adapter(model, adapter)
+            where = f"peft:{ckpt_dir} (base {adapter.base_dir})"
     elif source == "gguf":
         folder, name = locate_gguf(cfg.gguf_file, cfg.gguf_package)
         where = f"{folder}/{name}"
@@ -103,7 +116,7 @@ def load_model(cfg, check_tokenizer: Callable[[object], None] | None = None) -> 
     model.to(device)
     model.train()  # the probe differentiates; dropout-free models behave the same in train mode
     _disable_dropout(model)
-    return LoadedModel(model, tok, device, autocast, where, ckpt_dir)
+    return LoadedModel(model, tok, device, autocast, where, ckpt_dir, meta)
 
 
 def _ready_tokenizer(tok, check_tokenizer) -> None:

@@ -13,6 +13,7 @@ from entprobe.batch_store import check_saved, load_batches, model_identity
 from entprobe.config import ConfigError, EntprobeConfig
 from entprobe.input_files import check_gguf, check_safetensors, load_json_file
 from entprobe.optim_state import StoredOptimizerState, read_optimizer_state
+from entprobe.peft_support import is_adapter_dir, resolve_adapter
 from entprobe.rollout import RolloutBatch
 
 
@@ -54,9 +55,16 @@ def model_files(cfg: EntprobeConfig) -> tuple[Path | None, Path | None]:
     if source == "hf":
         folder = Path(m.path).expanduser()
         if not folder.is_dir():
-            raise ConfigError(f"model.path={m.path!r} must be a save_pretrained folder (config.json + weights); "
-                              "nothing is downloaded")
-        _check_hf_folder(folder, "model.path")
+            raise ConfigError(f"model.path={m.path!r} must be a save_pretrained folder (config.json + weights) "
+                              "or a PEFT adapter folder (adapter_config.json); nothing is downloaded")
+        if is_adapter_dir(folder):  # a PEFT adapter: its weights here, the base's in their own folder
+            adapter = resolve_adapter(folder, m.base_path)
+            weights = folder / "adapter_model.safetensors"
+            if weights.is_file() or not (folder / "adapter_model.bin").is_file():
+                check_safetensors(weights, "copy the adapter checkpoint again (model.path)")
+            _check_hf_folder(adapter.base_dir, "model.base_path")
+        else:
+            _check_hf_folder(folder, "model.path")
         return folder, None
     from entprobe.models import locate_gguf
 
@@ -97,7 +105,12 @@ def check_inputs(cfg: EntprobeConfig) -> CheckedInputs:
     else:
         state = read_optimizer_state(path, o.lr)
     tok_dir = Path(cfg.model.tokenizer_path).expanduser() if cfg.model.tokenizer_path else None
-    identity = model_identity(model_dir, gguf, tok_dir)
+    if model_dir is not None and is_adapter_dir(model_dir):  # the policy is the base and the adapter
+        adapter = resolve_adapter(model_dir, cfg.model.base_path)
+        identity = model_identity(adapter.base_dir, None, tok_dir or adapter.tokenizer_dir)
+        identity["model"] += "+" + model_identity(model_dir, None, None)["model"]
+    else:
+        identity = model_identity(model_dir, gguf, tok_dir)
     loaded = None
     if cfg.batch.load:
         loaded = load_batches(cfg.batch.load, cfg.batch.lock_timeout_s)
