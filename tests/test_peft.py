@@ -66,7 +66,7 @@ def test_trl_lora_checkpoint_is_probed_end_to_end(trl_ckpt, tmp_path, monkeypatc
     for name in ("load_probe", "build_geometry"):  # keep the loaded model and optimizer to inspect after
         real = getattr(main_mod, name)
         monkeypatch.setattr(main_mod, name, lambda *a, _real=real, _n=name, **k: seen.setdefault(_n, _real(*a, **k)))
-    res = main_mod.run(compose_cfg(tmp_path, "model=hf", f"model.path='{folder}'", "probe_rework.save_buffers=true"))
+    res = main_mod.run(compose_cfg(tmp_path, "model=hf", f"model.path='{folder}'", "probe.save_buffers=true"))
 
     for k in ("deltaH1", "deltaH_pred", "deltaH_true"):
         assert math.isfinite(res[k]) and math.isfinite(res[f"SE_{k}"]) and res[f"SE_{k}"] > 0, k
