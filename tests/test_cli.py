@@ -94,6 +94,10 @@ def test_verdict_flags_say_what_to_change():
         got = [c for c, _ in flags({**base, **change})]
         assert got == [code], (code, got)
     assert [c for c, _ in flags(base, truncated_sampling=True)] == ["truncated_sampling"]
+    # a zero update gradient although some group's rewards differ (advantages cancel on equal gradients)
+    (cancel,) = flags({**base, "norm_PYbar": 0.0})
+    assert cancel[0] == "empty_gradient" and "advantages cancel" in cancel[1]
+    assert flags({**base, "norm_PYbar": 1e-30}) == []
     rows = {w: v for w, v, _, _ in verdict_lines(base)}
     assert rows["predicted"].startswith("-0.05 ± 0.01") and rows["difference"] == "+0.01 ± 0.01"
 

@@ -30,6 +30,11 @@ def flags(r: dict, ess_threshold: float = 0.3, truncated_sampling: bool = False)
         out.append(("empty_gradient", "every U group has equal rewards, so the update's gradient is zero: the "
                     "step is AdamW's momentum and weight decay only (deltaH1 is 0). Raise B_U or G, or use "
                     "prompts the policy sometimes solves."))
+    elif r.get("norm_PYbar") == 0.0:
+        out.append(("empty_gradient", "the update's gradient on U is exactly zero although some group's rewards "
+                    "differ: in every group the advantages cancel on identical log-prob gradients (e.g. identical "
+                    "responses at a low sampling.temperature), so the step is AdamW's momentum and weight decay "
+                    "only (deltaH1 is 0). Raise the temperature, B_U or G."))
     if _finite(pred) and _finite(se) and se > abs(pred):
         out.append(("noise_dominated", f"the prediction is within its SE of 0 (|{pred:.3g}| < {se:.3g}): its sign "
                     "is not resolved; raise batch.B_E (the SE falls as 1/sqrt(B_E))."))
