@@ -119,7 +119,10 @@ def test_two_runs_saving_to_one_folder_leave_one_runs_complete_pair(tmp_path):
     # the pair in the folder is that run's: rerun it on the saved batches and get its numbers back
     again = run(compose_cfg(tmp_path / "again", f"batch.load='{folder}'", f"batch.seed_E={seed}",
                             f"batch.seed_U={seed + 100}", *QUICK))
-    assert again["deltaH1"] == results[seed]["deltaH1"] and again["batch_source"] == "load"
+    # equal up to the thread count's reduction order (the runs above use one thread, this process may not)
+    assert again["deltaH1"] == pytest.approx(results[seed]["deltaH1"], rel=1e-6) and again["batch_source"] == "load"
+    other = results[23 - seed]["deltaH1"]  # the other run's batches give another number
+    assert abs(other - results[seed]["deltaH1"]) > 1e-3 * abs(results[seed]["deltaH1"])
     assert sorted(p.name for p in folder.iterdir()) == [".lock", "E.pt", "U.pt", "batches.json"]
 
 
