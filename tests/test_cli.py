@@ -104,7 +104,7 @@ def test_verdict_flags_say_what_to_change():
 
 def test_deltaH1_from_coordinates_without_history_is_flagged():
     """An early checkpoint: coordinates Adam never updated have P = 1/eps; the part of deltaH1 they
-    carry is reported (paramvec.dot_where by hand) and flagged when it is most of deltaH1."""
+    carry is reported (paramvec.where_at_least + dot_at by hand) and flagged when it is most of deltaH1."""
     import torch
 
     from entprobe import paramvec as pv
@@ -113,8 +113,8 @@ def test_deltaH1_from_coordinates_without_history_is_flagged():
     a = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([[4.0]])]
     b = [torch.tensor([1.0, 1.0, -1.0]), torch.tensor([[0.5]])]
     P = [torch.tensor([1e8, 2.0, 1e8]), torch.tensor([[1e8]])]
-    assert pv.dot_where(a, b, P, 0.5e8) == 1.0 * 1.0 + 3.0 * -1.0 + 4.0 * 0.5  # = 0
-    assert pv.dot_where(a, b, P, 1.0) == 1.0 + 2.0 - 3.0 + 2.0
+    assert pv.dot_at(a, b, pv.where_at_least(P, 0.5e8)) == 1.0 * 1.0 + 3.0 * -1.0 + 4.0 * 0.5  # = 0
+    assert pv.dot_at(a, b, pv.where_at_least(P, 1.0)) == 1.0 + 2.0 - 3.0 + 2.0
     # the geometry finds those coordinates once, from P and the optimizer's eps
     from entprobe.geometry import Geometry
 

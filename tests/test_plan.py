@@ -20,8 +20,9 @@ import torch
 from entprobe import estimators as est
 from entprobe import paramvec as pv
 from entprobe import plan_math as pm
-from entprobe.plan import (PROJECTIONS_FILE, main, plan_directory, prediction_sides, projections_record,
-                           sign_plan_row, two_batch_targets)
+from entprobe.plan import (main, plan_directory, prediction_sides, projections_record, sign_plan_row,
+                           two_batch_targets)
+from entprobe.report import PER_UNIT_FILE
 from entprobe.verdict import verdict_lines
 from exact_oracle import N_PROMPTS, make_oracle
 
@@ -253,7 +254,7 @@ def test_command_plans_from_a_real_run(run_dir, capsys):
     """per_unit.json holds the SEs results.json reports; the printed plan is the closed form
     on them; ``--target-se`` is the same command."""
     res = json.loads((run_dir / "results.json").read_text())
-    proj = json.loads((run_dir / PROJECTIONS_FILE).read_text())
+    proj = json.loads((run_dir / PER_UNIT_FILE).read_text())
     assert (proj["B_E"], proj["B_U"], proj["G"]) == (6, 6, 4) and proj["u"] is not None
     e = torch.tensor(list(proj["e"].values()), dtype=torch.float64).sum(0)
     assert math.sqrt(est.mean_variance(e)) == pytest.approx(res["SE_deltaH_pred"], rel=1e-9)
@@ -285,7 +286,7 @@ def test_bad_inputs_say_what_to_change(run_dir, tmp_path, capsys):
     fails([str(run_dir), "target_se=-1"], "must be a positive number")
     old = tmp_path / "old_run"
     shutil.copytree(run_dir, old)
-    (old / PROJECTIONS_FILE).unlink()
+    (old / PER_UNIT_FILE).unlink()
     fails([str(old), "target_se=0.1"], "variance_enabled")
     (old / "results.json").write_text("{trunc")
     fails([str(old), "target_se=0.1"], "not valid JSON")

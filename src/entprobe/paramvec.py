@@ -103,10 +103,6 @@ def dot_at(a: Buffer, b: Buffer, index: list[tuple[int, torch.Tensor]]) -> float
     return total
 
 
-def dot_where(a: Buffer, b: Buffer, c: Buffer, threshold: float) -> float:
-    """``sum_i a_i b_i`` over the coordinates where ``c_i >= threshold``."""
-    return dot_at(a, b, where_at_least(c, threshold))
-
 
 def mul(a: Buffer, P: Buffer | None, device=None) -> Buffer:
     """Elementwise ``P * a`` (a copy), optionally moved to ``device``."""

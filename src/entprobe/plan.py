@@ -26,7 +26,6 @@ import torch
 from entprobe import plan_math as pm
 from entprobe.report import PER_UNIT_FILE
 
-PROJECTIONS_FILE = PER_UNIT_FILE  # per_unit.json: the report's plots read it too
 RESULTS_FILE = "results.json"
 
 
@@ -171,10 +170,10 @@ def run_targets(run_dir: Path) -> tuple[dict, list[Target]]:
             raise PlanError(f"{run_dir}: a single_batch run with an incomplete design (pairs_per_block > 0) "
                             "or no SE: plan from a complete-design run (probe.pairs_per_block=0)")
         return res, single_batch_targets(res)
-    proj_path = run_dir / PROJECTIONS_FILE
+    proj_path = run_dir / PER_UNIT_FILE
     proj = _read_json(proj_path) if proj_path.is_file() else {}
     if "a" not in proj:
-        raise PlanError(f"{run_dir} has no per-prompt projections in {PROJECTIONS_FILE} (what the planner needs): "
+        raise PlanError(f"{run_dir} has no per-prompt projections in {PER_UNIT_FILE} (what the planner needs): "
                         "the run had probe.variance_enabled=false or predates the planner; rerun it "
                         "with variance_enabled=true")
     missing = [k for k in ("B_E", "B_U", "G", "lr", "a", "b", "e") if k not in proj]

@@ -17,6 +17,7 @@ only when a check fails, so the error still names the microbatch and the paramet
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -61,8 +62,13 @@ def check_grads(ctx: ProbeContext, what: str) -> None:
     norms = torch.stack(torch._foreach_norm(gs)) if len({g.dtype for g in gs}) == 1 else \
         torch.stack([n.float() for n in torch._foreach_norm(gs)])
     if not torch.isfinite(norms).all():
-        bad = [n for n, p in zip(ctx.names, ctx.params)
-               if p.grad is not None and not torch.isfinite(p.grad).all()][:3]
+        _name_non_finite(ctx, [p.grad for p in ctx.params], what)
+
+
+def _name_non_finite(ctx: ProbeContext, grads: list, what: str) -> None:
+    """Raise naming (up to 3 of) the parameters whose gradient in ``grads`` holds NaN/Inf, if any."""
+    bad = [n for n, g in zip(ctx.names, grads) if g is not None and not torch.isfinite(g).all()][:3]
+    if bad:
         raise FloatingPointError(f"{what}: NaN/Inf gradient in {bad}")
 
 
@@ -90,12 +96,7 @@ def _check_projections(ctx: ProbeContext, proj: torch.Tensor, what: str, grads: 
     are to blame."""
     if bool(torch.isfinite(proj).all()):
         return
-    if grads is None:
-        check_grads(ctx, what)
-    else:
-        bad = [n for n, g in zip(ctx.names, grads) if not torch.isfinite(g).all()][:3]
-        if bad:
-            raise FloatingPointError(f"{what}: NaN/Inf gradient in {bad}")
+    _name_non_finite(ctx, grads if grads is not None else [p.grad for p in ctx.params], what)
     raise FloatingPointError(f"{what}: non-finite projection of a finite gradient: a projection direction "
                              "holds NaN/Inf (check the optimizer state and the weights)")
 
@@ -103,13 +104,10 @@ def _check_projections(ctx: ProbeContext, proj: torch.Tensor, what: str, grads: 
 def _check_unit_sum(ctx: ProbeContext, buf: pv.Buffer, units: list[pv.Buffer], labels: list[str]) -> None:
     """Kept unit gradients are all finite iff their sum is (up to an overflow of the sum itself,
     which is reported as such); one pass over the sum, the units searched only on failure."""
-    norms = torch._foreach_norm([b.float() if b.dtype not in (torch.float32, torch.float64) else b for b in buf])
-    if bool(torch.isfinite(torch.stack([n.double().cpu() for n in norms])).all()):
+    if math.isfinite(pv.norm(buf)):
         return
     for chunk, what in zip(units, labels):
-        bad = [n for n, g in zip(ctx.names, chunk) if not torch.isfinite(g).all()][:3]
-        if bad:
-            raise FloatingPointError(f"{what}: NaN/Inf gradient in {bad}")
+        _name_non_finite(ctx, chunk, what)
     raise FloatingPointError(f"{labels[0].split(' microbatch')[0]}: the sum of the unit gradients overflows "
                              "(every unit is finite); use a wider buffers dtype")
 
