@@ -88,14 +88,21 @@ def build(model: str, extra: list[str]):
     from entprobe.batches import get_batches
     from entprobe.geometry import build_geometry
     from entprobe.main import load_probe
+    from entprobe.config import ConfigError
+    from entprobe.preflight import check_inputs
 
     cfg = compose(COMMON + MODELS[model] + extra)
+    try:
+        inputs = check_inputs(cfg)
+    except ConfigError:  # no optimizer state: the checks of an SGD-geometry run; adamw_state below
+        inputs = check_inputs(compose(COMMON + MODELS[model] + extra + ["optimizer.preconditioner=identity"]))
     torch.manual_seed(cfg.seed)
     lm, task, ctx = load_probe(cfg)
-    E, U = get_batches(cfg, lm, task, ctx)[:2]
+    E, U = get_batches(cfg, lm, task, ctx, inputs)[:2]
     # a model without optimizer state (SmolLM2's GGUF, a bare HF folder) gets one from a real step
-    has_state = cfg.optimizer.state_path or (lm.checkpoint_dir and (Path(lm.checkpoint_dir) / "optimizer.pt").is_file())
-    geo = build_geometry(cfg, lm, ctx.params, ctx.buffers_device)[0] if has_state else adamw_state(cfg, lm, task, ctx)
+    has_state = inputs.optimizer_state is not None
+    geo = build_geometry(cfg, lm, ctx.params, ctx.buffers_device, inputs.optimizer_state)[0] if has_state \
+        else adamw_state(cfg, lm, task, ctx)
     return cfg, lm, ctx, E, U, geo
 
 

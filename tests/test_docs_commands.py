@@ -57,6 +57,9 @@ COVERAGE: dict[str, tuple[str, str]] = {
     ".venv/bin/python benchmarks/smollm2_checkpoint.py --out /tmp/smollm2_adamw": ("slow", ""),
     ".venv/bin/python benchmarks/lr_sweep.py --checkpoint /tmp/smollm2_adamw --lrs 1e-6,1e-5,3e-5,1e-4,3e-4,1e-3 "
     "--B-E 6 --B-U 6 --G 4 --max-new-tokens 8 --out /tmp/lr_sweep -- batch.seed_U=3 batch.seed_E=2": ("slow", ""),
+    # docs/memory.md
+    ".venv/bin/python benchmarks/bench_footprint.py":
+        ("run", "tests/test_memory.py::test_footprint_benchmark_runs_as_documented"),
     # docs/scaling.md
     f"launchers/torchrun.sh 4 {CKPT} batch.B_E=64 batch.B_U=64": ("compose", "4 GPUs, your checkpoint"),
     f"ENTPROBE_RUN_DIR=outputs/probe-step500 launchers/torchrun.sh 4 {CKPT}": ("compose", "4 GPUs, your checkpoint"),

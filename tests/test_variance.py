@@ -37,7 +37,7 @@ from entprobe.config import ImportanceConfig, ProbeConfig, ProjectionMode, UnitB
 from entprobe.geometry import Geometry
 from entprobe.modes.two_batch import run_two_batch
 from entprobe.stages.context import nograd_prompts
-from entprobe.stages.variance import (SMALL_MODEL_PARAMS, project_backward, project_jvp, resolve_projection,
+from entprobe.stages.variance import (SMALL_MODEL_PARAMS, UNIT_GRADS_ALWAYS_MB, project_backward, project_jvp, resolve_projection,
                                       resolve_unit_backward)
 from exact_model import adamw_with_state, enumerate_responses, make_setup
 from exact_oracle import batch_of  # the RolloutBatch of enumerated response indices (needs .setup, .K, .R)
@@ -218,8 +218,9 @@ def test_every_path_equals_backward_through_run_two_batch(ex, mode, tmp_path):
 
 
 def test_auto_projection_rule():
-    """auto: stored when the largest U shard's per-unit gradients fit the budget, small models
-    included; fused otherwise; an explicit choice is kept."""
+    """auto: stored when the largest U shard's per-unit gradients fit the budget and are at most
+    ``unit_grads_max_copies`` parameter-sized copies (any number while under 256 MB); fused
+    otherwise; an explicit choice is kept."""
     from types import SimpleNamespace
 
     def ctx_of(n):
@@ -228,10 +229,17 @@ def test_auto_projection_rule():
 
     big = SMALL_MODEL_PARAMS  # fp32: 4 bytes a parameter
     need = 8 * big * 4 / 2**20  # 8 units
-    assert resolve_projection(ProbeConfig(), ctx_of(big - 1), 8) == "stored"
+    small = int(UNIT_GRADS_ALWAYS_MB * 2**20 / 4 / 8)  # 8 units of it fill the always-kept size
+    assert resolve_projection(ProbeConfig(), ctx_of(small), 8) == "stored"
+    assert resolve_projection(ProbeConfig(), ctx_of(small + 1), 8) == "fused"  # 8 > 4 copies
+    assert resolve_projection(ProbeConfig(), ctx_of(small + 1), 4) == "stored"
+    assert resolve_projection(ProbeConfig(unit_grads_max_copies=0), ctx_of(8 * small + 1), 1) == "fused"
+    assert resolve_projection(ProbeConfig(unit_grads_max_copies=1), ctx_of(8 * small + 1), 1) == "stored"
     assert resolve_projection(ProbeConfig(unit_grads_budget_mb=0), ctx_of(10), 8) == "fused"
-    assert resolve_projection(ProbeConfig(unit_grads_budget_mb=need), ctx_of(big), 8) == "stored"
-    assert resolve_projection(ProbeConfig(unit_grads_budget_mb=need * 0.99), ctx_of(big), 8) == "fused"
+    assert resolve_projection(ProbeConfig(unit_grads_budget_mb=need, unit_grads_max_copies=8), ctx_of(big), 8) == "stored"
+    assert resolve_projection(ProbeConfig(unit_grads_budget_mb=need), ctx_of(big), 8) == "fused"
+    assert resolve_projection(ProbeConfig(unit_grads_budget_mb=need * 0.99, unit_grads_max_copies=8),
+                              ctx_of(big), 8) == "fused"
     for proj in ("stored", "fused", "jvp", "backward"):
         assert resolve_projection(ProbeConfig(projection=ProjectionMode(proj)), ctx_of(1), 8) == proj
     assert resolve_unit_backward(ProbeConfig(), ctx_of(big - 1)) == "vmap"

@@ -147,6 +147,7 @@ class ProbeConfig:
     variance_enabled: bool = True
     projection: ProjectionMode = ProjectionMode.auto
     unit_grads_budget_mb: float = 4096.0
+    unit_grads_max_copies: int = 0
     nograd_memory_mb: float = 1024.0
     jvp_mb_size_prompts: Optional[int] = None
     unit_backward: UnitBackward = UnitBackward.auto
@@ -338,6 +339,7 @@ def validate(cfg: Any) -> None:
     _require(p.jvp_mb_size_prompts is None or p.jvp_mb_size_prompts >= 1, "probe.jvp_mb_size_prompts",
              "must be >= 1 (or null: sized from nograd_memory_mb)")
     _require(p.unit_grads_budget_mb >= 0, "probe.unit_grads_budget_mb", "must be >= 0 (0: never store)")
+    _require(p.unit_grads_max_copies >= 0, "probe.unit_grads_max_copies", "must be >= 0")
     _require(p.nograd_memory_mb >= 0, "probe.nograd_memory_mb", "must be >= 0")
     _require(p.buffers_device in ("auto", "cpu", "model") or p.buffers_device.startswith("cuda"),
              "probe.buffers_device", f"is {p.buffers_device!r}; use auto, cpu, model or cuda[:N]")

@@ -16,7 +16,7 @@ from entprobe.optim_state import StoredOptimizerState, load_optimizer
 class Geometry:
     optimizer: torch.optim.Optimizer
     lr: float
-    P: pv.Buffer | None  # Adam preconditioner on the buffers' device, None = identity
+    P: pv.Buffer | pv.LiveAdamPreconditioner | None  # Adam's, read per tensor; None = identity
     # coordinates Adam never updated (exp_avg_sq = 0, so P = 1/eps), per parameter index: found
     # once with the state (``no_history_index``), read by the deltaH1_no_history diagnostic
     no_history: list[tuple[int, torch.Tensor]] | None = field(default=None, repr=False)
@@ -42,7 +42,7 @@ def build_geometry(cfg: EntprobeConfig, lm, params, buf_dev: torch.device,
     lo = load_optimizer(lm.model, stored, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, step=o.step)
     P = None
     if o.preconditioner.value == "adam":
-        P = pv.adam_preconditioner(lo.exp_avg_sq, lo.step, lo.betas[1], lo.eps, buf_dev, buf_dtype)
+        P = pv.LiveAdamPreconditioner(lo.optimizer, params, lo.step, lo.betas[1], lo.eps, buf_dev, buf_dtype)
     meta = {"lr_source": lo.lr_source, "adam_step": lo.step, "adam_beta1": lo.betas[0],
             "adam_beta2": lo.betas[1], "adam_eps": lo.eps, "optimizer_path": lo.path}
     if stored.last_step_lr is not None:

@@ -124,14 +124,40 @@ def norm(a: Buffer) -> float:
     return float(per.square().sum().sqrt())
 
 
+def _adam_p(v: torch.Tensor, bc: float, eps: float, device, dtype) -> torch.Tensor:
+    """``1 / (sqrt(v / bc) + eps)`` for one tensor, computed in fp64."""
+    return (1.0 / ((v.to(device=device, dtype=torch.float64) / bc).sqrt() + eps)).to(dtype)
+
+
 def adam_preconditioner(exp_avg_sq: Buffer, step: int, beta2: float, eps: float,
                         device=None, dtype=torch.float32) -> Buffer:
-    """``P = 1 / (sqrt(v_hat) + eps)`` with ``v_hat = exp_avg_sq / (1 - beta2**step)``."""
+    """``P = 1 / (sqrt(v_hat) + eps)`` with ``v_hat = exp_avg_sq / (1 - beta2**step)``, as a buffer."""
     if step < 1:
         raise ValueError(f"Adam state has step={step}; the preconditioner needs step >= 1")
     bc = 1.0 - beta2 ** step
-    return [(1.0 / ((v.to(device=device, dtype=torch.float64) / bc).sqrt() + eps)).to(dtype)
-            for v in exp_avg_sq]
+    return [_adam_p(v, bc, eps, device, dtype) for v in exp_avg_sq]
+
+
+class LiveAdamPreconditioner(Sequence):
+    """``P`` as ``adam_preconditioner`` computes it, one tensor at a time when read (``P[i]``,
+    iteration), from the optimizer's own ``exp_avg_sq`` of parameter i: the probe holds no
+    parameter-sized copy of P. ``step``, ``beta2`` and ``eps`` are fixed when it is made; reading
+    it between a real optimizer step and that step's restore would see the stepped moments (the
+    ground-truth stage reads it only before its step)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], step: int,
+                 beta2: float, eps: float, device=None, dtype=torch.float32):
+        if step < 1:
+            raise ValueError(f"Adam state has step={step}; the preconditioner needs step >= 1")
+        self.optimizer, self.params = optimizer, list(params)
+        self.bc, self.eps, self.device, self.dtype = 1.0 - beta2 ** step, eps, device, dtype
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        v = self.optimizer.state[self.params[i]]["exp_avg_sq"]
+        return _adam_p(v, self.bc, self.eps, self.device, self.dtype)
 
 
 # ---------------------------------------------------------------- several directions at once

@@ -176,12 +176,18 @@ def _host_bound(ctx: ProbeContext) -> bool:
     return sum(p.numel() for p in ctx.params) < SMALL_MODEL_PARAMS
 
 
+UNIT_GRADS_ALWAYS_MB = 256.0  # kept per-unit gradients this small are never what limits memory
+
+
 def resolve_projection(pcfg, ctx: ProbeContext, B_U_local: int) -> str:
-    """The projection path for ``probe.projection``. ``auto``: ``stored`` when the largest
-    local U shard's parameter-sized gradients fit the budget on every rank (one collective decides
-    for all), else ``fused``. (Forward mode carries one direction a pass and the probe projects
-    each side onto several -- P Ybar and the update's parts on E, P Xbar and J Xbar on U -- so
-    ``jvp`` is no longer the cheap path on small models: builtin 3.4 units against 2.2.)"""
+    """The projection path for ``probe.projection``. ``auto``: ``stored`` when the largest local
+    U shard's parameter-sized gradients fit ``unit_grads_budget_mb`` (and 1/4 of free CUDA memory)
+    on every rank, and are at most ``unit_grads_max_copies`` parameter-sized copies or under
+    ``UNIT_GRADS_ALWAYS_MB`` (one collective decides for all); else ``fused``. The copy cap keeps
+    the probe's peak within ~2x a training process's (docs/memory.md). (Forward mode carries one
+    direction a pass and the probe projects each side onto several -- P Ybar and the update's parts
+    on E, P Xbar and J Xbar on U -- so ``jvp`` is not the cheap path on small models: builtin 3.4
+    units against 2.2.)"""
     mode = pcfg.projection.value
     if mode != "auto":
         return mode
@@ -191,7 +197,7 @@ def resolve_projection(pcfg, ctx: ProbeContext, B_U_local: int) -> str:
     # the Xbar and Ybar sums are not allocated yet: on the device they are reserved first
     reserved = 2 * n * ctx.buffers_dtype.itemsize if ctx.buffers_device == ctx.device else 0
     budget = min(pcfg.unit_grads_budget_mb, device_budget_bytes(ctx.device, reserved) / 2**20)
-    fits = need_mb <= budget
+    fits = need_mb <= budget and (B_max <= pcfg.unit_grads_max_copies or need_mb <= UNIT_GRADS_ALWAYS_MB)
     return "stored" if D.reduce_scalars(float(fits))[0] == D.world() else "fused"
 
 

@@ -1,0 +1,104 @@
+"""What the probe holds: Adam's P is read from the optimizer's own moments (no parameter-sized
+copy), and the live tensors between phases are the ones docs/memory.md lists, counted in
+parameter-sized copies on the built-in default."""
+from __future__ import annotations
+
+import contextlib
+import gc
+import warnings
+
+import pytest
+import torch
+
+from conftest import compose_cfg
+from entprobe import paramvec as pv
+from entprobe.main import run
+from entprobe.stages import context
+from entprobe.stages.snapshot import restore, take
+
+
+def _adamw_with_state(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(5, 3, generator=g)), torch.nn.Parameter(torch.randn(7, generator=g))]
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    with torch.no_grad():  # a coordinate Adam never moved: v = 0 there, P = 1/eps
+        opt.state[params[1]]["exp_avg_sq"][0] = 0.0
+    return params, opt
+
+
+def test_live_preconditioner_equals_the_materialised_one_and_reads_the_restored_state():
+    params, opt = _adamw_with_state()
+    step = int(opt.state[params[0]]["step"])
+    eager = pv.adam_preconditioner([opt.state[p]["exp_avg_sq"] for p in params], step, 0.999, 1e-8)
+    live = pv.LiveAdamPreconditioner(opt, params, step, 0.999, 1e-8)
+    assert len(live) == len(eager)
+    for a, b in zip(live, eager):
+        assert torch.equal(a, b)
+    assert float(live[1][0]) == pytest.approx(1e8)
+    # a real step moves v; after the bit-exact restore the live P reads the same bits again
+    snap = take(params, opt, torch.device("cpu"))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert not torch.equal(live[0], eager[0])
+    restore(params, opt, snap)
+    assert all(torch.equal(a, b) for a, b in zip(live, eager))
+    with pytest.raises(ValueError, match="step=0"):
+        pv.LiveAdamPreconditioner(opt, params, 0, 0.999, 1e-8)
+
+
+def _live_tensor_bytes() -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    seen, total = set(), 0
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
+@pytest.mark.parametrize("projection, at_x_end", [("fused", 9), ("stored", 13)])
+def test_parameter_sized_copies_between_phases(tmp_path, monkeypatch, projection, at_x_end):
+    """Live tensors at each phase's end, in parameter-sized copies (the small rest -- token
+    batches, logits-free scalars -- is the fraction): weights and Adam's two moments (3); after Y
+    over U the Ybar sum (+1; ``stored``: + B_U unit gradients); after X over E the Xbar sum and the
+    four E directions (+5); during the ground truth the snapshot of weights and moments (3) with
+    Xbar and Ybar. No P copy anywhere."""
+    copies: dict[str, float] = {}
+    original = context.ProbeContext.phase
+
+    @contextlib.contextmanager
+    def counted(self, name):
+        with original(self, name):
+            yield
+        n = sum(p.numel() * p.element_size() for p in self.params)
+        copies[name] = _live_tensor_bytes() / n
+
+    monkeypatch.setattr(context.ProbeContext, "phase", counted)
+    run(compose_cfg(tmp_path, f"probe.projection={projection}"))
+    B_U = 4  # SHRINK
+    want = {"accumulate_Y_U": 4 + (B_U if projection == "stored" else 0), "accumulate_X_E": at_x_end,
+            "gt_step": 8, "gt_restore": 8}
+    for phase, n in want.items():
+        assert n <= copies[phase] < n + 0.9, (phase, copies)
+
+
+def test_footprint_benchmark_runs_as_documented():
+    """docs/memory.md's command: both processes run and the ratio line is printed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "benchmarks/bench_footprint.py"], cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "probe peak / training-process peak:" in proc.stdout
+    assert "accumulate_X_E" in proc.stdout
