@@ -152,7 +152,8 @@ def left_as_it_was(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr:
     """Run the block with the model in eval mode, no ``.grad`` on its parameters and (``lr`` set)
     every param group at ``lr``; afterwards the ``.grad`` tensors, the modules' modes, the groups'
     lr, the flag an lr scheduler sets on ``optimizer.step`` and torch's RNG are what they were.
-    (The parameters and the optimizer's state are restored bit-exactly by the ground-truth stage.)"""
+    (The parameters and the optimizer's state are restored bit-exactly by the ground-truth stage.)
+    Yields a function that puts the caller's modes back inside the block (to sample as it does)."""
     params = list(model.parameters())
     grads = [p.grad for p in params]
     modes = [(m, m.training) for m in model.modules()]
@@ -160,6 +161,11 @@ def left_as_it_was(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr:
     missing = object()
     called = optimizer.__dict__.get("_opt_called", missing)
     cuda = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+
+    def callers_modes() -> None:
+        for m, training in modes:
+            m.training = training
+
     try:
         with torch.random.fork_rng(devices=cuda):
             for p in params:
@@ -168,12 +174,11 @@ def left_as_it_was(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr:
             if lr is not None:
                 for g in optimizer.param_groups:
                     g["lr"] = lr
-            yield
+            yield callers_modes
     finally:
         for p, g in zip(params, grads):
             p.grad = g
-        for m, training in modes:
-            m.training = training
+        callers_modes()
         for g, v in zip(optimizer.param_groups, lrs):
             g["lr"] = v
         if called is missing:

@@ -70,10 +70,7 @@ def probe_batches(cfg: EntprobeConfig, held: InMemory, E_all: RolloutBatch, U_al
     U_all, ctx.objective = prepare_objective(cfg.objective, U_all, cfg.sampling.max_new_tokens)
     E_all = U_all if same else E_all
     E, U = shard(E_all), shard(U_all)
-    resample = None
-    if held.task is not None:
-        def resample() -> RolloutBatch:
-            return shard_resample(cfg, lm, held.task, E)
+    resample = (lambda: shard_resample(cfg, lm, held.task, E)) if held.task is not None else None
 
     if pcfg.mode.value == "single_batch":
         results = run_single_batch(ctx, U, geo, pcfg, cfg.importance, run_dir, resample=resample,

@@ -54,7 +54,7 @@ def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
     """The torch optimizer itself: accelerate's ``AcceleratedOptimizer`` (what HF Trainer and TRL
     hold as ``trainer.optimizer``) keeps it as ``.optimizer``."""
     inner = getattr(optimizer, "optimizer", None)
-    if not isinstance(optimizer, torch.optim.Optimizer) and isinstance(inner, torch.optim.Optimizer):
+    if isinstance(inner, torch.optim.Optimizer):  # the wrapper subclasses Optimizer: unwrap it whatever it is
         return inner
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer is a {type(optimizer).__name__}; pass the torch.optim optimizer that "
