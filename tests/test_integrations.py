@@ -78,3 +78,56 @@ def test_callback_refuses_what_it_cannot_probe(tmp_path):
     tr.num_iterations = 2
     with pytest.raises(ConfigError, match="num_iterations=2"):
         EntropyProbeCallback(tr)
+
+
+def readme_snippets() -> list[str]:
+    """The ```python blocks of README.md's "Probe inside your training loop" section, in order."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("## Probe inside your training loop"):]
+    section = section[:section.index("\n## ", 3)]
+    return re.findall(r"^```python\n(.*?)^```", section, re.S | re.M)
+
+
+def test_readme_snippets_run(tmp_path):
+    """The section's three snippets, verbatim, with the names they use bound to the built-in default:
+    its model and AdamW (loaded as the command line loads them), tokenizer, arithmetic task, a
+    DR-GRPO ``compute_loss`` and, for TRL, ``trainer_parts``."""
+    from online_probe import trainer_parts
+
+    from conftest import compose_cfg
+    from entprobe.config import SamplingConfig
+    from entprobe.estimators import y_loss
+    from entprobe.logprobs import token_logprobs
+    from entprobe.main import to_typed
+    from entprobe.models import load_model
+    from entprobe.optim_state import load_optimizer
+    from entprobe.preflight import check_inputs
+    from entprobe.rollout import draw_prompt_indices, sample_batch
+    from entprobe.tasks.arithmetic import ArithmeticTask
+
+    api, trl_cb, loop = readme_snippets()
+    cfg = to_typed(compose_cfg(tmp_path))
+    lm = load_model(cfg.model)
+    optimizer = load_optimizer(lm.model, check_inputs(cfg).optimizer_state).optimizer
+    task = ArithmeticTask(512, 9, seed=0)
+    calls = iter(range(1000))
+
+    def compute_loss(model):
+        b = sample_batch(model, lm.tokenizer, task, draw_prompt_indices(512, 8, next(calls)), 4,
+                         SamplingConfig(), 0, "dr_grpo", 1e-6)
+        S = token_logprobs(model, *b.flat("cpu")).logp.sum(-1).view(b.B, b.G)
+        return -y_loss(S, b.advantages, b.Lmax) / b.B
+
+    ns = {"model": lm.model, "optimizer": optimizer, "tokenizer": lm.tokenizer, "task": task,
+          "compute_loss": compute_loss, "num_steps": 10}
+    exec(api, ns)
+    assert math.isfinite(ns["results"]["deltaH_pred"]) and ns["results"]["B_E"] == 8
+    exec(loop, ns)
+    assert [r["step"] for r in ns["probe"].history] == [10]
+
+    ns = trainer_parts(str(tmp_path / "trl"), 10, prompts_per_step=4)
+    exec(trl_cb, ns)
+    logged = [h for h in ns["trainer"].state.log_history if "entprobe/deltaH_true" in h]
+    assert [h["step"] for h in logged] == [10]
