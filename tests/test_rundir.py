@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-import entprobe.main as main_mod
+import entprobe.core as core
 from conftest import compose_cfg
 from entprobe.config import ConfigError
 from entprobe.main import run
@@ -54,7 +54,7 @@ def test_every_non_finite_headline_value_is_flagged():
 def test_a_non_finite_headline_is_warned_about_and_flagged_in_the_results(tmp_path, monkeypatch):
     def nan_probe(*args, **kwargs):
         return {"deltaH_pred": math.nan, "SE_deltaH_pred": 0.1, "deltaH1": 0.2, "SE_deltaH1": 0.1}
-    monkeypatch.setattr(main_mod, "run_two_batch", nan_probe)
+    monkeypatch.setattr(core, "run_two_batch", nan_probe)
     with pytest.warns(UserWarning, match="deltaH_pred is not finite"):
         res = run(compose_cfg(tmp_path, *QUICK))
     assert "non_finite" in res["flags"].split(",")

@@ -48,3 +48,65 @@ def build_geometry(cfg: EntprobeConfig, lm, params, buf_dev: torch.device,
     if stored.last_step_lr is not None:
         meta["lr_last_step"] = stored.last_step_lr  # trainer_state.json: the lr of the step already taken
     return Geometry(lo.optimizer, lo.lr, P), meta
+
+
+def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer itself: accelerate's ``AcceleratedOptimizer`` (what HF Trainer and TRL
+    hold as ``trainer.optimizer``) keeps it as ``.optimizer``."""
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer):  # the wrapper subclasses Optimizer: unwrap it whatever it is
+        return inner
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer is a {type(optimizer).__name__}; pass the torch.optim optimizer that "
+                        "trains the model (e.g. torch.optim.AdamW, or a Trainer's trainer.optimizer)")
+    return optimizer
+
+
+def _one_value(optimizer: torch.optim.Optimizer, key: str, fix: str):
+    values = [g[key] for g in optimizer.param_groups if key in g]
+    if any(v != values[0] for v in values):
+        raise ConfigError(f"the optimizer's param groups have different {key} ({values}); entprobe's "
+                          f"geometry needs one: {fix}")
+    return values[0] if values else None
+
+
+def live_geometry(cfg: EntprobeConfig, optimizer, names: list[str], params, buf_dev: torch.device
+                  ) -> tuple[Geometry, dict]:
+    """``build_geometry`` for an optimizer in memory: its own param groups, lr and Adam state are the
+    geometry (nothing is read from a file or copied). Every trainable parameter of the model must be
+    in the optimizer and the optimizer must train nothing else; the lr is the groups' (one lr, or
+    ``optimizer.lr``, which the caller applies to the groups for the probe's duration); Adam's
+    preconditioner needs the state of a first step (``exp_avg_sq`` for every parameter)."""
+    opt = unwrap_optimizer(optimizer)
+    o = cfg.optimizer
+    in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
+    missing = [n for n, p in zip(names, params) if id(p) not in in_opt]
+    if missing:
+        raise ConfigError(f"the model's trainable parameter {missing[0]!r} ({len(missing)} in all) is not in the "
+                          "optimizer: pass the optimizer that trains this model, or set requires_grad=False "
+                          "on what it does not train")
+    extra = in_opt - {id(p) for p in params}
+    if extra:
+        raise ConfigError(f"the optimizer holds {len(extra)} tensor(s) that are not trainable parameters of the "
+                          "model (requires_grad=True): pass the model it trains")
+    lr = o.lr if o.lr is not None else _one_value(opt, "lr", "set optimizer.lr (the lr of the step to probe)")
+    meta = {"lr_source": "optimizer.lr (config)" if o.lr is not None else "optimizer param_groups (in memory)"}
+    if o.preconditioner.value != "adam":
+        return Geometry(opt, float(lr), None), meta
+    if not isinstance(opt, torch.optim.Adam):
+        raise ConfigError(f"the optimizer is {type(opt).__name__}: Adam's preconditioner needs torch.optim.AdamW "
+                          "(or Adam); use optimizer.preconditioner=identity for plain SGD geometry")
+    betas = _one_value(opt, "betas", "use one (beta1, beta2) for every group")
+    eps = float(_one_value(opt, "eps", "use one eps for every group"))
+    state = [opt.state.get(p, {}) for p in params]
+    fresh = [n for n, st in zip(names, state) if "exp_avg_sq" not in st]
+    if fresh:
+        raise ConfigError(f"the optimizer has no Adam state for {fresh[0]!r} ({len(fresh)} parameter(s)): it has "
+                          "not taken a step yet; probe after its first step, or use "
+                          "optimizer.preconditioner=identity")
+    steps = {int(float(st["step"])) for st in state}
+    step = max(steps)
+    P = pv.adam_preconditioner([st["exp_avg_sq"] for st in state], step, float(betas[1]), eps, buf_dev,
+                               DTYPES[cfg.probe.buffers_dtype.value])
+    meta.update({"adam_step": step, "adam_beta1": float(betas[0]), "adam_beta2": float(betas[1]), "adam_eps": eps})
+    return Geometry(opt, float(lr), P), meta

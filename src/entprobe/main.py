@@ -1,6 +1,8 @@
 """Hydra entry point: ``python -m entprobe.main [overrides]``; ``run(cfg)`` is importable. The job
-wiring only: load (models.py, geometry.py) -> batches (batches.py) -> one of the two modes
-(modes/two_batch.py, modes/single_batch.py) -> results.json, verdict, report.md (report_md.py), logger (loggers.py).
+wiring only: load from disk (``load_from_disk``: models.py, geometry.py, batches.py) -> the probe of
+what is in memory (core.py: one of the two modes, modes/two_batch.py, modes/single_batch.py) ->
+results.json, verdict, report.md (core.finish) -> logger (loggers.py). The Python API (api.py)
+shares everything after the loading.
 
     python -m entprobe.main                                   # built-in default, ~1 min on 2 CPU cores
     python -m entprobe.main importance.is_mode=clip
@@ -21,27 +23,20 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from entprobe import distributed as D
-from entprobe import paramvec as pv
 from entprobe import sweep
-from entprobe.atomic_io import write_json_atomic
-from entprobe.batches import get_batches, shard, shard_resample
+from entprobe.batches import get_batches
 from entprobe.config import EntprobeConfig, register_configs, validate
-from entprobe.ecosystem import trainer_metrics
+from entprobe.core import InMemory, finish, probe_batches, probe_context
 from entprobe.geometry import build_geometry
 from entprobe.loggers import make_logger
-from entprobe.models import DTYPES, LoadedModel, load_model
-from entprobe.modes.single_batch import run_single_batch
-from entprobe.modes.two_batch import run_two_batch
-from entprobe.objectives import prepare as prepare_objective
+from entprobe.models import LoadedModel, load_model
 from entprobe.preflight import check_inputs
-from entprobe.report import console_table
-from entprobe.report_md import PLOT_FILES, write_report
+from entprobe.report_md import PLOT_FILES
 from entprobe.rollout import RolloutBatch
 from entprobe.rundir import marks_failure, set_aside_earlier_run
-from entprobe.stages.context import ProbeContext, resolve_buffers_device
+from entprobe.stages.context import ProbeContext
 from entprobe.tasks import Task, build_task
 from entprobe.tasks.base import check_encodable
-from entprobe.verdict import flags, print_verdict
 
 register_configs()
 
@@ -62,20 +57,13 @@ def to_typed(cfg: DictConfig) -> EntprobeConfig:
 
 def load_probe(cfg: EntprobeConfig) -> tuple[LoadedModel, Task, ProbeContext]:
     """The task, the model (DDP-wrapped in the context when a process group exists; the task's
-    prompts are checked against the tokenizer before the weights load), and the probe's context:
-    trainable parameters, microbatching, where the buffers live (``auto``: ``resolve_buffers_device``)."""
+    prompts are checked against the tokenizer before the weights load), and the probe's context
+    (``core.probe_context``)."""
     task = build_task(OmegaConf.structured(cfg.task))
     where = f"task.path={cfg.task.path}" if cfg.task.path else f"task._target_={cfg.task._target_}"
     lm = load_model(cfg.model, check_tokenizer=lambda tok: check_encodable(task, tok, where))
-    names, params = pv.trainable(lm.model)
-    pcfg = cfg.probe
-    dtype = DTYPES[pcfg.buffers_dtype.value]
-    buf_dev = resolve_buffers_device(pcfg.buffers_device, params, dtype)
     model = D.wrap(lm.model, lm.device, cfg.ddp.find_unused_parameters)  # DDP under torchrun / SLURM
-    ctx = ProbeContext(model, names, params, lm.device, lm.autocast_dtype, cfg.sampling.temperature,
-                       pcfg.weighting_mode.value, pcfg.mb_size_prompts, buf_dev, dtype,
-                       progress=cfg.logging.progress and D.is_main(), nograd_memory_mb=pcfg.nograd_memory_mb)
-    return lm, task, ctx
+    return lm, task, probe_context(cfg, lm.model, lm.device, lm.autocast_dtype, run_model=model)
 
 
 def run(cfg, batch_cache: str | Path | None = None, set_aside: bool = True) -> dict:
@@ -94,61 +82,26 @@ def run(cfg, batch_cache: str | Path | None = None, set_aside: bool = True) -> d
 
 
 def _run(cfg: EntprobeConfig, run_dir: Path, batch_cache: Path | None) -> dict:
+    """Load from disk (``load_from_disk``), probe what was loaded (``core.probe_batches``), write."""
     t0 = time.perf_counter()
-    inputs = check_inputs(cfg)  # everything that needs no model, before it loads
-    torch.manual_seed(cfg.seed)
-    lm, task, ctx = load_probe(cfg)
-    pcfg = cfg.probe
-    geo, meta = build_geometry(cfg, lm, ctx.params, ctx.buffers_device, inputs.optimizer_state)
-    E_all, U_all, batch_source = get_batches(cfg, lm, task, ctx, inputs, batch_cache)
-    same = E_all is U_all  # single_batch without a ground truth: one batch
-    U_all, ctx.objective = prepare_objective(cfg.objective, U_all, cfg.sampling.max_new_tokens)
-    E_all = U_all if same else E_all
-    E, U = shard(E_all), shard(U_all)
-
-    def resample() -> RolloutBatch:
-        return shard_resample(cfg, lm, task, E)
-
-    if pcfg.mode.value == "single_batch":
-        results = run_single_batch(ctx, U, geo, pcfg, cfg.importance, run_dir, resample=resample,
-                                   E=E if cfg.importance.enabled else None)
-    else:
-        results = run_two_batch(ctx, E, U, geo, pcfg, cfg.importance, run_dir, resample=resample)
-    for label, batch in (("E", E_all), ("U", U_all)):
-        results.update(batch.stats(f"batch_{label}"))
-    results.update(trainer_metrics(U_all, cfg.sampling.max_new_tokens, results.get("token_entropy_orig")))
-    results.update(meta)
-    results.update(lm.meta)  # a PEFT adapter's path, base and size
-    results.update(global_pass_counts(ctx.stats.flat()))  # times and memory stay this rank's
-    results.update({"model_source": lm.source, "world_size": D.world(), "batch_source": batch_source,
-                    "weighting_mode": ctx.weighting_mode, "objective": ctx.objective.name,
-                    "buffers_device": str(ctx.buffers_device),
-                    "preconditioner": cfg.optimizer.preconditioner.value, "is_mode": cfg.importance.is_mode.value,
-                    "time/total_s": time.perf_counter() - t0})
-    s = cfg.sampling
-    fl = flags(results, cfg.importance.ess_threshold, truncated_sampling=s.top_k > 0 or s.top_p < 1)
-    results["flags"] = ",".join(code for code, _ in fl)
-    if D.is_main():
-        for code, msg in fl:
-            if code == "non_finite":  # printed whatever logging.verdict says
-                warnings.warn(f"entprobe: {msg} results.json has it as NaN, flagged non_finite", stacklevel=2)
-        write_json_atomic(results, run_dir / cfg.logging.results_file)
-        if cfg.logging.console_table:
-            per_token = ("H_orig_per_token", "deltaH_true_per_token") if cfg.importance.report_per_token else ()
-            console_table(results, extra_headline=per_token)
-        if cfg.logging.verdict:
-            print_verdict(results, fl, {k[5:-2]: v for k, v in results.items()
-                                        if k.startswith("time/") and k != "time/total_s"})
-        if cfg.logging.report:  # after results.json: a plot never costs the results
-            write_report(results, fl, run_dir)
+    held, E_all, U_all, batch_source = load_from_disk(cfg, batch_cache)
+    results = probe_batches(cfg, held, E_all, U_all, batch_source, run_dir)
+    results["time/total_s"] = time.perf_counter() - t0
+    finish(cfg, results, run_dir)
     return results
 
 
-def global_pass_counts(stats: dict) -> dict:
-    """``passes/*`` summed over ranks (then equal to a one-process run's counts)."""
-    keys = sorted(set().union(*D.gather_objects({k for k in stats if k.startswith("passes/")})))
-    totals = D.reduce_scalars(*[stats.get(k, 0) for k in keys])
-    return {**stats, **{k: int(v) for k, v in zip(keys, totals)}}
+def load_from_disk(cfg: EntprobeConfig, batch_cache: Path | None = None
+                   ) -> tuple[InMemory, RolloutBatch, RolloutBatch, str]:
+    """Everything the probe reads from files: the inputs checked before the model loads, the model
+    and task (``load_probe``), the geometry from the checkpoint's optimizer state, and the global
+    batches E and U (loaded, from the sweep's cache, or sampled) with where they came from."""
+    inputs = check_inputs(cfg)  # everything that needs no model, before it loads
+    torch.manual_seed(cfg.seed)
+    lm, task, ctx = load_probe(cfg)
+    geo, meta = build_geometry(cfg, lm, ctx.params, ctx.buffers_device, inputs.optimizer_state)
+    E_all, U_all, batch_source = get_batches(cfg, lm, task, ctx, inputs, batch_cache)
+    return InMemory(lm, task, ctx, geo, meta), E_all, U_all, batch_source
 
 
 LEGACY_GROUPS = {"probe_rework": "probe"}  # former group names the command line still accepts

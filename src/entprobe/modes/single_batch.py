@@ -45,11 +45,10 @@ from entprobe.atomic_io import atomic_open
 from entprobe.geometry import Geometry
 from entprobe.report import write_per_unit
 from entprobe.rollout import RolloutBatch
-from entprobe.stages.accumulate import accumulate, check_grads, global_mean, x_loss_of
+from entprobe.stages.accumulate import check_grads
 from entprobe.stages.context import ProbeContext
 from entprobe.stages.ground_truth import StepInputs, run_ground_truth
-from entprobe.stages.prediction import build_step_model, compare_with_prediction, directions, prediction_results
-from entprobe.stages.variance import resolve_unit_backward
+from entprobe.stages.prediction import build_step_model, compare_with_prediction, predict_on_held_out
 from entprobe.ustat_math import UnitCoeffs, cyclic_partners, incomplete_u_statistic, top_units, unit_coefficients
 
 
@@ -286,29 +285,21 @@ def run_single_batch(ctx: ProbeContext, batch: RolloutBatch, geo: Geometry, pcfg
 def held_out_ground_truth(ctx: ProbeContext, E: RolloutBatch, batch: RolloutBatch, bars: Bars, geo: Geometry,
                           pcfg, icfg, resample, run_dir: Path) -> dict:
     """The real step on ``batch`` (its full-group gradient), predicted and measured on a fresh E
-    sampled at theta: an X pass over E projects each unit onto the update's parts (``e_u``), so
-    ``deltaH_pred = -Xbar_E . Delta theta`` has its E-side SE (the step is this batch's: U is
-    fixed, as in the comparison), and the ground truth re-weights E's responses. On the batch the
-    step was fit to, the measured change is biased (-78% measured on the exact model)."""
+    sampled at theta (``predict_on_held_out``: the prediction has its E-side SE, the step being
+    this batch's: U is fixed, as in the comparison), and the ground truth re-weights E's responses.
+    On the batch the step was fit to, the measured change is biased (-78% measured on the exact model)."""
     step = build_step_model(ctx, geo.optimizer, geo.lr, bars.Ybar_full, geo.P, icfg.step_mode.value,
                             icfg.max_grad_norm)
-    dirE = directions(ctx, [], step, ctx.device)
-    with ctx.phase("accumulate_X_E"):
-        accX = accumulate(ctx, E, x_loss_of(ctx), "X over held-out E", directions=dirE, with_entropy=True,
-                          unit_backward=resolve_unit_backward(pcfg, ctx, (E,)))
-        Xbar, B_E = global_mean(accX.sum_buf, accX.B)
-    step_dots = pv.dot_set(Xbar, dirE).tolist()
-    del dirE
-    e = -D.gather_units(accX.proj)
-    res = {"gt/B_E": B_E, **prediction_results(step, step_dots, e, None)}
-    inp = StepInputs(geo.optimizer, geo.lr, Xbar, bars.Ybar_full, geo.P, batch.B, accX.S, bars.token_logp,
-                     accX.entropy)
+    pred = predict_on_held_out(ctx, E, step, pcfg)
+    res = dict(pred.res)
+    inp = StepInputs(geo.optimizer, geo.lr, pred.Xbar, bars.Ybar_full, geo.P, batch.B, pred.S, bars.token_logp,
+                     pred.entropy)
     gt = run_ground_truth(ctx, E, batch, inp, icfg, resample=resample)
     psi, log_w = gt.pop("gt/psi"), gt.pop("gt/log_weights")
     res.update(gt)
-    res.update(compare_with_prediction(res, psi, e))
+    res.update(compare_with_prediction(res, psi, pred.e))
     if D.is_main():
-        write_per_unit(run_dir, psi, e, log_w)
+        write_per_unit(run_dir, psi, pred.e, log_w)
     return res
 
 

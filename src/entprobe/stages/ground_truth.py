@@ -187,6 +187,33 @@ def importance_estimates(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Ten
     return out, {k: v.psi for k, v in changes.items()}
 
 
+def eval_at_current(ctx: ProbeContext, E: RolloutBatch, icfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """E's sequence log-probs [B_E, G] and token entropies [B_E, G, T] (CPU) at the parameters as
+    they are now (theta_plus after a step), without a graph, in eval mode (the mode is put back)."""
+    was_training = ctx.model.training
+    with ctx.phase("gt_eval_E"), torch.no_grad():
+        ctx.model.eval()
+        # The bare module: no DDP buffer broadcast per forward (ranks may hold different
+        # numbers of E microbatches).
+        bare = getattr(ctx.model, "module", ctx.model)
+        try:
+            outs = [ctx.forward_S(mb, f"E at theta_plus [{s}, {s + mb.B})", with_entropy=True, model=bare)
+                    for s, mb in ctx.iterate(E, ctx.nograd_mb(E, False, icfg.importance_microbatch_size),
+                                             "E at theta+")]
+        finally:
+            ctx.model.train(was_training)
+    return torch.cat([o[0].cpu() for o in outs]), torch.cat([o[2].cpu() for o in outs])
+
+
+def true_change(est_res: dict, psi: dict, mode: str) -> dict:
+    """The measured change ``deltaH_true`` (``importance.is_mode``'s estimate of ``importance_estimates``)
+    with its SE, Student-t 95% interval (B_E - 1 degrees of freedom), ``H_upd`` and the per-token change."""
+    d, se = est_res[f"deltaH_{mode}"], est_res[f"SE_deltaH_{mode}"]
+    lo, hi = est.interval(d, se, psi[mode].numel() - 1)
+    return {"deltaH_true": d, "SE_deltaH_true": se, "ci95_true_low": lo, "ci95_true_high": hi,
+            "H_upd": est_res[f"H_upd_{mode}"], "deltaH_true_per_token": est_res["deltaH_per_token"]}
+
+
 def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: StepInputs, icfg,
                      resample: Callable[[], RolloutBatch] | None = None,
                      fail_after_step: Callable[[], None] | None = None) -> dict[str, float]:
@@ -227,17 +254,7 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
         res["gt/reused_probe_gradient"] = float(reuse and icfg.step_mode.value == "optimizer")
         if fail_after_step is not None:
             fail_after_step()
-        with ctx.phase("gt_eval_E"), torch.no_grad():
-            ctx.model.eval()
-            # The bare module: no DDP buffer broadcast per forward (ranks may hold different
-            # numbers of E microbatches).
-            bare = getattr(ctx.model, "module", ctx.model)
-            outs = [ctx.forward_S(mb, f"E at theta_plus [{s}, {s + mb.B})", with_entropy=True, model=bare)
-                    for s, mb in ctx.iterate(E, ctx.nograd_mb(E, False, icfg.importance_microbatch_size),
-                                             "E at theta+")]
-            ctx.model.train(was_training)
-        S_upd = torch.cat([o[0].cpu() for o in outs])
-        ent_upd = torch.cat([o[2].cpu() for o in outs])
+        S_upd, ent_upd = eval_at_current(ctx, E, icfg)
         S_orig_g, S_upd_g = D.gather_units(inp.S_orig), D.gather_units(S_upd)
         L_g, Lmax_g = D.gather_units(E.gen_lengths), D.gather_units(E.Lmax)
         est_res, psi = importance_estimates(S_orig_g, S_upd_g, L_g, Lmax_g, ctx.weighting_mode, icfg.clip_c,
@@ -250,14 +267,8 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
                                        D.gather_units(fresh.Lmax), ctx.weighting_mode).double().mean())
             res["H_upd_resample"] = Hr
             res["deltaH_resample"] = Hr - est_res["H_orig"]
-        mode = icfg.is_mode.value
-        res["deltaH_true"] = est_res[f"deltaH_{mode}"]
-        res["SE_deltaH_true"] = est_res[f"SE_deltaH_{mode}"]
-        res["ci95_true_low"], res["ci95_true_high"] = est.interval(res["deltaH_true"], res["SE_deltaH_true"],
-                                                                   psi[mode].numel() - 1)
-        res["H_upd"] = est_res[f"H_upd_{mode}"]
-        res["deltaH_true_per_token"] = est_res["deltaH_per_token"]
-        res["gt/psi"] = psi[mode]  # [B_E] per-prompt contributions (popped by the caller)
+        res.update(true_change(est_res, psi, icfg.is_mode.value))
+        res["gt/psi"] = psi[icfg.is_mode.value]  # [B_E] per-prompt contributions (popped by the caller)
         res["gt/log_weights"] = (S_upd_g - S_orig_g).double()  # [B_E, G] log w (popped by the caller)
         # Token-level entropy over the vocabulary on E's generated positions (as verl / TRL log it).
         m = E.response_mask.bool()

@@ -21,14 +21,19 @@ Two targets, two standard errors:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
+from entprobe import distributed as D
 from entprobe import estimators as est
 from entprobe import paramvec as pv
+from entprobe.rollout import RolloutBatch
+from entprobe.stages.accumulate import accumulate, global_mean, x_loss_of
 from entprobe.stages.context import ProbeContext
 from entprobe.stages.ground_truth import plain_adamw
 from entprobe.stages.snapshot import restore, take
+from entprobe.stages.variance import resolve_unit_backward
 from entprobe.step_math import AdamWHyper, StepModel, adamw_jacobian_times_into, adamw_update_into
 
 
@@ -238,3 +243,28 @@ def compare_with_prediction(res: dict, psi: torch.Tensor, e: torch.Tensor | None
                 "ci95_true_minus_pred_high": hi, "z_true_minus_pred": diff / se if se > 0 else float("nan"),
                 "pred_consistent": bool(lo <= 0.0 <= hi) if math.isfinite(se) else False})
     return out
+
+
+@dataclass
+class HeldOutPrediction:
+    res: dict  # gt/B_E and ``prediction_results`` (deltaH_pred, its parts, E-side SEs)
+    Xbar: pv.Buffer  # the global mean of E's X (buffers device)
+    S: torch.Tensor  # [B_E, G] this rank's E sequence log-probs at theta
+    entropy: torch.Tensor | None  # [B_E, G, T] token entropies at theta
+    e: torch.Tensor  # [B_E, parts] per-prompt contributions ``-X_n . Delta theta_part`` (gathered)
+
+
+def predict_on_held_out(ctx: ProbeContext, E: RolloutBatch, step: StepModel, pcfg) -> HeldOutPrediction:
+    """``deltaH_pred = -Xbar_E . Delta theta`` of a step known before it is taken, on responses E it
+    was not fit to: one X pass over E projects each prompt onto the update's parts (the E side of
+    every SE) and keeps E's log-probs and entropies at theta for the measurement after the step."""
+    dirE = directions(ctx, [], step, ctx.device)
+    with ctx.phase("accumulate_X_E"):
+        accX = accumulate(ctx, E, x_loss_of(ctx), "X over held-out E", directions=dirE, with_entropy=True,
+                          unit_backward=resolve_unit_backward(pcfg, ctx, (E,)))
+        Xbar, B_E = global_mean(accX.sum_buf, accX.B)
+    step_dots = pv.dot_set(Xbar, dirE).tolist()
+    del dirE
+    e = -D.gather_units(accX.proj)
+    return HeldOutPrediction({"gt/B_E": B_E, **prediction_results(step, step_dots, e, None)}, Xbar, accX.S,
+                             accX.entropy, e)

@@ -1,0 +1,183 @@
+"""The online probe in a plain PyTorch loop: every N optimizer steps, predict the coming step's
+entropy change before ``optimizer.step()`` and measure it after.
+
+    probe = OnlineProbe(model, optimizer, tokenizer, task, every=10, batch={"B_E": 8})
+    for step in range(num_steps):
+        loss = ...; loss.backward()                    # (and clipping: the step is what .grad holds)
+        probe.before_step(step)                        # predict: deltaH_pred +- SE
+        optimizer.step()
+        metrics = probe.after_step()                   # measure: {"entprobe/deltaH_true": ..., ...} or None
+        optimizer.zero_grad()
+
+``before_step`` (on steps that are multiples of ``every``, once the optimizer has Adam state):
+samples a held-out batch E at theta (B_E prompts, G responses: responses the step is not fit to),
+builds the update AdamW will apply to the gradient now in ``.grad`` (closed form: the optimizer's
+own lr, betas, eps, decay and state; ``stages.prediction.build_step_model``) and predicts
+``deltaH_pred = -Xbar_E . Delta theta`` with its SE over E's prompts (``predict_on_held_out``).
+``after_step``: E's log-probs at the parameters the real step produced, the importance-sampling
+estimate of the change (``deltaH_true`` +- SE) and the paired difference with the prediction
+(``deltaH_true_minus_pred`` +- SE, ``pred_consistent``: its 95% interval holds 0).
+
+Nothing the loop uses changes: the probe restores ``.grad``, torch's RNG (CPU and the model's CUDA
+device) and the modules' modes (``api.left_as_it_was``), and never steps or writes the parameters
+or the optimizer state (the update is computed in closed form; for optimizers without one, on a
+snapshot restored bit-exactly). ``held_out`` may also be a callable ``step -> RolloutBatch`` that
+samples at the current parameters (the TRL callback passes the trainer's own generation).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from entprobe import paramvec as pv
+from entprobe.api import api_config, left_as_it_was
+from entprobe.config import ConfigError, EntprobeConfig
+from entprobe.core import probe_context
+from entprobe.geometry import live_geometry, unwrap_optimizer
+from entprobe.rollout import RolloutBatch, draw_prompt_indices, sample_batch
+from entprobe.stages.ground_truth import eval_at_current, importance_estimates, true_change
+from entprobe.stages.prediction import HeldOutPrediction, build_step_model, compare_with_prediction, predict_on_held_out
+from entprobe.tasks import Task
+
+# what the online probe reads from the config; every other key describes the command line's own
+# step (objective, optimizer file, ...), which the online probe takes from the training loop
+ONLINE_KEYS = ("batch.B_E", "batch.G", "batch.seed_E", "sampling", "probe.mb_size_prompts", "probe.weighting_mode",
+               "probe.buffers_device", "probe.buffers_dtype", "probe.projection", "probe.unit_backward",
+               "probe.unit_grads_budget_mb", "probe.nograd_memory_mb", "probe.jvp_mb_size_prompts",
+               "importance.is_mode", "importance.clip_c", "importance.importance_microbatch_size",
+               "model.autocast_bf16", "task.chat_template", "task.system_prompt", "seed", "logging.progress")
+# logged every probe (as ``entprobe/<key>``)
+LOGGED = ("deltaH_pred", "SE_deltaH_pred", "ci95_pred_low", "ci95_pred_high", "deltaH_true", "SE_deltaH_true",
+          "deltaH_true_minus_pred", "SE_deltaH_true_minus_pred", "z_true_minus_pred", "pred_consistent",
+          "deltaH_pred_gradient", "deltaH_pred_momentum", "deltaH_pred_weight_decay", "deltaH1_step",
+          "H_orig", "ESS_frac", "lr", "time_s")
+
+
+def online_config(overrides: Mapping[str, Any], fixed: Mapping[str, Any] | None = None) -> EntprobeConfig:
+    """The typed config of the online probe: ``overrides`` (the command line's keys, as
+    ``entprobe.probe`` takes them) restricted to ``ONLINE_KEYS``, then ``fixed`` (set by an
+    integration from its trainer: its sampling temperature, G, ...; the user cannot override them)."""
+    from entprobe.api import flatten_overrides
+
+    choices, values = flatten_overrides(overrides)
+    for key in [c.split("=")[0] for c in choices] + list(values):
+        if not any(key == k or key.startswith(k + ".") for k in ONLINE_KEYS):
+            raise ConfigError(f"{key}: does not apply to the online probe, which predicts the step your training "
+                              f"loop takes (its gradient, optimizer and lr); it reads {', '.join(ONLINE_KEYS)}")
+        if fixed and key in fixed:
+            raise ConfigError(f"{key}: is your trainer's ({fixed[key]!r} there); the probe samples as it does")
+    merged = {**dict(overrides), **dict(fixed or {})}
+    merged.setdefault("logging.progress", False)
+    return api_config(merged, False)[0]
+
+
+@dataclass
+class _Pending:
+    """A prediction waiting for the step it predicts."""
+    step: int
+    E: RolloutBatch
+    pred: HeldOutPrediction
+    x_dot_theta: float  # Xbar . theta before the step (deltaH1_step after it)
+    res: dict = field(default_factory=dict)
+
+
+class OnlineProbe:
+    """Predict before, measure after, every ``every`` optimizer steps (module docstring).
+
+    ``held_out``: a ``Task`` (E sampled with entprobe's sampler: ``batch.B_E`` prompts, ``batch.G``
+    responses, seed ``batch.seed_E + step``) or a callable ``step -> RolloutBatch`` sampling at the
+    current parameters. ``overrides``: config keys (``online_config``). ``history`` keeps every
+    probe's full results (the logged ones and the rest)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer, tokenizer, held_out: Task | Callable[[int], RolloutBatch],
+                 every: int = 10, fixed: Mapping[str, Any] | None = None, **overrides):
+        if every < 1:
+            raise ConfigError(f"every={every}: probe every N >= 1 optimizer steps")
+        if not (isinstance(held_out, Task) or callable(held_out)):
+            raise TypeError("held_out: a Task, or a callable step -> RolloutBatch sampled at the current parameters")
+        self.model, self.optimizer, self.tokenizer = model, unwrap_optimizer(optimizer), tokenizer
+        self.held_out, self.every = held_out, every
+        self.cfg = online_config(overrides, fixed)
+        self.history: list[dict] = []
+        self._pending: _Pending | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether ``before_step(step)`` probes: every ``every`` steps, once AdamW has state (its first
+        step gives the preconditioner's second moment)."""
+        has_state = any(self.optimizer.state.get(p) for g in self.optimizer.param_groups for p in g["params"])
+        return step % self.every == 0 and has_state
+
+    def _sample(self, step: int) -> RolloutBatch:
+        if callable(self.held_out) and not isinstance(self.held_out, Task):
+            return self.held_out(step)
+        b, s, t = self.cfg.batch, self.cfg.sampling, self.cfg.task
+        idx = draw_prompt_indices(len(self.held_out.prompts), b.B_E, b.seed_E + 7_000_003 * step)
+        return sample_batch(self.model, self.tokenizer, self.held_out, idx, b.G, s, b.seed_E + step,
+                            "dr_grpo", b.adv_eps, t.chat_template.value, t.system_prompt)
+
+    def before_step(self, step: int) -> bool:
+        """Call with the step's gradient in ``.grad``, before ``optimizer.step()``. Returns whether
+        it predicted (``due``)."""
+        self._pending = None
+        if not self.due(step):
+            return False
+        cfg, model = self.cfg, self.model
+        t0 = _now()
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        no_grad = [n for n, p in trainable if p.grad is None]
+        if no_grad:
+            raise RuntimeError(f"before_step: {no_grad[0]!r} has no .grad ({len(no_grad)} parameter(s)); call it "
+                               "after backward, with the gradient optimizer.step() will use")
+        Ybar = [-p.grad.detach().float() for _, p in trainable]  # the step's gradient, before it is set aside
+        with left_as_it_was(model, self.optimizer, None) as callers_modes:
+            callers_modes()  # sampled as the loop samples (a trainer's generation reads model.training)
+            E = self._sample(step)
+            model.eval()
+            if E.temperature != cfg.sampling.temperature:
+                raise ConfigError(f"held-out E was sampled at temperature {E.temperature}, the probe's log-probs "
+                                  f"use sampling.temperature={cfg.sampling.temperature}: make them agree")
+            ctx = probe_context(cfg, model, Ybar[0].device, _autocast(cfg, Ybar[0].device))
+            geo, _ = live_geometry(cfg, self.optimizer, ctx.names, ctx.params, ctx.buffers_device)
+            update = build_step_model(ctx, geo.optimizer, geo.lr, Ybar, geo.P, "optimizer", None)
+            pred = predict_on_held_out(ctx, E, update, cfg.probe)
+            del Ybar, update
+            x_theta = pv.dot(pred.Xbar, [p.detach() for p in ctx.params])
+        res = {**pred.res, "lr": geo.lr, "step": step, "B_E": E.B, "G": E.G}
+        self._pending = _Pending(step, E, pred, x_theta, res)
+        self._ctx, self._t = ctx, _now() - t0
+        return True
+
+    def after_step(self) -> dict | None:
+        """Call after ``optimizer.step()``: the measured change of the step ``before_step`` predicted,
+        as ``{"entprobe/<key>": value}`` for ``LOGGED`` (None when nothing was predicted)."""
+        pend, self._pending = self._pending, None
+        if pend is None:
+            return None
+        t0 = _now()
+        ctx, icfg, E = self._ctx, self.cfg.importance, pend.E
+        with left_as_it_was(self.model, self.optimizer, None):
+            S_upd, _ = eval_at_current(ctx, E, icfg)
+            est_res, psi = importance_estimates(pend.pred.S, S_upd, E.gen_lengths, E.Lmax, ctx.weighting_mode,
+                                                icfg.clip_c, warn_psis=False)
+            x_after = pv.dot(pend.pred.Xbar, [p.detach() for p in ctx.params])
+        res = pend.res
+        res.update(est_res)
+        res.update(true_change(est_res, psi, icfg.is_mode.value))
+        res.update(compare_with_prediction(res, psi[icfg.is_mode.value], pend.pred.e))
+        res["deltaH1_step"] = -(x_after - pend.x_dot_theta)  # -Xbar . (theta_plus - theta): the real step
+        res["time_s"] = self._t + _now() - t0
+        self.history.append(res)
+        return {f"entprobe/{k}": float(res[k]) for k in LOGGED if k in res}
+
+
+def _now() -> float:
+    import time
+
+    return time.perf_counter()
+
+
+def _autocast(cfg: EntprobeConfig, device: torch.device) -> torch.dtype | None:
+    return torch.bfloat16 if cfg.model.autocast_bf16 and device.type == "cuda" else None

@@ -1,0 +1,137 @@
+"""``EntropyProbeCallback``: the online probe inside TRL's ``GRPOTrainer`` (a ``transformers.TrainerCallback``).
+
+    trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...)
+    trainer.add_callback(EntropyProbeCallback(trainer, every_n_steps=10, batch={"B_E": 8}))
+    trainer.train()      # logs entprobe/deltaH_pred, SE_deltaH_pred, deltaH_true, ... every 10 steps
+
+Where the Trainer's loop offers it (``on_pre_optimizer_step``: gradients accumulated over the
+step's microbatches and clipped, ``optimizer.step()`` next) the callback predicts the change of that
+very step from the gradient the optimizer is about to use (``OnlineProbe.before_step``); the
+held-out E is sampled there, at theta, by the trainer's own generation
+(``_generate_and_score_completions`` on ``batch.B_E`` prompts of its train dataset, ``num_generations``
+each: its tokenization, chat template, temperature and generation backend). At
+``on_optimizer_step`` (the real step taken) it measures the change on E (``after_step``). The
+metrics join the next ``logs`` dict the trainer reports (the callback puts itself first among the
+callbacks, so wandb / TensorBoard / ... see them) and that entry of ``trainer.state.log_history``;
+``callback.history`` keeps every probe's full results.
+
+The trajectory is unchanged: gradients, RNG, modes and the optimizer are restored by the online
+probe; the trainer's own bookkeeping that its generation updates (``_metrics``, ``_logs``,
+``state.num_input_tokens_seen``) is put back after E is sampled. Your reward functions are called
+on E's completions too (they are part of the trainer's generation); a reward function that keeps
+state sees those calls. Needs ``num_iterations == 1`` and ``steps_per_generation ==
+gradient_accumulation_steps`` (one generation batch per optimizer step); one process.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from transformers import TrainerCallback
+
+from entprobe.config import ConfigError
+from entprobe.integrations.online import OnlineProbe, online_config
+from entprobe.rollout import RolloutBatch
+
+
+def trl_rollout_batch(inputs: dict, G: int, temperature: float) -> RolloutBatch:
+    """A GRPOTrainer generation batch (``prompt_ids`` left-padded, ``completion_ids`` right-padded,
+    their masks, ``advantages``; rows prompt-major, G per prompt as its sampler yields them, before
+    the trainer shuffles them) as a RolloutBatch [B, G, T]. Rewards are not carried (zeros): the
+    probe of E reads responses only."""
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1).cpu()
+    att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1).long().cpu()
+    resp = torch.cat([torch.zeros_like(inputs["prompt_mask"]), inputs["completion_mask"]], 1).long().cpu()
+    N, T = ids.shape
+    if N % G:
+        raise ValueError(f"a generation batch of {N} rows is not G={G} responses per prompt")
+    B = N // G
+    P = inputs["prompt_ids"].shape[1]
+    grouped = ids[:, :P].view(B, G, P)
+    if not bool((grouped == grouped[:, :1]).all()):
+        raise ValueError("the generation batch's rows are not grouped by prompt (G consecutive rows each)")
+    return RolloutBatch(ids.view(B, G, T), att.view(B, G, T), resp.view(B, G, T), torch.zeros(B, G, T),
+                        torch.zeros(B, G), inputs["advantages"].detach().float().cpu().view(B, G),
+                        torch.arange(B), float(temperature))
+
+
+@contextlib.contextmanager
+def bookkeeping_kept(trainer):
+    """Put back what GRPOTrainer's generation records about a batch (metrics, the completions
+    table, tokens seen), so sampling E leaves the trainer's logs as they were."""
+    saved = {k: copy.deepcopy(getattr(trainer, k)) for k in ("_metrics", "_logs") if hasattr(trainer, k)}
+    tokens = trainer.state.num_input_tokens_seen
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(trainer, k, v)
+        trainer.state.num_input_tokens_seen = tokens
+
+
+class EntropyProbeCallback(TrainerCallback):
+    """Predict and measure the entropy change of every ``every_n_steps``-th optimizer step of a
+    ``GRPOTrainer`` (module docstring). ``overrides``: the online probe's config keys
+    (``integrations.online.ONLINE_KEYS``; G, temperature, top_k and top_p are the trainer's)."""
+
+    def __init__(self, trainer, every_n_steps: int = 10, **overrides):
+        args = trainer.args
+        if not hasattr(trainer, "_generate_and_score_completions"):
+            raise TypeError(f"{type(trainer).__name__} is not a TRL GRPOTrainer (no _generate_and_score_completions); "
+                            "use entprobe.integrations.OnlineProbe in your own loop")
+        if getattr(trainer, "num_iterations", 1) != 1:
+            raise ConfigError(f"GRPOConfig.num_iterations={trainer.num_iterations}: the probe predicts the first "
+                              "step on a batch; use num_iterations=1")
+        if args.steps_per_generation != args.gradient_accumulation_steps:
+            raise ConfigError(f"GRPOConfig.steps_per_generation={args.steps_per_generation} differs from "
+                              f"gradient_accumulation_steps={args.gradient_accumulation_steps}: one generation batch "
+                              "must be one optimizer step")
+        self.trainer, self.every = trainer, every_n_steps
+        self.fixed = {"batch.G": trainer.num_generations, "sampling.temperature": float(args.temperature),
+                      "sampling.top_k": int(args.top_k or 0), "sampling.top_p": float(args.top_p)}
+        self.overrides = overrides
+        self.cfg = online_config(overrides, self.fixed)  # bad keys fail here, before training
+        self.probe: OnlineProbe | None = None
+        self._to_log: dict = {}
+
+    @property
+    def history(self) -> list[dict]:
+        """Every probe's full results (the logged ``entprobe/*`` ones and the rest)."""
+        return self.probe.history if self.probe is not None else []
+
+    def sample_held_out(self, step: int) -> RolloutBatch:
+        """E at the current parameters: ``batch.B_E`` prompts of the train dataset (seeded by
+        ``batch.seed_E`` and the step), ``num_generations`` completions each, by the trainer's generation."""
+        tr, b = self.trainer, self.cfg.batch
+        ds = tr.train_dataset
+        gen = torch.Generator().manual_seed(b.seed_E + 1_000_003 * step)
+        rows = torch.randperm(len(ds), generator=gen)[:b.B_E].tolist()
+        if len(rows) < 2:
+            raise ConfigError(f"the train dataset has {len(ds)} row(s); the held-out batch needs >= 2 prompts")
+        inputs = [ds[i] for i in rows for _ in range(tr.num_generations)]
+        with bookkeeping_kept(tr), torch.no_grad():
+            out = tr._generate_and_score_completions(inputs)
+        return trl_rollout_batch(out, tr.num_generations, self.cfg.sampling.temperature)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        tr = self.trainer
+        self.probe = OnlineProbe(tr.model, tr.optimizer, tr.processing_class, self.sample_held_out, self.every,
+                                 fixed=self.fixed, **self.overrides)
+        cbs = tr.callback_handler.callbacks  # first: the reporting callbacks see what on_log adds
+        cbs.insert(0, cbs.pop(cbs.index(self)))
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.probe.before_step(state.global_step + 1)  # the step about to be taken
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        metrics = self.probe.after_step()
+        if metrics:
+            self._to_log.update(metrics)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and self._to_log:
+            logs.update(self._to_log)  # what the reporting callbacks receive
+            if state.log_history and state.log_history[-1].get("step") == state.global_step:
+                state.log_history[-1].update(self._to_log)  # the trainer's copy of the same entry
+            self._to_log = {}

@@ -1,0 +1,150 @@
+"""``entprobe.probe`` on a model and optimizer in memory against the command line on the same checkpoint.
+
+The built-in default's model and AdamW state are loaded the command line's way (``load_model``,
+``load_optimizer``), given some ``.grad`` tensors, a module in eval mode and an RNG state of their
+own; the API's results on the CLI's saved batches, and on batches it samples itself from the same
+task and seeds, equal the CLI's, and everything the API promises to leave alone is bit-identical after.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import entprobe
+from conftest import compose_cfg
+from entprobe.batch_store import load_batches
+from entprobe.config import ConfigError
+from entprobe.main import run, to_typed
+from entprobe.models import load_model
+from entprobe.optim_state import load_optimizer
+from entprobe.preflight import check_inputs
+from entprobe.stages.snapshot import state_fingerprint
+from entprobe.tasks import build_task
+
+QUIET = {"logging": {"progress": False, "verdict": False, "report": False}}
+# differ by construction: where things came from, wall time and memory
+SOURCE_KEYS = {"model_source", "batch_source", "lr_source", "optimizer_path", "lr_last_step"}
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """The CLI's run on the shrunk default (its batches saved) and its typed config."""
+    tmp = tmp_path_factory.mktemp("cli")
+    cfg = compose_cfg(tmp / "run", f"batch.save='{tmp / 'batches'}'")
+    return run(cfg), to_typed(cfg), tmp / "batches"
+
+
+def loaded_like_the_cli(cfg):
+    """The default model and its AdamW, loaded as the command line loads them."""
+    lm = load_model(cfg.model)
+    opt = load_optimizer(lm.model, check_inputs(cfg).optimizer_state).optimizer
+    return lm.model, opt, lm.tokenizer
+
+
+def everything(model, opt) -> dict:
+    """What the API must leave alone, cloned."""
+    return {"state": state_fingerprint(list(model.parameters()), opt),
+            "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            "modes": [m.training for m in model.modules()], "rng": torch.get_rng_state(),
+            "opt_keys": sorted(opt.__dict__)}
+
+
+def assert_same(before: dict, after: dict) -> None:
+    for a, b in zip(before["state"], after["state"], strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for a, b in zip(before["grads"], after["grads"], strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert before["groups"] == after["groups"] and before["modes"] == after["modes"]
+    assert torch.equal(before["rng"], after["rng"]) and before["opt_keys"] == after["opt_keys"]
+
+
+def assert_results_equal(api: dict, cli: dict) -> None:
+    keys = {k for k in cli if not k.startswith(("time/", "mem/")) and k not in SOURCE_KEYS}
+    assert keys <= set(api), keys - set(api)
+    for k in sorted(keys):
+        a, c = api[k], cli[k]
+        if isinstance(c, float) and math.isnan(c):
+            assert math.isnan(a), k
+        else:
+            assert a == c, (k, a, c)
+
+
+def test_api_equals_the_cli_and_leaves_model_and_optimizer_as_they_were(cli):
+    res_cli, cfg, batches = cli
+    model, opt, tok = loaded_like_the_cli(cfg)
+    gen = torch.Generator().manual_seed(5)
+    for p in list(model.parameters())[::3]:  # a training loop's gradients, there when the probe is called
+        p.grad = torch.randn(p.shape, generator=gen)
+    model.model.layers[0].eval()  # modes are restored module by module
+    torch.manual_seed(1234)
+    before = everything(model, opt)
+
+    E, U, _ = load_batches(batches, 60)
+    res = entprobe.probe(model, opt, tok, (E, U), **QUIET)
+    assert_same(before, everything(model, opt))
+    assert_results_equal(res, res_cli)
+    assert res["batch_source"] == "given" and res["lr_source"] == "optimizer param_groups (in memory)"
+    for k in ("deltaH1", "SE_deltaH1", "deltaH_pred", "SE_deltaH_pred", "deltaH_true", "SE_deltaH_true"):
+        assert math.isfinite(res[k]) and res[k] != 0, k
+
+    # sampling itself from the same task and seeds: the same batches, the same numbers
+    task = build_task(cfg.task.__dict__)
+    res = entprobe.probe(model, opt, tok, task, batch={"B_E": 4, "B_U": 4, "G": 4}, **QUIET)
+    assert_same(before, everything(model, opt))
+    assert_results_equal(res, res_cli)
+    assert res["batch_source"] == "sampled"
+
+
+def test_overrides_are_the_cli_keys_with_its_checks(cli, tmp_path):
+    res_cli, cfg, batches = cli
+    model, opt, tok = loaded_like_the_cli(cfg)
+    E, U, _ = load_batches(batches, 60)
+    before = everything(model, opt)
+    cases = [({"batch.foo": 1}, "Key 'foo' not in 'BatchConfig'"),
+             ({"probe": {"mb_size_prompts": 0}}, "probe.mb_size_prompts: must be >= 1"),
+             ({"objective": "nope"}, "Could not find 'objective/nope'"),
+             ({"model.path": "/ckpt"}, "model.* loads a model"),
+             ({"optimizer.state_path": "/ckpt"}, "the geometry is the optimizer's own"),
+             ({"batch.B_E": 8}, "the batches you pass are sampled already"),
+             ({"sampling.temperature": 0.7}, "set sampling.temperature=1.0"),
+             ({"logging.logger": "csv"}, "log them with your own logger")]
+    for overrides, msg in cases:
+        with pytest.raises(ConfigError, match=msg.replace("*", r"\*").replace("(", r"\(")):
+            entprobe.probe(model, opt, tok, (E, U), **overrides)
+    with pytest.raises(ConfigError, match="pass \\(E, U\\)"):
+        entprobe.probe(model, opt, tok, U)
+    with pytest.raises(TypeError, match="task_or_batches is a str"):
+        entprobe.probe(model, opt, tok, "data.jsonl")
+    # a parameter the optimizer does not train, and an optimizer that has not stepped
+    other = torch.optim.AdamW(list(model.parameters())[1:])
+    with pytest.raises(ConfigError, match="is not in the optimizer"):
+        entprobe.probe(model, other, tok, (E, U))
+    with pytest.raises(ConfigError, match="has not taken a step yet"):
+        entprobe.probe(model, torch.optim.AdamW(model.parameters()), tok, (E, U))
+    assert_same(before, everything(model, opt))
+
+    # run_dir: the command line's outputs, an lr override applied for the probe only
+    res = entprobe.probe(model, opt, tok, (E, U), run_dir=str(tmp_path), optimizer={"lr": 2e-3},
+                         probe={"mode": "single_batch"}, **QUIET)
+    assert res["lr"] == 2e-3 and res["mode"] == "single_batch"
+    assert (tmp_path / "results.json").is_file() and (tmp_path / "ustat_units.csv").is_file()
+    assert_same(before, everything(model, opt))
+
+
+def test_config_composes_inside_a_hydra_app():
+    """A Hydra app's global state is set aside and put back around the API's own composition."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from conftest import CONF_DIR
+    from entprobe.api import api_config
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+        outer = GlobalHydra.instance().hydra
+        cfg, _ = api_config({"objective": "trl", "objective.loss_type": "dr_grpo"}, False)
+        assert GlobalHydra.instance().hydra is outer
+    assert cfg.objective.loss_type == "dr_grpo" and cfg.batch.B_E == 8  # the YAML defaults

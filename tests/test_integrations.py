@@ -1,0 +1,133 @@
+"""The online probe inside TRL's GRPOTrainer (``EntropyProbeCallback``) on the built-in default model.
+
+Two runs of 4 steps from the same seed, one with the callback probing every 2 steps: the weights,
+the optimizer state and every metric the trainer logs are identical (the probe does not change the
+trajectory), and the probed run's logs carry the prediction, its SE and the measured change at
+steps 2 and 4. The closed-form update the prediction projects on is the step the trainer took.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from online_probe import build_trainer  # noqa: E402
+
+from entprobe.config import ConfigError  # noqa: E402
+from entprobe.integrations import EntropyProbeCallback  # noqa: E402
+
+STEPS = 4
+
+
+def train(tmp_path, probe: bool):
+    tr = build_trainer(str(tmp_path), STEPS, prompts_per_step=4)
+    cb = None
+    if probe:
+        cb = EntropyProbeCallback(tr, every_n_steps=2, batch={"B_E": 6})
+        tr.add_callback(cb)
+    tr.train()
+    return tr, cb
+
+
+def test_callback_logs_every_n_steps_and_leaves_the_trajectory_alone(tmp_path):
+    plain, _ = train(tmp_path / "plain", probe=False)
+    probed, cb = train(tmp_path / "probed", probe=True)
+
+    for (n, a), b in zip(plain.model.named_parameters(), probed.model.parameters()):
+        assert torch.equal(a, b), f"{n} differs: the probe changed the trajectory"
+    opt_a, opt_b = plain.optimizer.optimizer, probed.optimizer.optimizer
+    for pa, pb in zip(opt_a.param_groups[0]["params"], opt_b.param_groups[0]["params"]):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt_a.state[pa][k], opt_b.state[pb][k])
+    logs_a = [h for h in plain.state.log_history if "loss" in h]
+    logs_b = [h for h in probed.state.log_history if "loss" in h]
+    assert len(logs_a) == len(logs_b) == STEPS
+    for a, b in zip(logs_a, logs_b):
+        ours = {k for k in b if k.startswith("entprobe/")}
+        timing = {"step_time"}
+        assert {k: v for k, v in a.items() if k not in timing} == \
+               {k: v for k, v in b.items() if k not in ours | timing}
+
+    probed_steps = [h["step"] for h in logs_b if "entprobe/deltaH_pred" in h]
+    assert probed_steps == [2, 4]
+    for h in logs_b:
+        if h["step"] in probed_steps:
+            for k in ("deltaH_pred", "SE_deltaH_pred", "deltaH_true", "SE_deltaH_true", "deltaH_true_minus_pred",
+                      "SE_deltaH_true_minus_pred"):
+                assert math.isfinite(h[f"entprobe/{k}"]), k
+            assert h["entprobe/SE_deltaH_pred"] > 0
+    assert len(cb.history) == 2
+    for r in cb.history:  # the closed-form update is the step the trainer took
+        assert r["deltaH1_step"] == pytest.approx(r["deltaH_pred"], rel=1e-4, abs=1e-9)
+        assert r["B_E"] == 6 and r["G"] == 4
+
+
+def test_callback_refuses_what_it_cannot_probe(tmp_path):
+    tr = build_trainer(str(tmp_path), 1)
+    with pytest.raises(ConfigError, match="objective.loss_type: does not apply to the online probe"):
+        EntropyProbeCallback(tr, **{"objective.loss_type": "grpo"})
+    with pytest.raises(ConfigError, match="batch.G: is your trainer's"):
+        EntropyProbeCallback(tr, batch={"G": 8})
+    tr.num_iterations = 2
+    with pytest.raises(ConfigError, match="num_iterations=2"):
+        EntropyProbeCallback(tr)
+
+
+def readme_snippets() -> list[str]:
+    """The ```python blocks of README.md's "Probe inside your training loop" section, in order."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("## Probe inside your training loop"):]
+    section = section[:section.index("\n## ", 3)]
+    return re.findall(r"^```python\n(.*?)^```", section, re.S | re.M)
+
+
+def test_readme_snippets_run(tmp_path):
+    """The section's three snippets, verbatim, with the names they use bound to the built-in default:
+    its model and AdamW (loaded as the command line loads them), tokenizer, arithmetic task, a
+    DR-GRPO ``compute_loss`` and, for TRL, ``trainer_parts``."""
+    from online_probe import trainer_parts
+
+    from conftest import compose_cfg
+    from entprobe.config import SamplingConfig
+    from entprobe.estimators import y_loss
+    from entprobe.logprobs import token_logprobs
+    from entprobe.main import to_typed
+    from entprobe.models import load_model
+    from entprobe.optim_state import load_optimizer
+    from entprobe.preflight import check_inputs
+    from entprobe.rollout import draw_prompt_indices, sample_batch
+    from entprobe.tasks.arithmetic import ArithmeticTask
+
+    api, trl_cb, loop = readme_snippets()
+    cfg = to_typed(compose_cfg(tmp_path))
+    lm = load_model(cfg.model)
+    optimizer = load_optimizer(lm.model, check_inputs(cfg).optimizer_state).optimizer
+    task = ArithmeticTask(512, 9, seed=0)
+    calls = iter(range(1000))
+
+    def compute_loss(model):
+        b = sample_batch(model, lm.tokenizer, task, draw_prompt_indices(512, 8, next(calls)), 4,
+                         SamplingConfig(), 0, "dr_grpo", 1e-6)
+        S = token_logprobs(model, *b.flat("cpu")).logp.sum(-1).view(b.B, b.G)
+        return -y_loss(S, b.advantages, b.Lmax) / b.B
+
+    ns = {"model": lm.model, "optimizer": optimizer, "tokenizer": lm.tokenizer, "task": task,
+          "compute_loss": compute_loss, "num_steps": 10}
+    exec(api, ns)
+    assert math.isfinite(ns["results"]["deltaH_pred"]) and ns["results"]["B_E"] == 8
+    exec(loop, ns)
+    assert [r["step"] for r in ns["probe"].history] == [10]
+
+    ns = trainer_parts(str(tmp_path / "trl"), 10, prompts_per_step=4)
+    exec(trl_cb, ns)
+    logged = [h for h in ns["trainer"].state.log_history if "entprobe/deltaH_true" in h]
+    assert [h["step"] for h in logged] == [10]
