@@ -79,9 +79,11 @@ def test_parameter_sized_copies_between_phases(tmp_path, monkeypatch, projection
         with original(self, name):
             yield
         n = sum(p.numel() * p.element_size() for p in self.params)
-        copies[name] = _live_tensor_bytes() / n
+        copies[name] = (_live_tensor_bytes() - before) / n
 
     monkeypatch.setattr(context.ProbeContext, "phase", counted)
+    gc.collect()
+    before = _live_tensor_bytes()  # what earlier tests in this process left alive
     run(compose_cfg(tmp_path, f"probe.projection={projection}"))
     B_U = 4  # SHRINK
     want = {"accumulate_Y_U": 4 + (B_U if projection == "stored" else 0), "accumulate_X_E": at_x_end,

@@ -106,7 +106,7 @@ def live_geometry(cfg: EntprobeConfig, optimizer, names: list[str], params, buf_
                           "optimizer.preconditioner=identity")
     steps = {int(float(st["step"])) for st in state}
     step = max(steps)
-    P = pv.adam_preconditioner([st["exp_avg_sq"] for st in state], step, float(betas[1]), eps, buf_dev,
-                               DTYPES[cfg.probe.buffers_dtype.value])
+    P = pv.LiveAdamPreconditioner(opt, params, step, float(betas[1]), eps, buf_dev,
+                                  DTYPES[cfg.probe.buffers_dtype.value])
     meta.update({"adam_step": step, "adam_beta1": float(betas[0]), "adam_beta2": float(betas[1]), "adam_eps": eps})
     return Geometry(opt, float(lr), P), meta
