@@ -147,7 +147,7 @@ class ProbeConfig:
     variance_enabled: bool = True
     projection: ProjectionMode = ProjectionMode.auto
     unit_grads_budget_mb: float = 4096.0
-    unit_grads_max_copies: int = 0
+    unit_grads_max_copies: int = 4
     nograd_memory_mb: float = 1024.0
     jvp_mb_size_prompts: Optional[int] = None
     unit_backward: UnitBackward = UnitBackward.auto
