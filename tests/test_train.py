@@ -132,3 +132,28 @@ def test_readme_train_command_runs_verbatim(tmp_path):
     (run_dir,) = tmp_path.glob("outputs/*/*")
     res = json.loads((run_dir / "results.json").read_text())
     assert res["adam_step"] == 6 and res["SE_deltaH_pred"] > 0
+
+
+def test_the_probe_leaves_the_trajectory_unchanged(run_out, tmp_path):
+    """The same run without the probe writes the same weights, optimizer state and losses, bit for bit."""
+    main(["--out", str(tmp_path / "plain"), *ARGV[:4], "--probe-every", "0", *ARGV[6:]])
+    a, b = run_out / "checkpoint-3", tmp_path / "plain" / "checkpoint-3"
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    sa, sb = (torch.load(f / "optimizer.pt", weights_only=True)["state"] for f in (a, b))
+    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in ("exp_avg", "exp_avg_sq"))
+    la, lb = (json.loads((f / "trainer_state.json").read_text())["log_history"] for f in (a, b))
+    assert [e["loss"] for e in la] == [e["loss"] for e in lb]
+
+
+def test_trains_an_hf_folder_on_a_jsonl_task(run_out, tmp_path):
+    """--model a save_pretrained folder (one the trainer wrote), --task a .jsonl file, --loss grpo."""
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(5) for b in range(5)))
+    (ckpt,) = train(TrainArgs(out=str(tmp_path / "more"), model=str(run_out / "checkpoint-3"), task=str(data),
+                              steps=1, B=4, G=4, loss="grpo"))
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert ckpt.name == "checkpoint-1" and state["global_step"] == 1 and math.isfinite(state["log_history"][0]["loss"])
+    before = AutoModelForCausalLM.from_pretrained(run_out / "checkpoint-3").state_dict()
+    after = AutoModelForCausalLM.from_pretrained(ckpt).state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the step moved the weights
