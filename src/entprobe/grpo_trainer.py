@@ -1,0 +1,150 @@
+"""A small DR-GRPO / GRPO trainer that writes HF Trainer checkpoints with the online probe attached
+(the command line is ``python -m entprobe.train``; ``train.main``).
+
+Each step: B prompts drawn from the task, G responses each sampled from the current policy
+(``rollout.sample_batch``, temperature 1), rewards and group advantages, the policy loss
+(``train.policy_loss``: ``dr_grpo`` or ``grpo``), backward, gradient clipping, AdamW over HF Trainer's
+decay / no-decay groups, a constant-lr scheduler. Every ``probe_every`` steps ``OnlineProbe``
+predicts the step's entropy change before ``optimizer.step()`` and measures it after; its
+``entprobe/*`` metrics join that step's entry of the log history. Every ``save_every`` steps, and at
+the last step, ``out/checkpoint-<step>/`` is written (``trainer_checkpoint``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from entprobe.config import ConfigError, SamplingConfig
+from entprobe.rollout import draw_prompt_indices, sample_batch
+from entprobe.tasks.base import check_encodable
+from entprobe.trainer_checkpoint import existing_checkpoints, trainer_state, write_trainer_checkpoint
+
+ADV_EPS = 1e-6  # grpo advantages: (r - mean) / (std + ADV_EPS)
+
+
+@dataclass
+class TrainArgs:
+    """What ``python -m entprobe.train`` takes (its ``--help`` describes each)."""
+    out: str
+    model: str | None = None  # an HF save_pretrained folder; None: the built-in default checkpoint
+    task: str = "arithmetic"  # or a .jsonl file of {"prompt", "answer"} records
+    reward: str = "numeric"
+    steps: int = 20
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    B: int = 16
+    G: int = 4
+    max_new_tokens: int = 4
+    loss: str = "dr_grpo"
+    save_every: int = 10
+    probe_every: int = 0
+    probe_B_E: int = 8
+    seed: int = 0
+    device: str = "cpu"
+
+
+def check_args(a: TrainArgs) -> None:
+    """Clear errors naming the option before anything is loaded."""
+    from entprobe.train import LOSSES
+
+    for name in ("steps", "B", "G", "max_new_tokens", "save_every", "probe_B_E"):
+        if getattr(a, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}={getattr(a, name)}: must be >= 1")
+    if a.G < 2:
+        raise ConfigError(f"--G={a.G}: group advantages need >= 2 responses per prompt")
+    if a.probe_every < 0 or a.lr <= 0 or a.max_grad_norm < 0:
+        raise ConfigError("--probe-every >= 0 (0: off), --lr > 0 and --max-grad-norm >= 0 (0: no clipping)")
+    if a.loss not in LOSSES:
+        raise ConfigError(f"--loss={a.loss!r}: one of {', '.join(LOSSES)}")
+    if a.model is not None and not (Path(a.model).expanduser() / "config.json").is_file():
+        raise ConfigError(f"--model={a.model!r}: not a save_pretrained folder (no config.json); leave it out "
+                          "to train the built-in model")
+    if existing_checkpoints(a.out):
+        raise ConfigError(f"--out={a.out!r} already holds {existing_checkpoints(a.out)[0].name}: "
+                          "write the run to a new folder")
+
+
+def load_policy(a: TrainArgs):
+    """(model, tokenizer) on ``a.device`` in fp32, train mode: ``--model`` or the built-in default."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from entprobe.train import ensure_default_checkpoint
+
+    folder = Path(a.model).expanduser() if a.model else ensure_default_checkpoint(seed=a.seed)
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
+                                                 attn_implementation="eager")
+    return model.to(torch.device(a.device)).train(), tok
+
+
+def load_task(a: TrainArgs):
+    from entprobe.tasks.arithmetic import ArithmeticTask
+    from entprobe.tasks.jsonl import JsonlTask
+
+    return ArithmeticTask(512, 9, seed=a.seed) if a.task == "arithmetic" else JsonlTask(a.task, a.reward)
+
+
+def probe_line(step: int, m: dict) -> str:
+    """One printed line per probe: prediction, measurement, their paired difference."""
+    g = lambda k: m.get(f"entprobe/{k}", float("nan"))  # noqa: E731
+    return (f"[entprobe] step {step}: deltaH_pred {g('deltaH_pred'):+.3e} +- {g('SE_deltaH_pred'):.1e}  "
+            f"deltaH_true {g('deltaH_true'):+.3e} +- {g('SE_deltaH_true'):.1e}  "
+            f"consistent {bool(g('pred_consistent'))}  ({g('time_s'):.1f} s)")
+
+
+def train(a: TrainArgs, log=print) -> list[Path]:
+    """Run the trainer (module docstring); returns the checkpoint folders written."""
+    from entprobe.integrations import OnlineProbe
+    from entprobe.train import policy_loss, trainer_adamw
+
+    check_args(a)
+    model, tok = load_policy(a)
+    task = load_task(a)
+    check_encodable(task, tok, f"--task={a.task!r}")
+    opt = trainer_adamw(model, a.lr, a.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    sampling = SamplingConfig(max_new_tokens=a.max_new_tokens)
+    advantage = "dr_grpo" if a.loss == "dr_grpo" else "grpo"
+    probe = (OnlineProbe(model, opt, tok, task, every=a.probe_every, seed=a.seed, sampling={
+        "max_new_tokens": a.max_new_tokens}, batch={"B_E": a.probe_B_E, "G": a.G}) if a.probe_every else None)
+    history, written = [], []
+    torch.manual_seed(a.seed)
+    for step in range(1, a.steps + 1):
+        t0 = time.perf_counter()
+        seed = a.seed * 100003 + step
+        batch = sample_batch(model, tok, task, draw_prompt_indices(len(task.prompts), a.B, seed), a.G, sampling,
+                             seed, advantage, ADV_EPS)
+        loss = policy_loss(model, batch, a.loss)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), a.max_grad_norm).item()
+                     if a.max_grad_norm > 0 else None)
+        lr = sched.get_last_lr()[0]  # the lr of this step (logged as HF Trainer logs it)
+        if probe is not None:
+            probe.before_step(step)
+        opt.step()
+        sched.step()
+        metrics = probe.after_step() if probe is not None else None
+        entry = {"step": step, "loss": loss.item(), "learning_rate": lr, "reward": batch.rewards.mean().item(),
+                 "reward_std": batch.rewards.std().item(),
+                 "entropy": (-batch.sampler_logprobs.sum() / batch.gen_lengths.sum().clamp(min=1)).item(),
+                 "completion_length": batch.gen_lengths.float().mean().item(),
+                 "step_time_s": time.perf_counter() - t0}
+        if grad_norm is not None:
+            entry["grad_norm"] = grad_norm
+        if metrics:
+            entry.update(metrics)
+            log(probe_line(step, metrics))
+        history.append(entry)
+        if step % a.save_every == 0 or step == a.steps:
+            state = trainer_state(step, a.steps, a.save_every, a.B * a.G, history)
+            written.append(write_trainer_checkpoint(a.out, step, model, tok, opt, sched, state))
+            log(f"[entprobe] step {step}: loss {entry['loss']:+.4f} reward {entry['reward']:.3f} "
+                f"entropy {entry['entropy']:.3f} -> {written[-1]}")
+    return written

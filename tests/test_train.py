@@ -1,0 +1,159 @@
+"""``python -m entprobe.train``: the DR-GRPO / GRPO trainer writes HF Trainer checkpoints with the online
+probe's metrics in their log history, and ``entprobe.main`` probes what it wrote."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerState
+
+from conftest import compose_cfg
+from entprobe.config import ConfigError, SamplingConfig
+from entprobe.grpo_trainer import TrainArgs, train
+from entprobe.logprobs import position_ids_from_mask
+from entprobe.main import run
+from entprobe.optim_state import load_optimizer, trainer_groups
+from entprobe.rollout import draw_prompt_indices, sample_batch
+from entprobe.tasks.arithmetic import ArithmeticTask
+from entprobe.train import ensure_default_checkpoint, main, policy_loss
+
+FILES = {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "optimizer.pt",
+         "scheduler.pt", "trainer_state.json", "rng_state.pth"}
+ARGV = ["--steps", "3", "--save-every", "2", "--probe-every", "2", "--B", "4", "--G", "4", "--probe-B-E", "4"]
+
+
+@pytest.fixture(scope="module")
+def run_out(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("grpo") / "run"
+    main(["--out", str(out), *ARGV])
+    return out
+
+
+def test_checkpoints_are_in_trainer_layout_with_the_probe_in_their_log(run_out):
+    assert sorted(p.name for p in run_out.iterdir()) == ["checkpoint-2", "checkpoint-3"]  # every 2 and the last
+    for step in (2, 3):
+        folder = run_out / f"checkpoint-{step}"
+        assert FILES <= {p.name for p in folder.iterdir()}, folder
+        state = TrainerState.load_from_json(str(folder / "trainer_state.json"))  # transformers reads it
+        assert state.global_step == step and state.max_steps == 3 and len(state.log_history) == step
+        for entry in state.log_history:
+            assert {"loss", "reward", "entropy", "learning_rate"} <= set(entry), entry
+            assert all(math.isfinite(entry[k]) for k in ("loss", "reward", "entropy"))
+        probed = [e["step"] for e in state.log_history if "entprobe/deltaH_pred" in e]
+        assert probed == [2]  # probe-every 2: step 2 (step 1 has no Adam state yet)
+        e = state.log_history[1]
+        assert e["entprobe/SE_deltaH_pred"] > 0 and math.isfinite(e["entprobe/deltaH_true"])
+        # the closed-form update the probe predicted from is the step the trainer took
+        assert e["entprobe/deltaH1_step"] == pytest.approx(e["entprobe/deltaH_pred"], rel=1e-3)
+    sd = torch.load(run_out / "checkpoint-3" / "optimizer.pt", weights_only=True)
+    assert [(len(g["params"]), g["weight_decay"], g["lr"]) for g in sd["param_groups"]] == [(16, 0.01, 1e-3),
+                                                                                           (5, 0.0, 1e-3)]
+    assert {int(s["step"]) for s in sd["state"].values()} == {3}
+    rng = torch.load(run_out / "checkpoint-3" / "rng_state.pth", weights_only=False)
+    assert {"python", "numpy", "cpu"} <= set(rng)
+    model = AutoModelForCausalLM.from_pretrained(run_out / "checkpoint-3")
+    AutoTokenizer.from_pretrained(run_out / "checkpoint-3")
+    lo = load_optimizer(model, str(run_out / "checkpoint-3"))
+    assert lo.step == 3 and lo.lr == 1e-3
+    names = trainer_groups(model)[0]["names"] + trainer_groups(model)[1]["names"]
+    assert lo.exp_avg_sq[0].shape == dict(model.named_parameters())[names[0]].shape
+
+
+def test_main_probes_a_written_checkpoint(run_out, tmp_path):
+    ckpt = run_out / "checkpoint-3"
+    res = run(compose_cfg(tmp_path, "model=hf", f"model.path='{ckpt}'", f"optimizer.state_path='{ckpt}'"))
+    assert res["adam_step"] == 3 and res["lr"] == 1e-3
+    assert res["SE_deltaH_pred"] > 0 and math.isfinite(res["deltaH_pred"]) and math.isfinite(res["deltaH_true"])
+
+
+def test_losses_are_the_trainers_formulas():
+    """dr_grpo: -(1/B) sum A S / (G Lmax); grpo: -(1/(B G)) sum A (token sum / L) — TRL's grpo, written out."""
+    folder = ensure_default_checkpoint()
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    task = ArithmeticTask(64, 9, seed=0)
+    batch = sample_batch(model, tok, task, draw_prompt_indices(64, 4, 1), 4, SamplingConfig(max_new_tokens=4), 1,
+                         "grpo", 1e-6)
+    ids, att, resp = batch.flat("cpu")
+    logits = model(input_ids=ids, attention_mask=att, position_ids=position_ids_from_mask(att)).logits[:, :-1].float().log_softmax(-1)
+    tok_lp = logits.gather(-1, ids[:, 1:, None]).squeeze(-1) * resp[:, 1:]
+    S, L = tok_lp.sum(-1).view(4, 4), batch.gen_lengths.float()
+    A = batch.advantages
+    assert policy_loss(model, batch, "grpo").item() == pytest.approx((-(A * S / L).mean()).item(), rel=1e-5)
+    want = -(A * S / (4 * batch.Lmax.float().unsqueeze(-1))).sum() / 4
+    assert policy_loss(model, batch, "dr_grpo").item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_bad_options_name_themselves(run_out, tmp_path):
+    with pytest.raises(ConfigError, match=r"--out=.*already holds checkpoint-2: write the run to a new folder"):
+        train(TrainArgs(out=str(run_out), steps=1))
+    with pytest.raises(ConfigError, match=r"--model='.*': not a save_pretrained folder"):
+        train(TrainArgs(out=str(tmp_path / "x"), model=str(tmp_path)))
+    with pytest.raises(ConfigError, match=r"--G=1: group advantages need >= 2"):
+        train(TrainArgs(out=str(tmp_path / "x"), G=1))
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "x"), "--loss", "ppo"])
+    assert not (tmp_path / "x").exists()  # nothing written before the options are checked
+
+
+def test_help_documents_the_options(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    for opt in ("--model", "--task", "--steps", "--lr", "--B", "--G", "--max-new-tokens", "--loss", "--save-every",
+                "--probe-every", "--build-default"):
+        assert opt in text, opt
+    main(["--build-default"])  # the default checkpoint (cached), as entprobe-build-default gives it
+    assert capsys.readouterr().out.strip() == str(ensure_default_checkpoint())
+
+
+def test_readme_train_command_runs_verbatim(tmp_path):
+    """README "Train a probed run from zero": the trainer, then entprobe.main on its last checkpoint."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    train_cmd = "python -m entprobe.train --out runs/grpo --steps 6 --B 8 --save-every 3 --probe-every 3"
+    probe_cmd = ("python -m entprobe.main model=hf model.path=runs/grpo/checkpoint-6 "
+                 "optimizer.state_path=runs/grpo/checkpoint-6")
+    out = []
+    for cmd in (train_cmd, probe_cmd):
+        proc = subprocess.run([sys.executable, *cmd.split()[1:]], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=400)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out.append(proc.stdout)
+    assert out[0].count("deltaH_pred") == 2  # one line per probe: steps 3 and 6
+    state = json.loads((tmp_path / "runs/grpo/checkpoint-6/trainer_state.json").read_text())
+    assert state["global_step"] == 6 and "entprobe/deltaH_true" in state["log_history"][5]
+    (run_dir,) = tmp_path.glob("outputs/*/*")
+    res = json.loads((run_dir / "results.json").read_text())
+    assert res["adam_step"] == 6 and res["SE_deltaH_pred"] > 0
+
+
+def test_the_probe_leaves_the_trajectory_unchanged(run_out, tmp_path):
+    """The same run without the probe writes the same weights, optimizer state and losses, bit for bit."""
+    main(["--out", str(tmp_path / "plain"), *ARGV[:4], "--probe-every", "0", *ARGV[6:]])
+    a, b = run_out / "checkpoint-3", tmp_path / "plain" / "checkpoint-3"
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    sa, sb = (torch.load(f / "optimizer.pt", weights_only=True)["state"] for f in (a, b))
+    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in ("exp_avg", "exp_avg_sq"))
+    la, lb = (json.loads((f / "trainer_state.json").read_text())["log_history"] for f in (a, b))
+    assert [e["loss"] for e in la] == [e["loss"] for e in lb]
+
+
+def test_trains_an_hf_folder_on_a_jsonl_task(run_out, tmp_path):
+    """--model a save_pretrained folder (one the trainer wrote), --task a .jsonl file, --loss grpo."""
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(5) for b in range(5)))
+    (ckpt,) = train(TrainArgs(out=str(tmp_path / "more"), model=str(run_out / "checkpoint-3"), task=str(data),
+                              steps=1, B=4, G=4, loss="grpo"))
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert ckpt.name == "checkpoint-1" and state["global_step"] == 1 and math.isfinite(state["log_history"][0]["loss"])
+    before = AutoModelForCausalLM.from_pretrained(run_out / "checkpoint-3").state_dict()
+    after = AutoModelForCausalLM.from_pretrained(ckpt).state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the step moved the weights
