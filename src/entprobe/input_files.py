@@ -28,14 +28,17 @@ def _present(path: Path, what: str, todo: str) -> int:
     return size
 
 
-def load_torch_file(path: str | Path, what: str, todo: str) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU, or an error naming the file."""
+def load_torch_file(path: str | Path, what: str, todo: str, allow: list | None = None) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU, or an error naming the file. ``allow``:
+    extra globals the weights-only unpickler may build (``torch.serialization.safe_globals``
+    entries: a class, or ``(stand-in class, "module.Name")`` to build a record in its place)."""
     import torch
 
     path = Path(path)
     size = _present(path, what, todo)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(allow or []):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         if "weights only" in str(exc).lower():
             reason = ("it holds Python objects other than tensors, numbers and containers, which entprobe "

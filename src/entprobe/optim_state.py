@@ -5,17 +5,25 @@ and norm weights), each in ``model.named_parameters()`` order. ``optimizer.pt`` 
 position in those groups, so the grouping is rebuilt here, the group sizes are checked against
 ``param_groups[i]["params"]`` and every state shape against its parameter. A file with one group
 is matched in model order. Nothing is unpickled: ``torch.load(weights_only=True)``.
+
+A folder a sharded trainer wrote (torch.distributed.checkpoint / accelerate FSDP, verl FSDP2,
+DeepSpeed ZeRO) is read by ``entprobe.trainer_states`` into Adam's whole state per parameter name,
+and matched to the model by name and shape.
 """
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from entprobe.input_files import load_json_file, load_torch_file
 from entprobe.paramvec import trainable
+
+if TYPE_CHECKING:
+    from entprobe.trainer_states import NamedAdamState
 
 
 class OptimizerStateError(ValueError):
@@ -58,12 +66,13 @@ def trainer_groups(model, weight_decay: float = 0.0) -> list[dict]:
 def _resolve_files(path: str) -> tuple[Path, Path | None]:
     p = Path(path).expanduser()
     if p.is_dir():
+        from entprobe.trainer_states import FORMATS
+
         opt = p / "optimizer.pt"
         if not opt.is_file():
-            raise OptimizerStateError(f"optimizer.state_path={path!r}: {p} has no optimizer.pt; point "
-                                      "optimizer.state_path at the AdamW state_dict file or a Trainer "
-                                      "checkpoint folder, or use optimizer.preconditioner=identity "
-                                      "optimizer.lr=<lr> for plain SGD geometry")
+            raise OptimizerStateError(f"optimizer.state_path={path!r}: {p} holds no optimizer state entprobe reads; "
+                                      f"point optimizer.state_path at {FORMATS}, or use "
+                                      "optimizer.preconditioner=identity optimizer.lr=<lr> for plain SGD geometry")
         return opt, p
     if not p.is_file():
         raise OptimizerStateError(f"optimizer.state_path={path!r} does not exist")
@@ -90,40 +99,56 @@ def next_step_lr(opt_file: Path, folder: Path | None, stored_groups: list[dict],
                  last_step_lr: float | None = None) -> tuple[float, str]:
     """The lr of the step the probe simulates when ``optimizer.lr`` is not set: the scheduler's next
     lr (``scheduler.pt``'s ``_last_lr``), else the lr the scheduler left in ``optimizer.pt``'s param
-    groups (torch schedulers write it there before the checkpoint is saved). A next lr of 0 is the
-    end of the schedule: an error that says so and asks for ``optimizer.lr``."""
+    groups (torch schedulers write it there before the checkpoint is saved)."""
     sched = folder / "scheduler.pt" if folder is not None else None
     if sched is not None and sched.is_file():
         st = load_torch_file(sched, "the lr scheduler state", f"fix or remove it, or {_SET_LR}")
         last = st.get("_last_lr") if isinstance(st, dict) else None
-        lr, src = (float(last[0]), str(sched)) if last else (None, "")
-    else:
-        lr, src = None, ""
-    if lr is None:
-        lr, src = float(stored_groups[0].get("lr", 0.0)), f"{opt_file} param_groups"
+        if last:
+            return positive_lr(float(last[0]), str(sched), last_step_lr), "scheduler.pt"
+    lr = float(stored_groups[0].get("lr", 0.0))
+    return positive_lr(lr, f"{opt_file} param_groups", last_step_lr), "optimizer.pt param_groups"
+
+
+def positive_lr(lr: float, src: str, last_step_lr: float | None = None) -> float:
+    """``lr`` when it is a positive finite number. A next lr of 0 is the end of the schedule: an
+    error that says so and asks for ``optimizer.lr``."""
     if not (lr > 0 and lr == lr and lr != float("inf")):
         taken = last_step_lr
         before = f"; the last step was taken at lr {taken:g} (trainer_state.json)" if taken else ""
         raise OptimizerStateError(
             f"the schedule has ended: the next step's lr is {lr:g} ({src}){before}. A step at lr 0 "
             f"changes nothing: {_SET_LR}, e.g. optimizer.lr={taken or 1e-6:g}")
-    return lr, ("scheduler.pt" if src == str(sched) else "optimizer.pt param_groups")
+    return lr
 
 
 @dataclass
 class StoredOptimizerState:
     """An optimizer state_dict read and checked without the model, and the lr of the next step."""
-    state_dict: dict
+    state_dict: dict | None  # optimizer.pt's (None: a sharded trainer's state, in ``named``)
     file: Path
     lr: float
     lr_source: str
     last_step_lr: float | None  # trainer_state.json's, when the folder has one
+    named: NamedAdamState | None = None  # Adam's whole state per parameter name (trainer_states)
 
 
 def read_optimizer_state(path: str, lr: float | None = None) -> StoredOptimizerState:
-    """Read ``optimizer.pt`` (a file or a Trainer checkpoint folder) and check what needs no model:
-    it is a state_dict of 1 or 2 param groups, every Adam moment is finite and ``exp_avg_sq >= 0``,
-    and the next step has a positive lr (``lr`` from the config, else ``next_step_lr``)."""
+    """Read ``optimizer.pt`` (a file or a Trainer checkpoint folder) or a sharded trainer's folder
+    (``trainer_states``) and check what needs no model: every Adam moment is finite and
+    ``exp_avg_sq >= 0``, an optimizer.pt has 1 or 2 param groups, and the next step has a positive lr
+    (``lr`` from the config, else the checkpoint's scheduler, else its param groups' lr)."""
+    p = Path(path).expanduser()
+    if p.is_dir() and not (p / "optimizer.pt").is_file():
+        from entprobe.trainer_states import read_trainer_state
+
+        named = read_trainer_state(p)
+        if named is not None:
+            if lr is not None:
+                return StoredOptimizerState(None, named.path, float(lr), "optimizer.lr (config)", None, named)
+            src = named.scheduler_source or f"{named.path} param groups ({named.fmt})"
+            value = named.scheduler_lr if named.scheduler_lr is not None else named.groups[0].lr
+            return StoredOptimizerState(None, named.path, positive_lr(value, src), src, None, named)
     opt_file, folder = _resolve_files(path)
     todo = ("point optimizer.state_path at an intact optimizer.pt, or use optimizer.preconditioner=identity "
             "optimizer.lr=<lr> for plain SGD geometry")
@@ -162,11 +187,9 @@ def _first_disagreement(group: dict, stored: dict, state: dict) -> str:
     return ""
 
 
-def load_optimizer(model, path: "str | StoredOptimizerState", lr=None, betas=None, eps=None, weight_decay=None,
-                   step=None) -> LoadedOptimizer:
-    """Match the stored AdamW state to the model's trainable parameters and build a live AdamW.
-    ``path``: a file / folder (read here) or what ``read_optimizer_state`` returned."""
-    stored = path if isinstance(path, StoredOptimizerState) else read_optimizer_state(path, lr)
+def _match_by_position(model, stored: StoredOptimizerState) -> tuple[list[dict], dict]:
+    """(param groups over the model's trainable parameters, optimizer.pt's state_dict), paired by
+    position in HF Trainer's grouping (or model order for one group), every size and shape checked."""
     opt_file, sd = stored.file, stored.state_dict
     stored_groups = sd["param_groups"]
     names, params = trainable(model)
@@ -194,6 +217,24 @@ def load_optimizer(model, path: "str | StoredOptimizerState", lr=None, betas=Non
                     f"{opt_file}: state shape mismatch at parameter {name!r}: checkpoint "
                     f"{tuple(st['exp_avg_sq'].shape)} vs model {tuple(p.shape)}; the optimizer.pt does not "
                     "belong to this model")
+    return groups, sd
+
+
+def load_optimizer(model, path: "str | StoredOptimizerState", lr=None, betas=None, eps=None, weight_decay=None,
+                   step=None) -> LoadedOptimizer:
+    """Match the stored AdamW state to the model's trainable parameters and build a live AdamW.
+    ``path``: a file / folder (read here) or what ``read_optimizer_state`` returned. optimizer.pt
+    is matched by position (``_match_by_position``), a sharded trainer's state by name and shape
+    (``trainer_states.named.match_to_model``)."""
+    stored = path if isinstance(path, StoredOptimizerState) else read_optimizer_state(path, lr)
+    if stored.named is not None:
+        from entprobe.trainer_states.named import match_to_model
+
+        groups, sd = match_to_model(stored.named, model)
+    else:
+        groups, sd = _match_by_position(model, stored)
+    opt_file, stored_groups = stored.file, sd["param_groups"]
+    _, params = trainable(model)
     g0 = stored_groups[0]
     betas = tuple(betas) if betas is not None else tuple(g0.get("betas", (0.9, 0.999)))
     eps = float(eps if eps is not None else g0.get("eps", 1e-8))
