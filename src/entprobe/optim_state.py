@@ -144,11 +144,12 @@ def read_optimizer_state(path: str, lr: float | None = None) -> StoredOptimizerS
 
         named = read_trainer_state(p)
         if named is not None:
+            taken = _last_step_lr(p)  # an HF Trainer FSDP checkpoint-N/ logs it beside optimizer_0/
             if lr is not None:
-                return StoredOptimizerState(None, named.path, float(lr), "optimizer.lr (config)", None, named)
+                return StoredOptimizerState(None, named.path, float(lr), "optimizer.lr (config)", taken, named)
             src = named.scheduler_source or f"{named.path} param groups ({named.fmt})"
             value = named.scheduler_lr if named.scheduler_lr is not None else named.groups[0].lr
-            return StoredOptimizerState(None, named.path, positive_lr(value, src), src, None, named)
+            return StoredOptimizerState(None, named.path, positive_lr(value, src, taken), src, taken, named)
     opt_file, folder = _resolve_files(path)
     todo = ("point optimizer.state_path at an intact optimizer.pt, or use optimizer.preconditioner=identity "
             "optimizer.lr=<lr> for plain SGD geometry")

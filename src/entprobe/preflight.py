@@ -27,8 +27,15 @@ class CheckedInputs:
 
 
 def _check_hf_folder(folder: Path, key: str) -> None:
-    """config.json parses; the weights are there and (safetensors) complete."""
+    """config.json parses; the weights are there and (safetensors) complete. A sharded trainer's
+    folder without HF weights is named with how to get them (``trainer_states.weights_hint``)."""
     todo = f"point {key} at a save_pretrained folder (config.json + weights)"
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("pytorch_model*.bin")):
+        from entprobe.trainer_states import weights_hint
+
+        hint = weights_hint(folder)
+        if hint:
+            raise ConfigError(f"{key}={folder}: no HF weights there; {hint}")
     load_json_file(folder / "config.json", "the model config", todo)
     index = folder / "model.safetensors.index.json"
     if index.is_file():

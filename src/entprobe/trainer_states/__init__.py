@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from entprobe.optim_state import OptimizerStateError
 from entprobe.trainer_states.named import NamedAdamState, check_moments
 
 FORMATS = ("an HF Trainer optimizer.pt (or its checkpoint folder), a torch.distributed.checkpoint folder "
@@ -35,9 +36,44 @@ def read_trainer_state(path: Path) -> NamedAdamState | None:
         folder = find(path)
         if folder is not None:
             named = read(folder)
+            if not named.state:
+                raise OptimizerStateError(f"{folder} ({named.fmt}) holds no Adam moments (exp_avg / exp_avg_sq): "
+                                          "an Adam / AdamW run's checkpoint is needed")
             check_moments(named)
             return named
     return None
 
 
-__all__ = ["FORMATS", "NamedAdamState", "read_trainer_state"]
+def _has_weights(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(
+        any(folder.glob(pattern)) for pattern in ("*.safetensors", "pytorch_model*.bin"))
+
+
+def weights_hint(folder: Path) -> str | None:
+    """What to do when ``model.path`` is a sharded trainer's folder without HF weights (None: not
+    one): the trainer's full-weights folder when it wrote one, else the command that merges them."""
+    from entprobe.trainer_states.deepspeed import find_deepspeed_folder
+    from entprobe.trainer_states.verl import MERGE, find_verl_folder
+
+    actor = find_verl_folder(folder) or (find_verl_folder(folder.parent) if folder.name == "huggingface" else None)
+    if actor is not None:
+        hf = actor / "huggingface"
+        if _has_weights(hf) and hf != folder:
+            return f"verl wrote the full weights to {hf}: set model.path={hf}"
+        return (f"{hf} holds verl's config and tokenizer but no weights (verl saves them there when the "
+                f"checkpoint contents include hf_model); merge the shards with verl: `{MERGE.format(actor=actor)}`, "
+                f"then set model.path={hf}")
+    if (folder / "pytorch_model_fsdp_0").is_dir():
+        return (f"{folder}/pytorch_model_fsdp_0 holds accelerate's sharded FSDP weights: merge them with "
+                f"`accelerate merge-weights {folder}/pytorch_model_fsdp_0 {folder}/merged`, copy the model's "
+                f"config.json and tokenizer files into {folder}/merged and set model.path={folder}/merged")
+    ds = find_deepspeed_folder(folder)
+    if ds is not None:
+        top = ds.parent if (ds.parent / "latest").is_file() else ds
+        return (f"{folder} is a DeepSpeed checkpoint: consolidate the weights with the script DeepSpeed saved "
+                f"beside it, `python {top}/zero_to_fp32.py {top} {top}/fp32 --safe_serialization`, copy the "
+                f"model's config.json and tokenizer files into {top}/fp32 and set model.path={top}/fp32")
+    return None
+
+
+__all__ = ["FORMATS", "NamedAdamState", "read_trainer_state", "weights_hint"]

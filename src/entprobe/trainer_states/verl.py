@@ -113,14 +113,23 @@ def parameter_names(model_sd: dict) -> list[tuple[str, tuple]]:
     return out
 
 
+def _numpy_arrays() -> list:
+    """What the weights-only unpickler needs to build the numpy RNG state verl saves (a uint32
+    array): the array and dtype types and numpy's array reconstructor, nothing that runs code."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
 def _scheduler_lr(folder: Path, world: int) -> tuple[float | None, str]:
-    """The lr scheduler's next lr from rank 0's extra_state file (numpy / random RNG states in it
-    are not unpickled: a file that needs them is skipped, the param groups' lr is used)."""
+    """The lr scheduler's next lr (``_last_lr``) from rank 0's extra_state file; a file that cannot
+    be read leaves the param groups' lr (which torch's schedulers set to the same value)."""
     f = folder / f"extra_state_world_size_{world}_rank_0.pt"
     if not f.is_file():
         return None, ""
     try:
-        extra = load_torch_file(f, "verl's extra state", "")
+        extra = load_torch_file(f, "verl's extra state", "", allow=_numpy_arrays())
     except ValueError:
         return None, ""
     sched = extra.get("lr_scheduler") if isinstance(extra, dict) else None
@@ -139,17 +148,21 @@ def read_verl(folder: Path) -> NamedAdamState:
         if [g["params"] for g in sd["param_groups"]] != [g["params"] for g in optims[0]["param_groups"]]:
             raise OptimizerStateError(f"{folder}: rank {r}'s optimizer has other param groups than rank 0's: "
                                       "the files come from different runs")
+    if len(optims[0]["param_groups"]) != 1:
+        raise OptimizerStateError(f"{folder}: {len(optims[0]['param_groups'])} param groups; verl builds one over "
+                                  "module.parameters(), whose positions are the model file's parameters in order. "
+                                  "Positions in several groups cannot be named: save with "
+                                  "torch.distributed.checkpoint (get_optimizer_state_dict) instead")
     n_idx = sum(len(g["params"]) for g in optims[0]["param_groups"])
     if n_idx != len(params):
         raise OptimizerStateError(f"{folder}: the optimizer has {n_idx} parameters, the model file {len(params)} "
                                   "tensors; entprobe names optimizer positions by the model file's parameters")
-    state, groups = {}, []
-    pos_name = {}
+    state, groups, position = {}, [], 0
     for gi, g in enumerate(optims[0]["param_groups"]):
         names = []
         for idx in g["params"]:
-            name, shape = params[len(pos_name)]
-            pos_name[idx] = name
+            name, shape = params[position]
+            position += 1
             sts = [sd["state"].get(idx) for sd in optims]
             if all(s is None for s in sts):
                 continue  # a frozen parameter (verl's optimizer spans all of them) has no state
