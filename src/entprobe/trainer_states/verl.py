@@ -70,9 +70,18 @@ def rank_files(folder: Path) -> int:
 
 
 def _load(path: Path, what: str):
+    """A rank's file; its DTensors come back as local shards with their global shape."""
+    import logging
+
     import torch.distributed.tensor  # noqa: F401  (registers DTensor with the weights-only unpickler)
 
-    return load_torch_file(path, what, "copy the checkpoint again")
+    mesh_log = logging.getLogger("torch.distributed.device_mesh")
+    level = mesh_log.level
+    mesh_log.setLevel(logging.ERROR)  # "unpickling of the DeviceMesh before the PGs were created": by design
+    try:
+        return load_torch_file(path, what, "copy the checkpoint again")
+    finally:
+        mesh_log.setLevel(level)
 
 
 def _local(value, where: str) -> tuple[torch.Tensor, tuple]:
