@@ -48,6 +48,15 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "python -m entprobe.main model=hf model.path=/ckpt/lora/checkpoint-500 model.base_path=/models/base "
     "task=jsonl task.path=data/math.jsonl task.reward=boxed":
         ("compose", "your LoRA checkpoint and base model; tests/test_peft.py probes a TRL + peft one"),
+    # README.md and docs/checkpoints.md
+    "python -m entprobe.main model=hf model.path=/ckpt/global_step_100/actor/huggingface "
+    "optimizer.state_path=/ckpt/global_step_100/actor":
+        ("compose", "your verl checkpoint; tests/test_trainer_states.py probes a 4-rank one"),
+    # docs/checkpoints.md
+    "python -m entprobe.main model=hf model.path=/ckpt/checkpoint-500/merged optimizer.state_path=/ckpt/checkpoint-500":
+        ("compose", "your accelerate FSDP checkpoint; tests/test_trainer_states.py reads a 4-rank one"),
+    "python -m entprobe.main model=hf model.path=/ckpt/fp32 optimizer.state_path=/ckpt":
+        ("compose", "your DeepSpeed checkpoint; tests/test_trainer_states.py reads ZeRO-1/2/3 ones"),
     "python -m entprobe.main --help": ("run", "tests/test_help.py::test_help_lists_groups_and_documents_every_key"),
     # README.md and docs/objectives.md
     "python -m entprobe.main objective=trl objective.loss_type=dr_grpo":
