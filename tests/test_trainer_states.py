@@ -140,6 +140,10 @@ def test_missing_rank_files_are_named(written, tmp_path):
     (actor / "optim_world_size_4_rank_2.pt").unlink()
     with pytest.raises(OptimizerStateError, match=r"optim_world_size_4_rank_2\.pt is missing \(1 of 4 ranks"):
         read_optimizer_state(str(actor))
+    shutil.copy(written / "verl" / "global_step_3" / "actor" / "optim_world_size_4_rank_2.pt", actor)
+    (actor / "model_world_size_4_rank_0.pt").unlink()
+    with pytest.raises(OptimizerStateError, match=r"model_world_size_4_rank_0\.pt is missing: its parameter names"):
+        read_optimizer_state(str(actor))
     ds = shutil.copytree(DS / "zero2", tmp_path / "zero2")
     (ds / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     with pytest.raises(OptimizerStateError, match=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt is missing"):
@@ -177,6 +181,10 @@ def test_a_parameter_without_state_or_of_another_shape_is_named(written):
     with pytest.raises(OptimizerStateError, match=r"state shape mismatch at parameter 'model\.embed_tokens\.weight': "
                                                   r"checkpoint \(18, 64\) vs model \(18, 32\)"):
         load_optimizer(build_tiny_llama(vocab, hidden=32), str(written / "verl" / "global_step_3"))
+    stored = read_optimizer_state(str(DS / "zero2"))
+    stored.named.groups[1].names.append("lm_head.weight")  # a parameter in two groups: whose lr / decay?
+    with pytest.raises(OptimizerStateError, match=r"'lm_head\.weight' is in 2 param groups \(one expected\)"):
+        load_optimizer(_ds_model(), stored)
     with pytest.raises(OptimizerStateError, match=r"ZeRO-1 .*mismatch at parameter 'model\.embed_tokens\.weight': "
                                                   r"checkpoint \(18, 6\) vs model \(18, 64\)"):
         load_optimizer(reference_model(written), str(DS / "zero1"))

@@ -119,6 +119,11 @@ def match_to_model(named: NamedAdamState, model) -> tuple[list[dict], dict]:
         if got != tuple(by_name[n].shape):
             raise OptimizerStateError(f"{where}: state shape mismatch at parameter {n!r}: checkpoint {got} vs model "
                                       f"{tuple(by_name[n].shape)}; the state does not belong to this model")
+    grouped = [n for g in named.groups for n in g.names]
+    if sorted(grouped) != sorted(named.state):
+        odd = next(n for n in [*named.state, *grouped] if grouped.count(n) != 1)
+        raise OptimizerStateError(f"{where}: parameter {odd!r} is in {grouped.count(odd)} param groups (one expected): "
+                                  "the checkpoint's param groups do not cover its state")
     groups, sd = [], {"state": {}, "param_groups": []}
     order = {n: i for i, n in enumerate(names)}
     for g in named.groups:

@@ -44,7 +44,8 @@ def find_verl_folder(path: Path) -> Path | None:
 
 
 def rank_files(folder: Path) -> int:
-    """The world size the files were written with; every rank's optimizer and model file there."""
+    """The world size the files were written with; every rank's optimizer file and rank 0's model
+    file (the names) there."""
     sizes = sorted({int(m.group(1)) for p in folder.iterdir() if (m := _OPTIM.match(p.name))})
     if len(sizes) > 1:
         raise OptimizerStateError(f"{folder}: optimizer files of world sizes {sizes} (optim_world_size_W_rank_R.pt); "
@@ -61,11 +62,13 @@ def rank_files(folder: Path) -> int:
                 f"{folder}: a verl FSDP1 checkpoint (fsdp_config.json FSDP_version 1): its optimizer files hold "
                 "flattened FlatParameter shards whose layout the files do not record. Train with "
                 "actor_rollout_ref.actor.strategy=fsdp2 (per-parameter DTensor shards), which entprobe reads")
-    for kind in ("optim", "model"):
-        gone = [r for r in range(world) if not (folder / f"{kind}_world_size_{world}_rank_{r}.pt").is_file()]
-        if gone:
-            raise OptimizerStateError(f"{folder}: {kind}_world_size_{world}_rank_{gone[0]}.pt is missing ({len(gone)} "
-                                      f"of {world} ranks' {kind} files); copy every rank's files")
+    gone = [r for r in range(world) if not (folder / f"optim_world_size_{world}_rank_{r}.pt").is_file()]
+    if gone:
+        raise OptimizerStateError(f"{folder}: optim_world_size_{world}_rank_{gone[0]}.pt is missing ({len(gone)} of "
+                                  f"{world} ranks' optimizer files); copy every rank's files")
+    if not (folder / f"model_world_size_{world}_rank_0.pt").is_file():
+        raise OptimizerStateError(f"{folder}: model_world_size_{world}_rank_0.pt is missing: its parameter names name "
+                                  "the optimizer's positions; copy it too")
     return world
 
 
