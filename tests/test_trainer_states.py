@@ -94,15 +94,20 @@ def _ds_model():
     return tiny_model()
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_deepspeed_zero_reads_back_to_the_same_steps_in_plain_torch(stage):
-    """ZeRO-N on 4 ranks against the same 3 steps by torch's AdamW in one process (the gradients
-    agree to rounding, so the moments to ~1e-6), with DeepSpeed's own groups and hyperparameters."""
+@pytest.mark.parametrize("folder", ["zero1", "zero2", "zero3", "zero2_universal"])
+def test_deepspeed_zero_reads_back_to_the_same_steps_in_plain_torch(folder):
+    """ZeRO-N on 4 ranks (and DeepSpeed's universal conversion of ZeRO-2) against the same 3 steps by
+    torch's AdamW in one process (the gradients agree to rounding, so the moments to ~1e-6), with
+    DeepSpeed's own groups and hyperparameters."""
     model = _ds_model()
     want = load_optimizer(model, str(DS / "reference_optimizer.pt"), lr=1e-2)
-    got = load_optimizer(model, str(DS / f"zero{stage}"))  # the folder with `latest`
+    got = load_optimizer(model, str(DS / folder))  # the folder with `latest` / `latest_universal`
     assert_same_state(model, got, want, rtol=1e-5)
-    assert got.lr == 1e-2 and got.step == 3 and got.path == str(DS / f"zero{stage}" / "global_step3")
+    step = "global_step3_universal" if folder.endswith("universal") else "global_step3"
+    assert got.lr == 1e-2 and got.step == 3 and got.path == str(DS / folder / step)
+    if folder.endswith("universal"):  # the same numbers as the partitions it was converted from
+        zero2 = load_optimizer(model, str(DS / "zero2"))
+        assert_same_state(model, got, zero2)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -9,7 +9,8 @@
 torch.distributed.checkpoint      a ``.metadata`` there, or in one sub-folder (accelerate FSDP's
                                   ``optimizer_0/``; torchtune; ``dcp.save`` of ``get_optimizer_state_dict``)
 verl FSDP2                        ``optim_world_size_W_rank_R.pt`` there or in ``actor/``
-DeepSpeed ZeRO-1/2/3              ``zero_pp_rank_R_mp_rank_00_optim_states.pt`` there, or a ``latest`` file
+DeepSpeed ZeRO-1/2/3              ``zero_pp_rank_R_mp_rank_00_optim_states.pt`` there, or a ``latest`` file;
+                                  its universal conversion: ``zero/<name>/exp_avg_sq.pt`` (``latest_universal``)
 ================================  =====================================================================
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from entprobe.trainer_states.named import NamedAdamState, check_moments
 
 FORMATS = ("an HF Trainer optimizer.pt (or its checkpoint folder), a torch.distributed.checkpoint folder "
            "(accelerate FSDP: the folder with optimizer_0/), a verl FSDP2 checkpoint (global_step_N/actor) or a "
-           "DeepSpeed ZeRO checkpoint (global_stepN/, or the folder with its 'latest' file)")
+           "DeepSpeed ZeRO checkpoint (global_stepN/, or the folder with its 'latest' file, or their universal conversion)")
 
 
 def read_trainer_state(path: Path) -> NamedAdamState | None:

@@ -16,7 +16,8 @@ checked against the model when the state meets it.
 Read with ``torch.load(weights_only=True)``: the few DeepSpeed records in the files (the loss
 scaler, ``ZeroStageEnum``, ``fragment_address``) are built as inert stand-ins, so DeepSpeed need not
 be installed and nothing from the files runs. A file holding anything else is refused with the
-conversion to run where DeepSpeed is installed.
+conversion to run where DeepSpeed is installed: ``ds_to_universal``, whose per-parameter
+``zero/<name>/`` files (a universal checkpoint) are read here too.
 """
 from __future__ import annotations
 
@@ -50,16 +51,23 @@ SAFE = [(_Record, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
 
 
 def find_deepspeed_folder(path: Path) -> Path | None:
-    """The ``global_stepN`` folder: ``path`` itself, or the one its ``latest`` file names."""
-    if path.is_dir() and any(_OPTIM.match(p.name) for p in path.iterdir()):
+    """The ``global_stepN`` folder (or its universal conversion, with ``zero/<name>/``): ``path``
+    itself, or the one its ``latest`` (``latest_universal``) file names."""
+    if path.is_dir() and (any(_OPTIM.match(p.name) for p in path.iterdir()) or is_universal(path)):
         return path
-    latest = path / "latest"
-    if latest.is_file():
-        tag = path / latest.read_text().strip()
-        if not tag.is_dir():
-            raise OptimizerStateError(f"{latest} names {tag.name!r}, which is not a folder in {path}")
-        return tag
+    for name in ("latest_universal", "latest"):
+        latest = path / name
+        if latest.is_file():
+            tag = path / latest.read_text().strip()
+            if not tag.is_dir():
+                raise OptimizerStateError(f"{latest} names {tag.name!r}, which is not a folder in {path}")
+            return tag
     return None
+
+
+def is_universal(folder: Path) -> bool:
+    """A DeepSpeed universal checkpoint: ``zero/<parameter name>/exp_avg_sq.pt`` per parameter."""
+    return (folder / "zero" / "optimizer_state.pt").is_file()
 
 
 def _load(path: Path, what: str, folder: Path):
@@ -136,8 +144,37 @@ def un_partition(flats: list[torch.Tensor], shapes: list[tuple[str, tuple]], sta
     return out
 
 
+def read_universal(folder: Path) -> NamedAdamState:
+    """DeepSpeed's universal checkpoint (``ds_to_universal``): ``zero/<name>/{exp_avg, exp_avg_sq}.pt``
+    hold ``{"param": whole tensor}``, ``step.pt`` the counter, ``zero/optimizer_state.pt`` the param
+    groups; which parameter is in which group comes from the model states' ``param_shapes``."""
+    zero = folder / "zero"
+    common = _load(zero / "optimizer_state.pt", "DeepSpeed's common optimizer state", folder)
+    hyper = common.get("param_groups") or []
+    state = {}
+    for sub in sorted(p for p in zero.iterdir() if (p / "exp_avg_sq.pt").is_file()):
+        st = {k: _load(sub / f"{k}.pt", f"the {k} of {sub.name}", folder) for k in MOMENTS}
+        if not all(isinstance(v, dict) and torch.is_tensor(v.get("param")) for v in st.values()):
+            raise OptimizerStateError(f"{sub}: not a universal checkpoint's {{'param': tensor}} files")
+        step = _load(sub / "step.pt", f"the step of {sub.name}", folder) if (sub / "step.pt").is_file() else 0
+        state[sub.name] = {k: v["param"].float() for k, v in st.items()} | {"step": step_tensor(step, str(sub))}
+    model_files = sorted(folder.glob("*model_states.pt"))
+    shapes = _load(model_files[0], "DeepSpeed's model states", folder).get("param_shapes") if model_files else None
+    if shapes and len(shapes) == len(hyper):
+        groups = [adam_group(h, [n for n in g if n in state], f"{folder} param group {i}")
+                  for i, (h, g) in enumerate(zip(hyper, shapes))]
+    elif len(hyper) == 1:
+        groups = [adam_group(hyper[0], list(state), f"{folder} param group 0")]
+    else:
+        raise OptimizerStateError(f"{folder}: {len(hyper)} param groups and no model states file with the "
+                                  "param_shapes that say which parameter is in which")
+    return NamedAdamState("DeepSpeed universal checkpoint", folder, state, groups)
+
+
 def read_deepspeed(folder: Path) -> NamedAdamState:
     """A DeepSpeed ZeRO checkpoint as whole tensors per parameter name, whatever its world size."""
+    if is_universal(folder):
+        return read_universal(folder)
     files = rank_files(folder)
     world = len(files)
     loaded = [_load(f, "DeepSpeed's optimizer partition", folder) for f in files]
