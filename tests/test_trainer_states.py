@@ -85,6 +85,7 @@ def test_verl_fsdp2_reads_back_and_probes_like_its_plain_state(written, tmp_path
     for k in ("deltaH1", "SE_deltaH1", "deltaH_pred", "deltaH_true"):
         assert math.isfinite(res[k]) and res[k] == ref[k], k
     assert res["adam_step"] == 3 and res["optimizer_path"] == str(actor)
+    assert (res["optimizer_format"], ref["optimizer_format"]) == ("verl FSDP2 checkpoint, world size 4", "optimizer.pt")
 
 
 def _ds_model():

@@ -44,7 +44,8 @@ def build_geometry(cfg: EntprobeConfig, lm, params, buf_dev: torch.device,
     if o.preconditioner.value == "adam":
         P = pv.LiveAdamPreconditioner(lo.optimizer, params, lo.step, lo.betas[1], lo.eps, buf_dev, buf_dtype)
     meta = {"lr_source": lo.lr_source, "adam_step": lo.step, "adam_beta1": lo.betas[0],
-            "adam_beta2": lo.betas[1], "adam_eps": lo.eps, "optimizer_path": lo.path}
+            "adam_beta2": lo.betas[1], "adam_eps": lo.eps, "optimizer_path": lo.path,
+            "optimizer_format": stored.named.fmt if stored.named is not None else "optimizer.pt"}
     if stored.last_step_lr is not None:
         meta["lr_last_step"] = stored.last_step_lr  # trainer_state.json: the lr of the step already taken
     return Geometry(lo.optimizer, lo.lr, P), meta

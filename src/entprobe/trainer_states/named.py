@@ -10,7 +10,7 @@ parameters by name and shape, never by position.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,7 +50,6 @@ class NamedAdamState:
     world_size: int | None = None  # of the run that wrote it (None: not recorded)
     scheduler_lr: float | None = None  # the lr scheduler's next lr, when the checkpoint holds one
     scheduler_source: str = ""
-    notes: list[str] = field(default_factory=list)
 
 
 def adam_group(hyper: dict, names: list[str], where: str) -> AdamGroup:
