@@ -211,6 +211,7 @@ class ModelConfig:
     device: str = "auto"
     autocast_bf16: bool = True
     attn_implementation: str = "eager"
+    activation_checkpointing: bool = False  # recompute each layer's activations in the backward
     trust_remote_code: bool = False
     cache_dir: Optional[str] = None
     builtin_seed: int = 0

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from entprobe.config import ConfigError
 from entprobe.input_files import InputFileError
 from entprobe.peft_support import AdapterError, apply_adapter, is_adapter_dir, resolve_adapter
 
@@ -116,7 +117,21 @@ def load_model(cfg, check_tokenizer: Callable[[object], None] | None = None) -> 
     model.to(device)
     model.train()  # the probe differentiates; dropout-free models behave the same in train mode
     _disable_dropout(model)
+    if cfg.activation_checkpointing:
+        enable_activation_checkpointing(model)
     return LoadedModel(model, tok, device, autocast, where, ckpt_dir, meta)
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """transformers' activation checkpointing, non-reentrant (``torch.utils.checkpoint`` with
+    ``use_reentrant=False``: per-unit backward, batched ``vmap`` gradients and forward-mode passes
+    give the same numbers as without it). Active in train mode only, so sampling (eval mode) keeps
+    its KV cache. A PEFT model checkpoints its base."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"model.activation_checkpointing=true: {type(base).__name__} does not support "
+                          "activation checkpointing in transformers; set it to false")
+    base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _ready_tokenizer(tok, check_tokenizer) -> None:
