@@ -104,3 +104,17 @@ def test_footprint_benchmark_runs_as_documented():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "probe peak / training-process peak:" in proc.stdout
     assert "accumulate_X_E" in proc.stdout
+
+
+def test_scaling_on_paper_runs_as_documented():
+    """docs/scaling.md's command prints the table it quotes (70B on 64 GPUs: 93 GB peak)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "benchmarks/scaling_on_paper.py", "--checkpointing"], cwd=root,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    row = next(line.split() for line in proc.stdout.splitlines() if line.startswith("70B") and line.split()[1] == "64")
+    assert row[8] == "93.2", row
