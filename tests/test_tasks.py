@@ -66,7 +66,7 @@ def test_jsonl_task_errors(tmp_path):
     f.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: each record needs 'prompt' and 'answer'"):
         JsonlTask(str(f))
-    with pytest.raises(ValueError, match=r"task\.reward='exact'; choose one of \['boxed', 'numeric'\]"):
+    with pytest.raises(ValueError, match=r"task\.reward='exact'; choose one of \['boxed', 'last_number', 'numeric'\]"):
         JsonlTask(str(f), reward="exact")
     with pytest.raises(FileNotFoundError, match="task.path"):
         JsonlTask(str(tmp_path / "missing.jsonl"))

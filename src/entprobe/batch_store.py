@@ -21,9 +21,12 @@ from entprobe.atomic_io import write_json_atomic
 from entprobe.config import ConfigError, EntprobeConfig
 from entprobe.input_files import load_json_file
 from entprobe.locks import file_lock
+from entprobe.prompt_ids import style_of
 from entprobe.rollout import RolloutBatch
 
 META = "batches.json"
+# the value a task key had in effect before it was added (prompts tokenized as entprobe, built-in rewards)
+_TASK_BEFORE = {"tokenize": "entprobe", "chat_template_kwargs": {}, "reward_funcs": [], "reward_weights": None}
 LOCK = ".lock"
 _CHUNK, _CHUNKS = 1 << 16, 16
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -64,11 +67,17 @@ def model_identity(model_dir: Path | None, gguf: Path | None, tokenizer_dir: Pat
     return {"model": model, "tokenizer": files_digest(tokenizer_dir or model_dir, _TOKENIZER_FILES)}
 
 
+def task_fingerprint(cfg: EntprobeConfig) -> dict:
+    """The task keys, ``tokenize`` resolved (``auto`` tokenizes as the objective's trainer)."""
+    task = {k: getattr(v, "value", v) for k, v in dataclasses.asdict(cfg.task).items()}
+    task["tokenize"] = style_of(cfg)
+    return task
+
+
 def fingerprint(cfg: EntprobeConfig, identity: dict) -> dict:
     """What the batches ``cfg`` samples depend on, for ``batches.json``."""
     b, s = cfg.batch, cfg.sampling
-    task = {k: getattr(v, "value", v) for k, v in dataclasses.asdict(cfg.task).items()}
-    return {**identity, "task": task, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+    return {**identity, "task": task_fingerprint(cfg), "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
             "max_new_tokens": s.max_new_tokens, "G": b.G, "B_E": b.B_E, "B_U": b.B_U,
             "seed_E": b.seed_E, "seed_U": b.seed_U, "advantage": b.advantage.value,
             "mode": cfg.probe.mode.value}
@@ -116,9 +125,11 @@ def check_saved(src: Path, E: RolloutBatch, U: RolloutBatch, meta: dict | None, 
                               "would be of another distribution: set it to the sampling temperature")
     if meta is None:
         return
+    task = task_fingerprint(cfg)
+    if isinstance(meta.get("task"), dict):  # saved before a task key existed: that key's then behaviour
+        meta = {**meta, "task": {**_TASK_BEFORE, **meta["task"]}}
     for key, cfg_key, want in (("top_k", "sampling.top_k", s.top_k), ("top_p", "sampling.top_p", s.top_p),
-                               ("task", "task", {k: getattr(v, "value", v)
-                                                 for k, v in dataclasses.asdict(cfg.task).items()})):
+                               ("task", "task", task)):
         if key in meta and meta[key] != want:
             raise ConfigError(f"batch.load={src}: the batches were sampled with {cfg_key}={meta[key]}, the "
                               f"config says {cfg_key}={want}; set it to match or sample anew")

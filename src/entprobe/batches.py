@@ -14,6 +14,7 @@ from entprobe.batch_store import check_saved, fingerprint, load_batches, save_ba
 from entprobe.config import ConfigError, EntprobeConfig
 from entprobe.locks import file_lock
 from entprobe.preflight import CheckedInputs
+from entprobe.prompt_ids import prompt_kwargs
 from entprobe.rollout import RolloutBatch, draw_prompt_indices, sample_batch
 from entprobe.stages.context import ProbeContext
 
@@ -64,7 +65,7 @@ def sample_global(cfg: EntprobeConfig, lm, task, ctx: ProbeContext) -> tuple[Rol
         idx = draw_prompt_indices(len(task.prompts), B, seed).tensor_split(D.world())[D.rank()]
         with ctx.phase(f"sample_{label}"):
             mine = sample_batch(lm.model, lm.tokenizer, task, idx, b.G, s, rank_seed(seed), b.advantage.value,
-                                b.adv_eps, cfg.task.chat_template.value, cfg.task.system_prompt)
+                                b.adv_eps, **prompt_kwargs(cfg))
         return concat_batches(D.gather_objects(mine), lm.tokenizer.pad_token_id) if D.is_dist() else mine
 
     # single_batch measures its step on a fresh E too (responses the step was not fit to)
@@ -111,5 +112,4 @@ def shard_resample(cfg: EntprobeConfig, lm, task, E: RolloutBatch) -> RolloutBat
     """Fresh responses for this rank's E prompts at the current (updated) parameters."""
     b = cfg.batch
     return sample_batch(lm.model, lm.tokenizer, task, E.prompt_index, b.G, cfg.sampling,
-                        rank_seed(b.seed_E + 1_000_003), b.advantage.value, b.adv_eps,
-                        cfg.task.chat_template.value, cfg.task.system_prompt)
+                        rank_seed(b.seed_E + 1_000_003), b.advantage.value, b.adv_eps, **prompt_kwargs(cfg))

@@ -79,6 +79,13 @@ class ChatTemplate(str, Enum):
     never = "never"
 
 
+class PromptTokenization(str, Enum):
+    auto = "auto"  # as the objective's trainer: objective=trl -> trl, objective=verl -> verl, else entprobe
+    entprobe = "entprobe"  # the built-in trainer's: task.chat_template / system_prompt, else BOS + text
+    trl = "trl"  # TRL GRPOTrainer's: message lists through the chat template, texts as tokenizer(text)
+    verl = "verl"  # verl RLHFDataset's: every prompt through the chat template (a text as one user message)
+
+
 class ModelSource(str, Enum):
     builtin = "builtin"
     hf = "hf"
@@ -227,6 +234,10 @@ class TaskConfig:
     seed: int = 0
     chat_template: ChatTemplate = ChatTemplate.auto
     system_prompt: Optional[str] = None
+    tokenize: PromptTokenization = PromptTokenization.auto  # prompt_ids.py
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # TRL GRPOConfig / verl data key
+    reward_funcs: list[str] = field(default_factory=list)  # TRL reward functions by import path (tasks/reward_funcs.py)
+    reward_weights: Optional[list[float]] = None
 
 
 @dataclass
@@ -383,8 +394,15 @@ def validate(cfg: Any) -> None:
     _require(o.step is None or o.step >= 1, "optimizer.step", f"is {o.step}; the steps already taken, >= 1")
     _require(o.weight_decay is None or o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
     from entprobe.objectives import config_errors
-    for key, msg in config_errors(cfg.objective, cfg):
+    from entprobe.prompt_ids import style_errors
+    for key, msg in config_errors(cfg.objective, cfg) + style_errors(cfg):
         _require(False, key, msg)
+    t = cfg.task
+    _require(t.reward_weights is None or bool(t.reward_funcs), "task.reward_weights",
+             "weighs task.reward_funcs; give the functions too, or drop the weights")
+    _require(t.reward_weights is None or len(t.reward_weights) == len(t.reward_funcs), "task.reward_weights",
+             f"has {len(t.reward_weights or [])} values for {len(t.reward_funcs)} task.reward_funcs; give one per function")
+    _require(_finite(*(t.reward_weights or [])), "task.reward_weights", f"is {t.reward_weights}; weights must be finite")
     _require(cfg.logging.wandb.mode in ("disabled", "offline", "online"), "logging.wandb.mode",
              f"is {cfg.logging.wandb.mode!r}; use disabled, offline or online")
     logger = getattr(cfg.logging.logger, "value", cfg.logging.logger)

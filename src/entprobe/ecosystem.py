@@ -11,18 +11,22 @@ and ``response_length/clip_ratio`` (responses as long as the length cap).
 """
 from __future__ import annotations
 
-from entprobe.rollout import RolloutBatch
+from entprobe.rollout import RolloutBatch, nan_std
 
 
 def trainer_metrics(U: RolloutBatch, max_new_tokens: int, token_entropy: float | None) -> dict[str, float]:
     """TRL / verl-named metrics of the global update batch ``U`` [B, G]; ``token_entropy``: the
     mean per-token entropy over E's generated tokens at theta (``token_entropy_orig``), or None."""
-    r = U.rewards.double()
+    r = U.rewards.double()  # NaN: unscorable responses, left out as TRL does
+    scored = r[~r.isnan()] if bool(r.isnan().any()) else r
+    if scored.numel() == 0:
+        scored = r.new_full((1,), float("nan"))
     L = U.gen_lengths.double()
     out = {
-        "reward": float(r.mean()), "reward_std": float(r.std()) if r.numel() > 1 else 0.0,
-        "frac_reward_zero_std": float((r.std(-1) == 0).double().mean()),
-        "critic/score/mean": float(r.mean()), "critic/score/max": float(r.max()), "critic/score/min": float(r.min()),
+        "reward": float(r.nanmean()), "reward_std": float(nan_std(r)) if r.numel() > 1 else 0.0,
+        "frac_reward_zero_std": float((nan_std(r, -1).nan_to_num(0.0) == 0).double().mean()),
+        "critic/score/mean": float(r.nanmean()), "critic/score/max": float(scored.max()),
+        "critic/score/min": float(scored.min()),
         "completions/mean_length": float(L.mean()), "completions/min_length": float(L.min()),
         "completions/max_length": float(L.max()),
         "response_length/mean": float(L.mean()), "response_length/max": float(L.max()),

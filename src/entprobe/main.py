@@ -31,6 +31,7 @@ from entprobe.geometry import build_geometry
 from entprobe.loggers import make_logger
 from entprobe.models import LoadedModel, load_model
 from entprobe.preflight import check_inputs
+from entprobe.prompt_ids import check_template, style_of
 from entprobe.report_md import PLOT_FILES
 from entprobe.rollout import RolloutBatch
 from entprobe.rundir import marks_failure, set_aside_earlier_run
@@ -61,7 +62,13 @@ def load_probe(cfg: EntprobeConfig) -> tuple[LoadedModel, Task, ProbeContext]:
     (``core.probe_context``)."""
     task = build_task(OmegaConf.structured(cfg.task))
     where = f"task.path={cfg.task.path}" if cfg.task.path else f"task._target_={cfg.task._target_}"
-    lm = load_model(cfg.model, check_tokenizer=lambda tok: check_encodable(task, tok, where))
+    style = style_of(cfg)
+
+    def check_tokenizer(tok) -> None:
+        check_encodable(task, tok, where)
+        check_template(tok, [p.source for p in task.prompts[:1]], style, where)
+
+    lm = load_model(cfg.model, check_tokenizer=check_tokenizer)
     model = D.wrap(lm.model, lm.device, cfg.ddp.find_unused_parameters)  # DDP under torchrun / SLURM
     return lm, task, probe_context(cfg, lm.model, lm.device, lm.autocast_dtype, run_model=model)
 

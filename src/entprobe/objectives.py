@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from entprobe import estimators as est
+from entprobe.rollout import centred_rewards, finish_advantages, nan_std
 
 AGGREGATIONS = ("group_lmax", "seq_token_mean", "seq_token_sum", "seq_constant", "token_mean", "token_sum")
 # TRL GRPOTrainer loss_type (trl/trainer/grpo_trainer.py, ``_compute_loss``) -> aggregation
@@ -131,22 +132,25 @@ def unit_weights(aggregation: str, A: torch.Tensor, L: torch.Tensor, Lmax: torch
 def trl_advantages(rewards: torch.Tensor, scale_rewards: str) -> torch.Tensor:
     """TRL GRPOTrainer's advantages of one generation batch [B, G] (``sum_then_normalize``):
     ``r - mean_g r``, divided by ``std + 1e-4`` with the group's std (``group``) or the whole
-    batch's (``batch``), or not (``none``); std with Bessel's correction."""
-    centred = rewards - rewards.mean(-1, keepdim=True)
-    if scale_rewards == "none":
-        return centred
+    batch's (``batch``), or not (``none``); std with Bessel's correction. NaN rewards (unscorable
+    responses) are left out of means and stds and get advantage 0, as in TRL."""
+    centred = centred_rewards(rewards)
     if scale_rewards == "group":
-        return centred / (rewards.std(-1, keepdim=True) + TRL_STD_EPS)
-    if scale_rewards == "batch":
-        return centred / (rewards.std() + TRL_STD_EPS)
-    raise ValueError(f"scale_rewards={scale_rewards!r}; one of {TRL_SCALE_REWARDS}")
+        centred = centred / (nan_std(rewards, -1, keepdim=True) + TRL_STD_EPS)
+    elif scale_rewards == "batch":
+        centred = centred / (nan_std(rewards) + TRL_STD_EPS)
+    elif scale_rewards != "none":
+        raise ValueError(f"scale_rewards={scale_rewards!r}; one of {TRL_SCALE_REWARDS}")
+    return finish_advantages(centred)
 
 
 def verl_advantages(rewards: torch.Tensor, norm_adv_by_std: bool) -> torch.Tensor:
     """verl's GRPO outcome advantage [B, G]: ``r - mean_g r``, divided by ``std_g r + 1e-6``
-    (Bessel's correction) when ``norm_adv_by_std_in_grpo``."""
-    centred = rewards - rewards.mean(-1, keepdim=True)
-    return centred / (rewards.std(-1, keepdim=True) + VERL_STD_EPS) if norm_adv_by_std else centred
+    (Bessel's correction) when ``norm_adv_by_std_in_grpo`` (NaN rewards as in ``trl_advantages``)."""
+    centred = centred_rewards(rewards)
+    if norm_adv_by_std:
+        centred = centred / (nan_std(rewards, -1, keepdim=True) + VERL_STD_EPS)
+    return finish_advantages(centred)
 
 
 def token_coupling(L: torch.Tensor) -> torch.Tensor:
@@ -159,9 +163,9 @@ def batch_std_coupling(rewards: torch.Tensor, eps: float = TRL_STD_EPS) -> torch
     """``k_n = (v_n - vbar) / (2 sigma (sigma + eps))`` [B] of advantages divided by the batch's
     reward std sigma (``v_n = mean_g (r[n,g] - rbar)^2``); zeros when sigma = 0 (every A is 0)."""
     r = rewards.double()
-    sigma = float(r.std())
-    v = ((r - r.mean()) ** 2).mean(-1)
-    if sigma == 0:
+    sigma = float(nan_std(r))
+    v = ((r - r.nanmean()) ** 2).nanmean(-1).nan_to_num(0.0)
+    if not sigma > 0:
         return torch.zeros_like(v)
     return (v - v.mean()) / (2 * sigma * (sigma + eps))
 

@@ -1,6 +1,7 @@
 """Checks that need no model, run before it loads (seconds instead of minutes to a bad-input error):
-the model's files are there and intact, the optimizer state exists when the geometry needs one
-and is readable, finite and has a next-step lr, and batches to load fit the config.
+the task's reward functions import, the model's files are there and intact, the optimizer state
+exists when the geometry needs one and is readable, finite and has a next-step lr, and batches to
+load fit the config.
 
     inputs = check_inputs(cfg)      # then load_model, build_geometry(..., inputs.optimizer_state), ...
 """
@@ -15,6 +16,7 @@ from entprobe.input_files import check_gguf, check_safetensors, load_json_file
 from entprobe.optim_state import StoredOptimizerState, read_optimizer_state
 from entprobe.peft_support import is_adapter_dir, resolve_adapter
 from entprobe.rollout import RolloutBatch
+from entprobe.tasks.reward_funcs import load_reward_func
 
 
 @dataclass
@@ -96,6 +98,8 @@ def optimizer_state_path(cfg: EntprobeConfig, model_dir: Path | None) -> str | N
 def check_inputs(cfg: EntprobeConfig) -> CheckedInputs:
     """Every check that needs no model, in the order a user fixes them."""
     o = cfg.optimizer
+    for path in cfg.task.reward_funcs:  # they import and are callable
+        load_reward_func(path)
     model_dir, gguf = model_files(cfg)
     path = optimizer_state_path(cfg, model_dir)
     state = None

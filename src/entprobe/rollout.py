@@ -16,6 +16,8 @@ import torch
 from entprobe.atomic_io import torch_save_atomic
 from entprobe.input_files import InputFileError, load_torch_file
 from entprobe.logprobs import position_ids_from_mask
+from entprobe.prompt_ids import encode_prompts
+from entprobe.tasks.base import score_rows
 
 
 @dataclass
@@ -86,21 +88,45 @@ class RolloutBatch:
 
     def stats(self, prefix: str) -> dict[str, float]:
         """Reward mean/std, fraction of groups with zero reward variance, mean generated length."""
-        r = self.rewards
+        r = self.rewards  # NaN: unscorable responses (every reward function returned None), left out
         return {
-            f"{prefix}/reward_mean": r.mean().item(),
-            f"{prefix}/reward_std": r.std().item() if r.numel() > 1 else 0.0,
-            f"{prefix}/frac_zero_var_groups": (r.std(-1) == 0).float().mean().item(),
+            f"{prefix}/reward_mean": r.nanmean().item(),
+            f"{prefix}/reward_std": nan_std(r).item() if r.numel() > 1 else 0.0,
+            f"{prefix}/frac_zero_var_groups": (nan_std(r, -1).nan_to_num(0.0) == 0).float().mean().item(),
             f"{prefix}/mean_gen_length": self.gen_lengths.float().mean().item(),
         }
 
 
+def nan_std(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """Standard deviation with Bessel's correction over the non-NaN entries (TRL's ``nanstd``;
+    ``torch.std`` itself when there is no NaN); NaN where fewer than two entries are left."""
+    if not bool(x.isnan().any()):
+        return x.std() if dim is None else x.std(dim, keepdim=keepdim)
+    dims = dim if dim is not None else tuple(range(x.dim()))
+    n = (~x.isnan()).sum(dims, keepdim=keepdim)
+    var = ((x - x.nanmean(dims, keepdim=True)) ** 2).nansum(dims, keepdim=keepdim) / (n - 1)
+    return var.sqrt()
+
+
+def centred_rewards(rewards: torch.Tensor) -> torch.Tensor:
+    """``r - mean_g r`` [B, G], NaN rewards (unscorable responses) left out of the mean and kept NaN."""
+    if not bool(rewards.isnan().any()):
+        return rewards - rewards.mean(-1, keepdim=True)
+    return rewards - rewards.nanmean(-1, keepdim=True)
+
+
+def finish_advantages(A: torch.Tensor) -> torch.Tensor:
+    """Advantages with unscorable responses (NaN reward) at 0: they carry no signal (TRL's rule)."""
+    return torch.nan_to_num(A, nan=0.0)
+
+
 def group_advantages(rewards: torch.Tensor, mode: str, eps: float = 1e-6) -> torch.Tensor:
-    """``dr_grpo``: A = r - mean_g r. ``grpo``: A = (r - mean_g r) / (std_g r + eps) (unbiased std)."""
-    centred = rewards - rewards.mean(-1, keepdim=True)
+    """``dr_grpo``: A = r - mean_g r. ``grpo``: A = (r - mean_g r) / (std_g r + eps) (unbiased std).
+    NaN rewards (unscorable) are left out of the group's statistics and get A = 0."""
+    centred = centred_rewards(rewards)
     if str(mode) in ("grpo", "AdvantageMode.grpo"):
-        return centred / (rewards.std(-1, keepdim=True) + eps)
-    return centred
+        centred = centred / (nan_std(rewards, -1, keepdim=True) + eps)
+    return finish_advantages(centred)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -114,28 +140,6 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         drop = cum - sorted_logits.softmax(-1) > top_p  # keep the token that crosses top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), -math.inf)
     return logits
-
-
-def encode_prompts(tokenizer, texts: list[str], chat_template: str, system_prompt=None) -> list[list[int]]:
-    """Token ids of each prompt: through the chat template when asked/available, else BOS + text."""
-    has_template = getattr(tokenizer, "chat_template", None) is not None
-    use = chat_template == "always" or (chat_template == "auto" and has_template)
-    if chat_template == "always" and not has_template:
-        raise ValueError("task.chat_template=always but the tokenizer has no chat template")
-    out = []
-    for text in texts:
-        if use:
-            msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
-                   [{"role": "user", "content": text}]
-            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            out.append(list(ids))
-        else:
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            bos = tokenizer.bos_token_id
-            out.append(([bos] if bos is not None else []) + list(ids))
-    return out
 
 
 @torch.no_grad()
@@ -203,8 +207,11 @@ def assemble(prompts: list[list[int]], responses: list[list[int]], logprobs: lis
 
 def sample_batch(model, tokenizer, task, prompt_index: torch.Tensor, G: int, sampling, seed: int,
                  advantage: str, adv_eps: float, chat_template: str = "auto",
-                 system_prompt: str | None = None, progress=None) -> RolloutBatch:
-    """Sample G responses for each prompt in ``prompt_index`` (reproducible from ``seed``)."""
+                 system_prompt: str | None = None, progress=None, style: str = "entprobe",
+                 template_kwargs: dict | None = None) -> RolloutBatch:
+    """Sample G responses for each prompt in ``prompt_index`` (reproducible from ``seed``), the
+    prompts tokenized under the convention ``style`` (``prompt_ids``), the rewards the task's
+    (``tasks.score_rows``: its reward functions called once on the whole batch)."""
     if sampling.top_k or sampling.top_p < 1.0:
         warnings.warn("truncated sampling (top_k/top_p) draws from a distribution other than "
                       "pi_theta: every entropy estimator is biased. Use top_k=0, top_p=1 for "
@@ -219,8 +226,9 @@ def sample_batch(model, tokenizer, task, prompt_index: torch.Tensor, G: int, sam
     idx = prompt_index.tolist()
     chunk = sampling.gen_microbatch_prompts
     for s in range(0, len(idx), chunk):
-        texts = [task.prompts[i].text for i in idx[s:s + chunk]]
-        ids = encode_prompts(tokenizer, texts, str(getattr(chat_template, "value", chat_template)), system_prompt)
+        texts = [task.prompts[i].source for i in idx[s:s + chunk]]
+        ids = encode_prompts(tokenizer, texts, str(getattr(chat_template, "value", chat_template)), system_prompt,
+                             style, template_kwargs)
         p, r, l = generate(model, ids, G, sampling.max_new_tokens, eos, pad, sampling.temperature,
                            sampling.top_k, sampling.top_p, gen, device)
         all_p += p; all_r += r; all_l += l
@@ -228,9 +236,9 @@ def sample_batch(model, tokenizer, task, prompt_index: torch.Tensor, G: int, sam
             progress(len(texts))
     model.train(was_training)
     ids, att, resp, lp = assemble(all_p, all_r, all_l, G, pad)
-    rewards = torch.tensor([
-        task.reward(tokenizer.decode(r, skip_special_tokens=True), task.prompts[idx[i // G]])
-        for i, r in enumerate(all_r)], dtype=torch.float32).view(len(idx), G)
+    rows = [task.prompts[idx[i // G]] for i in range(len(all_r))]
+    texts = [tokenizer.decode(r, skip_special_tokens=True) for r in all_r]
+    rewards = score_rows(task, rows, texts, all_r).to(torch.float32).view(len(idx), G)
     adv = group_advantages(rewards, advantage, adv_eps)
     return RolloutBatch(ids, att, resp, lp, rewards, adv, prompt_index.clone(), float(sampling.temperature))
 

@@ -4,13 +4,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from hydra.utils import get_class
 
 
 @dataclass(frozen=True)
 class Prompt:
-    text: str  # the user-facing prompt, before any chat template
+    text: str  # the user-facing prompt, before any chat template (a conversation: its messages' contents)
     answer: str  # the reference answer the reward compares against
+    messages: tuple | None = None  # a conversational prompt: its {"role", "content"} messages, as the dataset holds them
+    columns: dict | None = None  # the record's fields other than "prompt" (reward functions' keyword arguments)
+
+    @property
+    def source(self) -> str | list[dict]:
+        """The prompt as a TRL / verl dataset holds it: the message list, else the text."""
+        return [dict(m) for m in self.messages] if self.messages is not None else self.text
+
+    @property
+    def fields(self) -> dict:
+        """The keyword columns a TRL reward function receives for this prompt (``columns``; a prompt
+        without any, from a task class of its own: its ``answer``)."""
+        return dict(self.columns) if self.columns is not None else {"answer": self.answer}
 
 
 @runtime_checkable
@@ -20,8 +34,19 @@ class Task(Protocol):
     def reward(self, response: str, prompt: Prompt) -> float: ...
 
 
+def score_rows(task: Task, prompts: list[Prompt], responses: list[str], response_ids: list[list[int]]
+               ) -> torch.Tensor:
+    """Rewards [N] of the rows (prompt, decoded response): through the task's batched ``score``
+    when it has one (``task.reward_funcs``), else its ``reward`` row by row."""
+    score = getattr(task, "score", None)
+    if callable(score):
+        return score(prompts, responses, response_ids)
+    return torch.tensor([float(task.reward(r, p)) for p, r in zip(prompts, responses)], dtype=torch.float32)
+
+
 def build_task(task_cfg: Any) -> Task:
-    """Instantiate ``task_cfg._target_`` with the remaining keys the class accepts."""
+    """Instantiate ``task_cfg._target_`` with the remaining keys the class accepts; with
+    ``task_cfg.reward_funcs``, its rewards are those functions' (``reward_funcs.WithRewardFuncs``)."""
     target = task_cfg["_target_"]
     try:
         cls = get_class(target)
@@ -36,6 +61,12 @@ def build_task(task_cfg: Any) -> Task:
         raise TypeError(f"{target} must provide .prompts and .reward(response, prompt)")
     if len(task.prompts) == 0:
         raise ValueError(f"task {target} has no prompts (check task.path / task.num_prompts)")
+    funcs = list(task_cfg.get("reward_funcs") or [])
+    if funcs:
+        from entprobe.tasks.reward_funcs import WithRewardFuncs
+
+        weights = task_cfg.get("reward_weights")
+        task = WithRewardFuncs(task, funcs, list(weights) if weights is not None else None)
     return task
 
 
