@@ -93,9 +93,9 @@ def check_template(tokenizer, prompts: list, style: str, where: str) -> None:
 
 def _template(tokenizer, messages: list[dict], style: str, template_kwargs: dict) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(f"task.tokenize={style}: a conversational prompt needs the tokenizer's chat template, and "
-                         "this tokenizer has none: give the model's tokenizer (model.tokenizer_path), or plain-text "
-                         "prompts")
+        raise ValueError(f"task.tokenize={style} renders " + ("every prompt" if style == "verl" else "message lists")
+                         + " through the chat template, and the tokenizer has no chat template: give the trained "
+                         "model's tokenizer (model.tokenizer_path)" + ("" if style == "verl" else ", or text prompts"))
     if style == "verl":
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
