@@ -158,3 +158,38 @@ def test_reward_funcs_give_grpo_trainers_advantages(tmp_path, rewmod, kind, scal
     unweighted = build_task({"_target_": "entprobe.tasks.jsonl.JsonlTask", "path": str(path), "reward_funcs": FUNCS})
     r1 = unweighted.score([task.prompts[i] for i in index], texts, ids)
     assert not torch.allclose(trl_advantages(r1.view(B, G), scale_rewards), A)  # the weights matter
+
+
+README_TRL_COMMAND = (
+    "python -m entprobe.main model=hf model.path=outputs/grpo/checkpoint-500 objective=trl "
+    "objective.loss_type=grpo objective.scale_rewards=group task=jsonl task.path=data/train.jsonl "
+    "'task.reward_funcs=[my_rewards:accuracy,my_rewards:brevity]' 'task.reward_weights=[1.0,0.1]' "
+    "batch.G=4 batch.B_U=2 sampling.max_new_tokens=4")
+
+
+def test_readme_probe_your_trl_run_commands_run_verbatim(tmp_path):
+    """README "Probe your TRL run": its Python snippet trains one GRPOTrainer step of the built-in
+    model (tests/trl_readme_run.py: my_rewards.py and the run as shown, on the CPU), then its
+    command probes that checkpoint, verbatim, from the folder that holds my_rewards.py."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from entprobe.train import ensure_default_checkpoint
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+    here = Path(__file__).parent
+    proc = subprocess.run([sys.executable, str(here / "trl_readme_run.py"), str(here.parent / "README.md"),
+                           str(ensure_default_checkpoint())], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = f"{sys.executable} {README_TRL_COMMAND[len('python '):]}"
+    proc = subprocess.run(line, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = Path(tmp_path).glob("outputs/20*/*")
+    res = json.loads((run_dir / "results.json").read_text())
+    assert res["objective"] == "trl/grpo" and res["SE_deltaH_pred"] > 0
+    r = res["batch_U/reward_mean"]  # accuracy (0 or 1) + 0.1 x brevity (-tokens/4): not a whole number
+    assert abs(r - round(r)) > 1e-6 and -1 < r < 1
