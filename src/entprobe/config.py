@@ -395,14 +395,10 @@ def validate(cfg: Any) -> None:
     _require(o.weight_decay is None or o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
     from entprobe.objectives import config_errors
     from entprobe.prompt_ids import style_errors
-    for key, msg in config_errors(cfg.objective, cfg) + style_errors(cfg):
+    from entprobe.tasks.reward_funcs import weight_errors
+    for key, msg in config_errors(cfg.objective, cfg) + style_errors(cfg) + \
+            weight_errors(cfg.task.reward_funcs, cfg.task.reward_weights):
         _require(False, key, msg)
-    t = cfg.task
-    _require(t.reward_weights is None or bool(t.reward_funcs), "task.reward_weights",
-             "weighs task.reward_funcs; give the functions too, or drop the weights")
-    _require(t.reward_weights is None or len(t.reward_weights) == len(t.reward_funcs), "task.reward_weights",
-             f"has {len(t.reward_weights or [])} values for {len(t.reward_funcs)} task.reward_funcs; give one per function")
-    _require(_finite(*(t.reward_weights or [])), "task.reward_weights", f"is {t.reward_weights}; weights must be finite")
     _require(cfg.logging.wandb.mode in ("disabled", "offline", "online"), "logging.wandb.mode",
              f"is {cfg.logging.wandb.mode!r}; use disabled, offline or online")
     logger = getattr(cfg.logging.logger, "value", cfg.logging.logger)

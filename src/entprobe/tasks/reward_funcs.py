@@ -55,16 +55,25 @@ def load_reward_func(path: str) -> Callable:
     return obj
 
 
+def weight_errors(funcs: list, weights: list | None) -> list[tuple[str, str]]:
+    """``(key, message)`` for ``task.reward_weights`` against ``task.reward_funcs``."""
+    if weights is None:
+        return []
+    if not funcs:
+        return [("task.reward_weights", "weighs task.reward_funcs; give the functions too, or drop the weights")]
+    if len(weights) != len(funcs):
+        return [("task.reward_weights", f"has {len(weights)} values for {len(funcs)} task.reward_funcs; "
+                 "give one weight per function")]
+    if not all(isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w) for w in weights):
+        return [("task.reward_weights", f"is {list(weights)}; each weight must be a finite number")]
+    return []
+
+
 def check_weights(funcs: list, weights: list | None) -> list[float]:
     """The weights of ``funcs`` (all 1 when None), checked: one finite number per function."""
-    if weights is None:
-        return [1.0] * len(funcs)
-    if len(weights) != len(funcs):
-        raise ConfigError(f"task.reward_weights has {len(weights)} values for {len(funcs)} task.reward_funcs; "
-                          "give one weight per function")
-    if not all(isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w) for w in weights):
-        raise ConfigError(f"task.reward_weights={list(weights)}: each weight must be a finite number")
-    return [float(w) for w in weights]
+    for key, msg in weight_errors(funcs, weights):
+        raise ConfigError(f"{key} {msg}")
+    return [1.0] * len(funcs) if weights is None else [float(w) for w in weights]
 
 
 def _as_reward(value: Any, name: str, i: int) -> float:
