@@ -142,3 +142,14 @@ def test_batches_saved_before_the_task_keys_existed_still_load(tmp_path):
     check_saved(tmp_path, B, B, {"task": old}, cfg)
     with pytest.raises(ConfigError, match="task"):
         check_saved(tmp_path, B, B, {"task": old}, to_typed(compose_cfg(tmp_path, "task.tokenize=trl")))
+
+
+def test_a_model_in_memory_is_not_the_built_in_checkpoint(tmp_path):
+    """``entprobe.probe`` / the online probe pass the model in memory: ``auto`` follows the objective
+    there although the config's model group is the built-in one."""
+    from entprobe.prompt_ids import style_of
+
+    cfg = to_typed(compose_cfg(tmp_path, "objective=trl"))
+    assert style_of(cfg) == "entprobe" and style_of(cfg, "builtin:/cache/default") == "entprobe"
+    assert style_of(cfg, "memory:LlamaForCausalLM") == "trl"
+    assert prompt_kwargs(cfg, "memory:LlamaForCausalLM")["style"] == "trl"

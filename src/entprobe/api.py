@@ -62,12 +62,14 @@ REFUSED = {
                   "RolloutBatch.save them, then pass them as task_or_batches",
     "batch.lock_timeout_s": "the API reads and writes no batch folder",
     "ddp": "the API runs in this process (use the command line, launchers/torchrun.sh, for several)",
-    "task": f"{_YOURS}: task.* builds a task (only task.chat_template and task.system_prompt apply)",
+    "task": f"{_YOURS}: task.* builds a task (only task.tokenize, task.chat_template, task.chat_template_kwargs "
+            "and task.system_prompt apply)",
     "experiment": f"{_YOURS}: an experiment preset chooses a model",
     "logging.logger": "the API returns the results: log them with your own logger",
     "logging.wandb": "the API returns the results: log them with your own logger",
 }
-ALLOWED = ("model.autocast_bf16", "task.chat_template", "task.system_prompt")
+ALLOWED = ("model.autocast_bf16", "task.chat_template", "task.system_prompt", "task.tokenize",
+           "task.chat_template_kwargs")
 SAMPLING_KEYS = ("batch.B_E", "batch.B_U", "batch.G", "batch.seed_E", "batch.seed_U", "batch.advantage",
                  "batch.adv_eps")  # describe sampling: refused when the batches are given
 

@@ -65,7 +65,7 @@ def sample_global(cfg: EntprobeConfig, lm, task, ctx: ProbeContext) -> tuple[Rol
         idx = draw_prompt_indices(len(task.prompts), B, seed).tensor_split(D.world())[D.rank()]
         with ctx.phase(f"sample_{label}"):
             mine = sample_batch(lm.model, lm.tokenizer, task, idx, b.G, s, rank_seed(seed), b.advantage.value,
-                                b.adv_eps, **prompt_kwargs(cfg))
+                                b.adv_eps, **prompt_kwargs(cfg, lm.source))
         return concat_batches(D.gather_objects(mine), lm.tokenizer.pad_token_id) if D.is_dist() else mine
 
     # single_batch measures its step on a fresh E too (responses the step was not fit to)
@@ -112,4 +112,4 @@ def shard_resample(cfg: EntprobeConfig, lm, task, E: RolloutBatch) -> RolloutBat
     """Fresh responses for this rank's E prompts at the current (updated) parameters."""
     b = cfg.batch
     return sample_batch(lm.model, lm.tokenizer, task, E.prompt_index, b.G, cfg.sampling,
-                        rank_seed(b.seed_E + 1_000_003), b.advantage.value, b.adv_eps, **prompt_kwargs(cfg))
+                        rank_seed(b.seed_E + 1_000_003), b.advantage.value, b.adv_eps, **prompt_kwargs(cfg, lm.source))

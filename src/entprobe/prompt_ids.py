@@ -47,16 +47,19 @@ def resolve_style(tokenize: Any, preset: Any, model_source: Any = "hf") -> str:
     return p if p in STYLES and _value(model_source) != "builtin" else "entprobe"
 
 
-def style_of(cfg: Any) -> str:
-    """The prompt convention of a root config (``resolve_style`` of its keys)."""
-    return resolve_style(cfg.task.tokenize, cfg.objective.preset, cfg.model.source)
+def style_of(cfg: Any, loaded: str | None = None) -> str:
+    """The prompt convention of a root config (``resolve_style`` of its keys). ``loaded``: the
+    ``LoadedModel.source`` of the model being probed, when known (a model passed in memory is not
+    the built-in checkpoint, whatever ``model`` says)."""
+    source = _value(cfg.model.source) if loaded is None else loaded.split(":", 1)[0]
+    return resolve_style(cfg.task.tokenize, cfg.objective.preset, source)
 
 
-def prompt_kwargs(cfg: Any) -> dict:
-    """``sample_batch``'s prompt keywords of a root config: the convention and its keys."""
+def prompt_kwargs(cfg: Any, loaded: str | None = None) -> dict:
+    """``sample_batch``'s prompt keywords of a root config: the convention (``style_of``) and its keys."""
     t = cfg.task
     return {"chat_template": _value(t.chat_template),
-            "system_prompt": t.system_prompt, "style": style_of(cfg),
+            "system_prompt": t.system_prompt, "style": style_of(cfg, loaded),
             "template_kwargs": dict(t.chat_template_kwargs or {})}
 
 

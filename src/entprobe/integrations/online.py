@@ -37,6 +37,7 @@ from entprobe.api import api_config, left_as_it_was
 from entprobe.config import ConfigError, EntprobeConfig
 from entprobe.core import probe_context
 from entprobe.geometry import live_geometry, unwrap_optimizer
+from entprobe.prompt_ids import prompt_kwargs
 from entprobe.rollout import RolloutBatch, draw_prompt_indices, sample_batch
 from entprobe.stages.ground_truth import eval_at_current, importance_estimates, true_change
 from entprobe.stages.prediction import HeldOutPrediction, build_step_model, compare_with_prediction, predict_on_held_out
@@ -48,7 +49,8 @@ ONLINE_KEYS = ("batch.B_E", "batch.G", "batch.seed_E", "sampling", "probe.mb_siz
                "probe.buffers_device", "probe.buffers_dtype", "probe.projection", "probe.unit_backward",
                "probe.unit_grads_budget_mb", "probe.nograd_memory_mb", "probe.jvp_mb_size_prompts",
                "importance.is_mode", "importance.clip_c", "importance.importance_microbatch_size",
-               "model.autocast_bf16", "task.chat_template", "task.system_prompt", "seed", "logging.progress")
+               "model.autocast_bf16", "task.chat_template", "task.system_prompt", "task.tokenize",
+               "task.chat_template_kwargs", "seed", "logging.progress")
 # logged every probe (as ``entprobe/<key>``)
 LOGGED = ("deltaH_pred", "SE_deltaH_pred", "ci95_pred_low", "ci95_pred_high", "deltaH_true", "SE_deltaH_true",
           "deltaH_true_minus_pred", "SE_deltaH_true_minus_pred", "z_true_minus_pred", "pred_consistent",
@@ -113,10 +115,10 @@ class OnlineProbe:
     def _sample(self, step: int) -> RolloutBatch:
         if callable(self.held_out) and not isinstance(self.held_out, Task):
             return self.held_out(step)
-        b, s, t = self.cfg.batch, self.cfg.sampling, self.cfg.task
+        b, s = self.cfg.batch, self.cfg.sampling
         idx = draw_prompt_indices(len(self.held_out.prompts), b.B_E, b.seed_E + 7_000_003 * step)
         return sample_batch(self.model, self.tokenizer, self.held_out, idx, b.G, s, b.seed_E + step,
-                            "dr_grpo", b.adv_eps, t.chat_template.value, t.system_prompt)
+                            "dr_grpo", b.adv_eps, **prompt_kwargs(self.cfg, "memory"))
 
     def before_step(self, step: int) -> bool:
         """Call with the step's gradient in ``.grad``, before ``optimizer.step()``. Returns whether
