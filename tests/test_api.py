@@ -25,7 +25,7 @@ from entprobe.tasks import build_task
 
 QUIET = {"logging": {"progress": False, "verdict": False, "report": False}}
 # differ by construction: where things came from, wall time and memory
-SOURCE_KEYS = {"model_source", "batch_source", "lr_source", "optimizer_path", "lr_last_step"}
+SOURCE_KEYS = {"model_source", "batch_source", "lr_source", "optimizer_path", "lr_last_step", "optimizer_format"}
 
 
 @pytest.fixture(scope="module")

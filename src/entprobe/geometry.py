@@ -91,7 +91,8 @@ def live_geometry(cfg: EntprobeConfig, optimizer, names: list[str], params, buf_
         raise ConfigError(f"the optimizer holds {len(extra)} tensor(s) that are not trainable parameters of the "
                           "model (requires_grad=True): pass the model it trains")
     lr = o.lr if o.lr is not None else _one_value(opt, "lr", "set optimizer.lr (the lr of the step to probe)")
-    meta = {"lr_source": "optimizer.lr (config)" if o.lr is not None else "optimizer param_groups (in memory)"}
+    meta = {"lr_source": "optimizer.lr (config)" if o.lr is not None else "optimizer param_groups (in memory)",
+            "optimizer_format": f"in memory ({type(opt).__name__})"}
     if o.preconditioner.value != "adam":
         return Geometry(opt, float(lr), None), meta
     if not isinstance(opt, torch.optim.Adam):
