@@ -44,6 +44,13 @@ def _file_digest(h, path: Path) -> None:
             h.update(f.read(_CHUNK))
 
 
+def file_digest(path: str | Path) -> str:
+    """Digest of one file (name, size, sampled chunks: ``_file_digest``)."""
+    h = hashlib.sha256()
+    _file_digest(h, Path(path))
+    return h.hexdigest()[:16]
+
+
 def files_digest(folder: Path, names: tuple[str, ...] | None, suffixes: tuple[str, ...] = ()) -> str:
     """Digest of the files of ``folder`` named ``names`` or ending in ``suffixes`` (sorted)."""
     h = hashlib.sha256()
@@ -57,9 +64,7 @@ def files_digest(folder: Path, names: tuple[str, ...] | None, suffixes: tuple[st
 def model_identity(model_dir: Path | None, gguf: Path | None, tokenizer_dir: Path | None) -> dict:
     """``{"model", "tokenizer"}`` digests of the files the weights and the tokenizer come from."""
     if gguf is not None:  # weights and tokenizer both live in the GGUF file
-        h = hashlib.sha256()
-        _file_digest(h, gguf)
-        model = h.hexdigest()[:16]
+        model = file_digest(gguf)
         tok = files_digest(tokenizer_dir, _TOKENIZER_FILES) if tokenizer_dir else model
         return {"model": model, "tokenizer": tok}
     assert model_dir is not None

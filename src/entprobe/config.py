@@ -116,6 +116,7 @@ class BatchConfig:
     save: Optional[str] = None
     load: Optional[str] = None
     lock_timeout_s: float = 3600.0
+    share_across_lr: bool = True  # sweeps: jobs differing only in optimizer.lr share Stages 1-2
 
 
 @dataclass

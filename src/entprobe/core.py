@@ -30,6 +30,7 @@ from entprobe.objectives import prepare as prepare_objective
 from entprobe.report import console_table
 from entprobe.report_md import write_report
 from entprobe.rollout import RolloutBatch
+from entprobe.stage12_share import ShareSource, stage12_share
 from entprobe.stages.context import ProbeContext, resolve_buffers_device
 from entprobe.tasks import Task
 from entprobe.verdict import flags, print_verdict
@@ -44,6 +45,7 @@ class InMemory:
     ctx: ProbeContext
     geo: Geometry
     geo_meta: dict = field(default_factory=dict)  # lr source, Adam's step / betas / eps, ...
+    sweep_share: ShareSource | None = None  # a sweep's Stage 1-2 cache for the jobs that differ only in lr
 
 
 def probe_context(cfg: EntprobeConfig, model: torch.nn.Module, device: torch.device,
@@ -76,7 +78,10 @@ def probe_batches(cfg: EntprobeConfig, held: InMemory, E_all: RolloutBatch, U_al
         results = run_single_batch(ctx, U, geo, pcfg, cfg.importance, run_dir, resample=resample,
                                    E=E if cfg.importance.enabled else None)
     else:
-        results = run_two_batch(ctx, E, U, geo, pcfg, cfg.importance, run_dir, resample=resample)
+        share, why_not = stage12_share(cfg, held.sweep_share, ctx, geo, E, U)
+        results = run_two_batch(ctx, E, U, geo, pcfg, cfg.importance, run_dir, resample=resample, share=share)
+        if why_not:
+            results["stage12_share"] = f"off: {why_not}"
     for label, batch in (("E", E_all), ("U", U_all)):
         results.update(batch.stats(f"batch_{label}"))
     results.update(trainer_metrics(U_all, cfg.sampling.max_new_tokens, results.get("token_entropy_orig")))

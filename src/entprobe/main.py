@@ -35,6 +35,7 @@ from entprobe.prompt_ids import check_template, style_of
 from entprobe.report_md import PLOT_FILES
 from entprobe.rollout import RolloutBatch
 from entprobe.rundir import marks_failure, set_aside_earlier_run
+from entprobe.stage12_share import ShareSource
 from entprobe.stages.context import ProbeContext
 from entprobe.tasks import Task, build_task
 from entprobe.tasks.base import check_encodable
@@ -108,7 +109,8 @@ def load_from_disk(cfg: EntprobeConfig, batch_cache: Path | None = None
     lm, task, ctx = load_probe(cfg)
     geo, meta = build_geometry(cfg, lm, ctx.params, ctx.buffers_device, inputs.optimizer_state)
     E_all, U_all, batch_source = get_batches(cfg, lm, task, ctx, inputs, batch_cache)
-    return InMemory(lm, task, ctx, geo, meta), E_all, U_all, batch_source
+    sweep_share = ShareSource(batch_cache, inputs) if batch_cache is not None else None  # Stages 1-2 over lrs
+    return InMemory(lm, task, ctx, geo, meta, sweep_share), E_all, U_all, batch_source
 
 
 LEGACY_GROUPS = {"probe_rework": "probe"}  # former group names the command line still accepts
@@ -158,7 +160,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
             typed = to_typed(OmegaConf.create(with_dir))
             cache = None
             multirun = hc.mode == RunMode.MULTIRUN
-            if multirun and not typed.batch.load:
+            if multirun:  # batches (unless batch.load) and lr-independent Stages 1-2 (stage12_share.py)
                 sweep_dir = Path(hc.runtime.cwd) / hc.sweep.dir  # absolute, also with hydra.job.chdir
                 cache = D.broadcast_object(str(sweep.batch_cache_dir(sweep_dir, typed, D.world())))
             logger = make_logger(typed.logging, run_dir, with_dir, D.is_main(), list(hc.overrides.task),

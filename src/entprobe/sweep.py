@@ -52,7 +52,8 @@ COLUMNS = ("job", "status", "overrides", *SETTINGS, *METRICS, "time_s", "batch",
 # ----------------------------------------------------------------------------- batch cache
 def batch_cache_key(cfg, world: int) -> str:
     """Hash of what determines the sampled E and U (``cfg`` is a typed EntprobeConfig)."""
-    batch = {k: v for k, v in dataclasses.asdict(cfg.batch).items() if k not in ("save", "load", "lock_timeout_s")}
+    skip = ("save", "load", "lock_timeout_s", "share_across_lr")
+    batch = {k: v for k, v in dataclasses.asdict(cfg.batch).items() if k not in skip}
     parts = {"batch": batch, "sampling": dataclasses.asdict(cfg.sampling),
              "model": dataclasses.asdict(cfg.model), "task": dataclasses.asdict(cfg.task),
              "mode": cfg.probe.mode, "seed": cfg.seed, "world": world}

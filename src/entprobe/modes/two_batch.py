@@ -1,16 +1,22 @@
 """The two-batch probe, top to bottom: Y over U -> the update the optimizer will take -> X over E
--> per-unit projections -> predictions with SEs -> ground truth -> measured minus predicted.
+-> per-unit projections (Stages 1-2, ``compute_stage12``) -> predictions with SEs -> ground truth
+-> measured minus predicted.
 
 Order matters for cost: U is accumulated first so that ``P Ybar`` and ``Delta theta(Ybar)`` are
 known during the E pass, which then projects each unit onto them as it accumulates (the E side of
 every SE for free; the U side from kept per-unit gradients or forward-mode passes,
 stages/variance.py); ``S_orig`` for the ground truth comes out of the same E pass, and the update
 step reuses ``-Ybar_raw``.
+
+In a sweep, Stages 1-2 are computed by the first job of those that differ only in the lr and read
+by the others, rescaled to their lr (``share``: stage12_share.py); the ground truth runs in every job.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Callable
+
+import torch
 
 from entprobe import distributed as D
 from entprobe import estimators as est
@@ -21,6 +27,7 @@ from entprobe.geometry import Geometry
 from entprobe.plan import projections_record
 from entprobe.report import write_per_unit
 from entprobe.rollout import RolloutBatch
+from entprobe.stage12_share import Stage12, Stage12Share
 from entprobe.stages.accumulate import accumulate, global_mean, x_loss_of, y_loss_of
 from entprobe.stages.context import ProbeContext
 from entprobe.stages.ground_truth import StepInputs, run_ground_truth
@@ -30,9 +37,10 @@ from entprobe.stages.variance import (project_backward, project_jvp, project_sto
                                       resolve_unit_backward)
 
 
-def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry, pcfg, icfg,
-                  run_dir: Path, resample: Callable[[], RolloutBatch] | None = None) -> dict:
-    res: dict = {}
+def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry, pcfg, icfg) -> Stage12:
+    """Stages 1-2 at ``geo.lr``: Ybar over U, the step model, Xbar over E with the per-unit
+    projections onto ``P Ybar`` and the update's parts, then (``probe.variance_enabled``) U's
+    projections onto ``P Xbar`` and ``J Xbar``."""
     mode = resolve_projection(pcfg, ctx, U.B) if pcfg.variance_enabled else None
     unit_bwd = resolve_unit_backward(pcfg, ctx, (U, E))
     with ctx.phase("accumulate_Y_U"):
@@ -52,27 +60,13 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
                           with_entropy=True, unit_backward=unit_bwd)
         Xbar, B_E = global_mean(accX.sum_buf, accX.B)
     terms = pv.dot_terms(Xbar, PY)  # Xbar . P Ybar per parameter: bars_dot and the attribution table
-    bars_dot = float(terms.sum())
     step_dots = pv.dot_set(Xbar, dirE)[1:].tolist()  # Xbar . Delta theta_part
     nX, nPY = pv.norm(Xbar), pv.norm(PY)
-    if geo.no_history is not None:
-        # coordinates Adam never updated (v = 0: P = 1/eps there) inflate the seeds' deltaH1, not
-        # the real step, which moves them by about lr
-        res["deltaH1_no_history"] = est.delta_h1(geo.lr, pv.dot_at(Xbar, PY, geo.no_history))
+    # coordinates Adam never updated (v = 0: P = 1/eps there) inflate the seeds' deltaH1, not
+    # the real step, which moves them by about lr
+    nh_dot = pv.dot_at(Xbar, PY, geo.no_history) if geo.no_history is not None else None
     del PY
-    res.update({"B_E": B_E, "B_U": B_U, "G": E.G, "lr": geo.lr, "bars_dot": bars_dot,
-                "deltaH1": est.delta_h1(geo.lr, bars_dot), "norm_Xbar": nX, "norm_PYbar": nPY,
-                "cos_Xbar_PYbar": bars_dot / (nX * nPY) if nX * nPY > 0 else float("nan")})
-    S_U = D.gather_units(accY.S)
-    L_U, Lmax_U = D.gather_units(U.gen_lengths), D.gather_units(U.Lmax)
-    Sw_U = est.weighted_S(S_U, L_U, Lmax_U, ctx.weighting_mode)
-    res["deltaH_cov"] = est.delta_h_cov(geo.lr, Sw_U, ctx.objective.effective_advantages(
-        D.gather_units(U.advantages), L_U, Lmax_U))
-    S_E = D.gather_units(accX.S)
-    res["H_orig"] = float(-est.weighted_S(S_E, D.gather_units(E.gen_lengths), D.gather_units(E.Lmax),
-                                          ctx.weighting_mode).double().mean())
-
-    e = u = None
+    a = b = None
     if pcfg.variance_enabled:
         with ctx.phase("variance"):
             # U-side directions: P Xbar (deltaH1), then J * Xbar (the prediction's delta method)
@@ -97,36 +91,88 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
             del dirU
             # b: the units' first-order influences when the objective couples them (objectives.py)
             a, b = D.gather_units(a), ctx.objective.linearize(D.gather_units(b))
-            v = est.two_batch_variance(a[:, 0], b[:, 0], geo.lr, bars_dot)
-            e = -a[:, 1:]  # per-unit contributions to deltaH_pred: -X_u . Delta theta_part
-            u = -b[:, 1] if b.shape[1] > 1 else None  # -Y_v . (J * Xbar)
+    del dirE
+    return Stage12(geo.lr, list(ctx.names), Ybar, Xbar, B_E, B_U, accY.S, accY.token_logp, accX.S, accX.entropy,
+                   terms, nX, nPY, nh_dot, step.names, step.kind, step_dots, a, b, mode,
+                   unit_bwd if fused and pcfg.variance_enabled else None)
+
+
+def stage12_of(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry, pcfg, icfg,
+               share: Stage12Share | None) -> tuple[Stage12, dict]:
+    """Stages 1-2 at ``geo.lr``: read from ``share`` when another lr wrote them (rescaled), else
+    computed (and written to ``share``). Also ``reused_stage12`` and, when shared, ``stage12_share``."""
+    if share is None:
+        return compute_stage12(ctx, E, U, geo, pcfg, icfg), {"reused_stage12": False}
+    with share.claim():
+        with ctx.phase("stage12_load"):
+            stored = share.load(ctx)
+        if stored is not None:
+            return stored.at_lr(geo.lr), {"reused_stage12": True, "stage12_share": f"reused from lr={stored.lr:g}"}
+        st = compute_stage12(ctx, E, U, geo, pcfg, icfg)
+        with ctx.phase("stage12_store"):
+            share.store(st)
+    return st, {"reused_stage12": False, "stage12_share": "computed here, stored for the other lrs"}
+
+
+def stage12_results(st: Stage12, ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry
+                    ) -> tuple[dict, torch.Tensor | None, torch.Tensor | None]:
+    """The flat results of Stages 1-2 at ``st.lr`` and the per-unit contributions ``e`` [B_E, parts]
+    (``-X_u . Delta theta_part``) and ``u`` [B_U] (``-Y_v . J Xbar``), None without the variance."""
+    lr, bars_dot, nX, nPY = st.lr, float(st.terms.sum()), st.norm_Xbar, st.norm_PYbar
+    res: dict = {}
+    if st.no_history_dot is not None:
+        res["deltaH1_no_history"] = est.delta_h1(lr, st.no_history_dot)
+    res.update({"B_E": st.B_E, "B_U": st.B_U, "G": E.G, "lr": lr, "bars_dot": bars_dot,
+                "deltaH1": est.delta_h1(lr, bars_dot), "norm_Xbar": nX, "norm_PYbar": nPY,
+                "cos_Xbar_PYbar": bars_dot / (nX * nPY) if nX * nPY > 0 else float("nan")})
+    S_U = D.gather_units(st.S_U)
+    L_U, Lmax_U = D.gather_units(U.gen_lengths), D.gather_units(U.Lmax)
+    Sw_U = est.weighted_S(S_U, L_U, Lmax_U, ctx.weighting_mode)
+    res["deltaH_cov"] = est.delta_h_cov(lr, Sw_U, ctx.objective.effective_advantages(
+        D.gather_units(U.advantages), L_U, Lmax_U))
+    S_E = D.gather_units(st.S_E)
+    res["H_orig"] = float(-est.weighted_S(S_E, D.gather_units(E.gen_lengths), D.gather_units(E.Lmax),
+                                          ctx.weighting_mode).double().mean())
+    e = u = None
+    if st.a is not None:
+        v = est.two_batch_variance(st.a[:, 0], st.b[:, 0], lr, bars_dot)
+        e = -st.a[:, 1:]  # per-unit contributions to deltaH_pred: -X_u . Delta theta_part
+        u = -st.b[:, 1] if st.b.shape[1] > 1 else None  # -Y_v . (J * Xbar)
         res.update({"V_X": v.V_X, "V_Y": v.V_Y, "SE_deltaH1": v.SE, "frac_var": v.frac_var,
                     "ci95_low": v.ci95_low, "ci95_high": v.ci95_high, "deltaH1_df": v.df,
-                    "projection": mode})
-        if fused:  # per-unit gradients were taken (a backward per unit, or batched)
-            res["unit_backward"] = unit_bwd
-    del dirE
-    res.update(prediction_results(step, step_dots, e, u))
+                    "projection": st.projection})
+        if st.unit_backward is not None:  # per-unit gradients were taken (a backward per unit, or batched)
+            res["unit_backward"] = st.unit_backward
+    res.update(prediction_results(st.step_names, st.step_kind, st.step_dots, e, u))
+    return res, e, u
 
+
+def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry, pcfg, icfg,
+                  run_dir: Path, resample: Callable[[], RolloutBatch] | None = None,
+                  share: Stage12Share | None = None) -> dict:
+    st, res = stage12_of(ctx, E, U, geo, pcfg, icfg, share)
+    flat, e, u = stage12_results(st, ctx, E, U, geo)
+    res.update(flat)
     names = ctx.names
-    flat, rows = summarize(names, terms.tolist(), pcfg.top_k_params)
+    flat, rows = summarize(names, st.terms.tolist(), pcfg.top_k_params)
     res.update(flat)
     if D.is_main():
         write_csv(rows, run_dir / "attribution.csv")
         if pcfg.save_buffers:
-            save_buffers(run_dir / "buffers.safetensors", names, Xbar, Ybar, geo.P)
+            save_buffers(run_dir / "buffers.safetensors", names, st.Xbar, st.Ybar, geo.P)
 
     psi = log_w = None
     if icfg.enabled:
-        inp = StepInputs(geo.optimizer, geo.lr, Xbar, Ybar, geo.P, B_U, accX.S, accY.token_logp,
-                         accX.entropy)
+        inp = StepInputs(geo.optimizer, geo.lr, st.Xbar, st.Ybar, geo.P, st.B_U, st.S_E, st.U_token_logp,
+                         st.E_entropy)
         gt = run_ground_truth(ctx, E, U, inp, icfg, resample=resample)
         psi, log_w = gt.pop("gt/psi"), gt.pop("gt/log_weights")
         res.update(gt)
         res.update(compare_with_prediction(res, psi, e))
     if D.is_main():
         # per-prompt values: the report's plots, and the projections the batch-size planner reads
-        rec = projections_record(B_E, B_U, E.G, geo.lr, a, b, step.names) if e is not None else None
+        a, b = st.a, st.b
+        rec = projections_record(st.B_E, st.B_U, E.G, geo.lr, a, b, st.step_names) if e is not None else None
         write_per_unit(run_dir, psi, e, log_w, *((a[:, 0], b[:, 0]) if e is not None else ()), lr=geo.lr,
                        record=rec)
     return res

@@ -57,6 +57,22 @@ def _plain_sgd(opt: torch.optim.Optimizer) -> bool:
         for g in opt.param_groups)
 
 
+# the step models whose update is exactly lr times a function of Ybar and the state (up to
+# rounding): a job's prediction at another lr is a rescaling (stage12_share.py)
+LINEAR_IN_LR = ("preconditioned_sgd", "adamw_closed_form", "sgd_closed_form")
+
+
+def step_model_kind(optimizer: torch.optim.Optimizer, step_mode: str, max_grad_norm: float | None) -> str:
+    """Which ``StepModel`` ``build_step_model`` makes for this optimizer and settings (its ``kind``)."""
+    if step_mode == "preconditioned_sgd":
+        return "preconditioned_sgd"
+    if not max_grad_norm and plain_adamw(optimizer):
+        return "adamw_closed_form"
+    if not max_grad_norm and _plain_sgd(optimizer):
+        return "sgd_closed_form"
+    return "optimizer_step"
+
+
 def build_step_model(ctx: ProbeContext, optimizer: torch.optim.Optimizer, lr: float, Ybar: pv.Buffer,
                      P: pv.Buffer | None, step_mode: str, max_grad_norm: float | None) -> StepModel:
     """``Delta theta(Ybar)`` (written on demand, at least fp32) and ``J x``.
@@ -65,7 +81,8 @@ def build_step_model(ctx: ProbeContext, optimizer: torch.optim.Optimizer, lr: fl
     (the groups' own lr, decay, betas, eps and each parameter's step count). Anything else (other
     optimizers, gradient clipping, which rescales by the global norm): the optimizer's own step
     from a snapshot with gradient ``-Ybar``, restored bit-exactly; no Jacobian then."""
-    if step_mode == "preconditioned_sgd":
+    kind = step_model_kind(optimizer, step_mode, max_grad_norm)
+    if kind == "preconditioned_sgd":
         def scaled_into(xs, out):
             for i, (x, o) in enumerate(zip(xs, out)):
                 torch.mul(x.to(o.device, o.dtype), lr, out=o)
@@ -73,7 +90,7 @@ def build_step_model(ctx: ProbeContext, optimizer: torch.optim.Optimizer, lr: fl
                     o.mul_(P[i].to(o.device, o.dtype))
         return StepModel(["gradient"], lambda outs: scaled_into(Ybar, outs["gradient"]), scaled_into,
                          "preconditioned_sgd")
-    if not max_grad_norm and (plain_adamw(optimizer) or _plain_sgd(optimizer)):
+    if kind != "optimizer_step":
         return _closed_form(ctx, optimizer, Ybar)
 
     def step_into(outs):  # the optimizer's own step on a snapshot
@@ -194,15 +211,14 @@ def mul_into(a: pv.Buffer, P: pv.Buffer | None):
     return fill
 
 
-def prediction_results(step: StepModel, step_dots: list[float], e: torch.Tensor | None,
+def prediction_results(names: list[str], kind: str, step_dots: list[float], e: torch.Tensor | None,
                        u: torch.Tensor | None) -> dict:
     """The prediction and its parts, ``-Xbar . Delta theta_part`` (``step_dots`` are the fp64 dots
-    ``Xbar . Delta theta_part`` in ``step.names`` order), with SEs from the per-unit contributions
-    ``e`` [B_E, parts] (same order, already negated) and ``u`` [B_U] (``-Y_v . (J * Xbar)``), when
-    given."""
-    names = step.names
+    ``Xbar . Delta theta_part`` in the order of the step model's part ``names``; ``kind``: the step
+    model's), with SEs from the per-unit contributions ``e`` [B_E, parts] (same order, already
+    negated) and ``u`` [B_U] (``-Y_v . (J * Xbar)``), when given."""
     vals = {k: -x for k, x in zip(names, step_dots)}
-    res: dict = {"deltaH_pred": sum(vals.values()), "pred/step_model": step.kind}
+    res: dict = {"deltaH_pred": sum(vals.values()), "pred/step_model": kind}
     if len(names) > 1:
         res.update({f"deltaH_pred_{k}": v for k, v in vals.items()})
         res["pred/dominant_part"] = max(vals, key=lambda k: abs(vals[k]))
@@ -266,5 +282,5 @@ def predict_on_held_out(ctx: ProbeContext, E: RolloutBatch, step: StepModel, pcf
     step_dots = pv.dot_set(Xbar, dirE).tolist()
     del dirE
     e = -D.gather_units(accX.proj)
-    return HeldOutPrediction({"gt/B_E": B_E, **prediction_results(step, step_dots, e, None)}, Xbar, accX.S,
+    return HeldOutPrediction({"gt/B_E": B_E, **prediction_results(step.names, step.kind, step_dots, e, None)}, Xbar, accX.S,
                              accX.entropy, e)

@@ -1,0 +1,164 @@
+"""Stages 1-2 shared across the lrs of a sweep (stage12_share.py): the same numbers as each job
+run on its own, computed once.
+
+- On the exact fp64 model (``run_two_batch``): a job reading another lr's Stages 1-2 gives every
+  prediction / SE / deltaH1 key to 1e-10 relative (``stored`` projections; ``jvp`` 1e-6: see
+  below) and the same measured change, bit for bit, as the job computing its own.
+- On the built-in default (``run`` with a sweep's batch cache, fp32): the same to 1e-5 relative
+  (fp32 rounding of the update's parts at another lr); lr-free keys and the measured change
+  identical; a job differing in anything but the lr computes its own; a corrupt or stale entry is
+  reported and recomputed.
+- When sharing is refused, and why.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import compose_cfg
+from entprobe import distributed as D
+from entprobe.config import ImportanceConfig, ProbeConfig, ProjectionMode
+from entprobe.geometry import Geometry
+from entprobe.main import run, to_typed
+from entprobe.modes.two_batch import run_two_batch
+from entprobe.stage12_share import BUFFERS, ENTRY, SUBDIR, Stage12Share, why_not_shared
+from exact_oracle import batch_of, make_oracle
+
+UNTIMED = ("time/", "mem/", "passes/", "stage12", "reused_stage12", "snapshot_device")
+# keys that do not depend on the lr: from the stored Stages 1-2 exactly
+LR_FREE = ("bars_dot", "H_orig", "V_X", "V_Y", "frac_var", "norm_Xbar", "norm_PYbar", "cos_Xbar_PYbar", "B_E", "B_U")
+
+
+def numeric(res: dict) -> dict:
+    return {k: v for k, v in res.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and not k.startswith(UNTIMED)}
+
+
+def assert_same_results(shared: dict, own: dict, rel: float) -> None:
+    """Every number equal to ``rel`` (relative to the larger magnitude); lr-free keys and the
+    ground truth's exactly."""
+    a, b = numeric(shared), numeric(own)
+    assert set(a) == set(b)
+    for k in b:
+        if math.isnan(b[k]):
+            assert math.isnan(a[k]), k
+            continue
+        assert abs(a[k] - b[k]) <= rel * max(abs(a[k]), abs(b[k]), 1e-300), (k, a[k], b[k])
+    for k in (*LR_FREE, "deltaH_true", "SE_deltaH_true", "ESS_frac", "deltaH1_step", "H_upd"):
+        assert a[k] == b[k], (k, a[k], b[k])
+    for k in ("flags", "projection", "pred/step_model", "pred/dominant_part"):
+        assert shared.get(k) == own.get(k), k
+
+
+# ---------------------------------------------------------------- exact fp64 model, 1e-10
+# stored: per-unit gradients (lr-free) dotted with fp64 directions, measured 1e-15. jvp: the
+# tangents (lr times a direction) pass the model's fp32 eager-attention softmax, so a job's own
+# projections are linear in lr only to fp32 rounding: measured 2e-7.
+@pytest.mark.parametrize("projection,rel", [("stored", 1e-10), ("jvp", 1e-6)])
+def test_reused_stage12_equals_the_jobs_own_on_the_exact_model(projection, rel, tmp_path):
+    o = make_oracle("sequence", 3)
+    gen = torch.Generator().manual_seed(11)
+    E, U = batch_of(o, o.draw(1, 6, gen)[0]), batch_of(o, o.draw(1, 5, gen)[0])
+    share = Stage12Share(tmp_path / "entry", {"test": projection}, timeout_s=10)
+    pcfg = ProbeConfig(projection=ProjectionMode(projection), top_k_params=0)
+    icfg = ImportanceConfig(split_step=False, resample_on_low_ess=False)
+
+    def job(lr: float, with_share: Stage12Share | None) -> dict:
+        for g in o.opt.param_groups:
+            g["lr"] = lr
+        try:
+            return run_two_batch(o.setup.ctx("sequence", mb_size=2), E, U, Geometry(o.opt, lr, None), pcfg, icfg,
+                                 tmp_path / f"run_{lr:g}_{with_share is not None}", share=with_share)
+        finally:
+            for g in o.opt.param_groups:
+                g["lr"] = 1e-2
+
+    first = job(1e-3, share)
+    assert first["reused_stage12"] is False and (share.folder / ENTRY).is_file()
+    assert_same_results(first, job(1e-3, None), rel=0.0)  # the writer's numbers are a plain job's
+    for lr in (3e-3, 1e-4):
+        reused = job(lr, share)
+        assert reused["reused_stage12"] is True and reused["stage12_share"] == "reused from lr=0.001"
+        own = job(lr, None)
+        assert own["deltaH_pred"] != first["deltaH_pred"] and own["deltaH_true"] != first["deltaH_true"]
+        assert_same_results(reused, own, rel=rel)
+
+
+# ---------------------------------------------------------------- built-in default through run()
+QUICK = ("batch.B_E=4", "batch.B_U=4", "batch.seed_U=7")
+
+
+def test_lr_sweep_shares_stage12_and_matches_independent_jobs(tmp_path):
+    cache = tmp_path / "batch_cache" / "k"
+
+    def job(name: str, *overrides: str) -> dict:
+        return run(compose_cfg(tmp_path / name, *QUICK, *overrides), batch_cache=cache)
+
+    first = job("a", "optimizer.lr=1e-3")
+    assert first["reused_stage12"] is False and first["batch_source"] == "sampled"
+    assert "time/accumulate_X_E_s" in first
+    (entry,) = [p for p in (cache / SUBDIR).iterdir() if p.is_dir()]
+    reused = {lr: job(f"s{lr}", f"optimizer.lr={lr}") for lr in ("1e-2", "1e-4")}
+    own = {lr: job(f"o{lr}", f"optimizer.lr={lr}", "batch.share_across_lr=false") for lr in ("1e-2", "1e-4")}
+    for lr in reused:
+        assert reused[lr]["reused_stage12"] is True and "time/accumulate_X_E_s" not in reused[lr]
+        assert own[lr]["reused_stage12"] is False and own[lr]["stage12_share"] == "off: batch.share_across_lr=false"
+        assert reused[lr]["deltaH_true"] != first["deltaH_true"]
+        # fp32: a job's own dots of its fp32 update parts carry rounding of ~1e-6 relative
+        # (measured 2.3e-6 at most); the shared job's are the first job's, rescaled
+        assert_same_results(reused[lr], own[lr], rel=1e-5)
+    assert len([p for p in (cache / SUBDIR).iterdir() if p.is_dir()]) == 1
+
+    # a job that differs in anything but the lr computes (and stores) its own
+    other = job("w", "optimizer.lr=1e-2", "probe.weighting_mode=sequence")
+    assert other["reused_stage12"] is False and other["stage12_share"].startswith("computed here")
+    assert len([p for p in (cache / SUBDIR).iterdir() if p.is_dir()]) == 2
+
+    # corrupt: a flipped byte in Xbar / Ybar is found by its sha256, recomputed and rewritten
+    buf = entry / BUFFERS
+    data = bytearray(buf.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    buf.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="corrupt: buffers.pt does not match its sha256"):
+        again = job("c", "optimizer.lr=1e-2")
+    assert again["reused_stage12"] is False
+    assert_same_results(again, own["1e-2"], rel=0.0)
+    assert job("c2", "optimizer.lr=1e-2")["reused_stage12"] is True  # rewritten whole
+
+    # stale: an entry written for another configuration in this folder is not read
+    meta = json.loads((entry / ENTRY).read_text())
+    meta["key"]["config"]["probe"]["top_units"] += 1
+    (entry / ENTRY).write_text(json.dumps(meta))
+    with pytest.warns(UserWarning, match=r"stale: written for another configuration \(differs in \['config'\]\)"):
+        assert job("t", "optimizer.lr=1e-4")["reused_stage12"] is False
+
+
+def test_sharing_is_refused_where_a_rescaling_is_not_exact(tmp_path, monkeypatch):
+    cfg = to_typed(compose_cfg(tmp_path))
+    p = torch.nn.Parameter(torch.zeros(3))
+    adamw = Geometry(torch.optim.AdamW([p], lr=1e-3), 1e-3, None)
+    cache = tmp_path / "cache"
+    assert why_not_shared(cfg, cache, adamw, cfg.importance) is None
+    assert why_not_shared(cfg, None, adamw, cfg.importance).startswith("not a sweep")
+    off = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, share_across_lr=False))
+    assert why_not_shared(off, cache, adamw, cfg.importance) == "batch.share_across_lr=false"
+    clip = dataclasses.replace(cfg.importance, max_grad_norm=1.0)
+    assert "linear in lr only up to rounding" in why_not_shared(cfg, cache, adamw, clip)
+    rms = Geometry(torch.optim.RMSprop([p], lr=1e-3), 1e-3, None)
+    assert "RMSprop" in why_not_shared(cfg, cache, rms, cfg.importance)
+    two = Geometry(torch.optim.AdamW([{"params": [p], "lr": 1e-4}], lr=1e-3), 1e-3, None)
+    assert why_not_shared(cfg, cache, two, cfg.importance) == "param groups with different lrs"
+    monkeypatch.setattr(D, "world", lambda: 2)
+    assert why_not_shared(cfg, cache, adamw, cfg.importance) == "2 processes (sharing is single-process only)"
+
+
+def test_a_plain_run_says_why_it_shared_nothing(tmp_path):
+    res = run(compose_cfg(tmp_path, *QUICK, "importance.enabled=false"))
+    assert res["reused_stage12"] is False
+    assert res["stage12_share"].startswith("off: not a sweep")
+    assert json.loads((Path(tmp_path) / "results.json").read_text())["reused_stage12"] is False
