@@ -5,7 +5,11 @@ Composes entprobe's real Hydra config (``_common.compose``, as the CLI would) on
 with ``batch.save=<out>/batches``; every later lr reads them back with ``batch.load=<out>/batches``,
 so all lrs see the same E, U and Adam state and differ only in the step size (the first-order
 deltaH1 is exactly linear in lr; the measured deltaH_true is not). Each run writes its own
-``results.json`` under ``<out>/runs/lr_<lr>/``.
+``results.json`` under ``<out>/runs/lr_<lr>/``. As in a multirun, the runs share one batch cache
+(``<out>/batch_cache``, emptied at the start): the first lr computes Stages 1-2 and every later lr
+rescales them (``batch.share_across_lr``, docs/scaling.md); ``--own-stage12`` makes every lr compute
+its own, for timing the difference (columns ``wall_s``, ``stage12_s``: the Stage 1-2 phases, and
+``reused_stage12``).
 
 From each result dict it collects (``.get``, NaN when a key is absent): deltaH_pred,
 SE_deltaH_pred, ci95_pred_low/high, deltaH1, SE_deltaH1, deltaH1_step, deltaH_true, SE_deltaH_true,
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import shutil
 import sys
 import time
 import traceback
@@ -45,7 +50,8 @@ KEYS = ["deltaH_pred", "SE_deltaH_pred", "ci95_pred_low", "ci95_pred_high", "del
         "deltaH1_step", "deltaH_true", "SE_deltaH_true", "deltaH_true_minus_pred", "SE_deltaH_true_minus_pred",
         "ESS_frac", "H_orig", "deltaH_pred_gradient", "deltaH_pred_momentum", "deltaH_pred_weight_decay",
         "ci95_true_low", "ci95_true_high", "ci95_true_minus_pred_low", "ci95_true_minus_pred_high"]
-EXTRA = ["lr_source", "batch_source", "weighting_mode", "time/total_s"]
+EXTRA = ["lr_source", "batch_source", "weighting_mode", "time/total_s", "reused_stage12"]
+STAGE12_PHASES = ("accumulate_Y_U", "accumulate_X_E", "variance", "stage12_load", "stage12_store")
 NAN = float("nan")
 
 
@@ -66,6 +72,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--reuse-batches", action="store_true",
                     help="load <out>/batches for every lr when E.pt and U.pt are already there")
     ap.add_argument("--table", action="store_true", help="print entprobe's full results table per lr")
+    ap.add_argument("--own-stage12", action="store_true",
+                    help="every lr computes its own Stages 1-2 (batch.share_across_lr=false)")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides after --")
     return ap.parse_args()
 
@@ -105,11 +113,13 @@ def run_sweep(a: argparse.Namespace, lrs: list[float], out: Path) -> list[dict]:
     from _common import compose
     from entprobe.main import run
 
-    batches = out / "batches"
+    batches, cache = out / "batches", out / "batch_cache"
+    shutil.rmtree(cache, ignore_errors=True)  # the first lr computes Stages 1-2 in this invocation
     base = [f"batch.B_E={a.B_E}", f"batch.B_U={a.B_U}", f"batch.G={a.G}",
             f"sampling.max_new_tokens={a.max_new_tokens}", f"probe.weighting_mode={a.weighting_mode}",
             "logging.wandb.mode=disabled", "logging.progress=false",
-            f"logging.console_table={'true' if a.table else 'false'}"]
+            f"logging.console_table={'true' if a.table else 'false'}",
+            f"batch.share_across_lr={'false' if a.own_stage12 else 'true'}"]
     if a.checkpoint:
         ck = Path(a.checkpoint).expanduser().resolve()
         base = ["model=hf", f"model.path={ck}", f"optimizer.state_path={ck}", *base]
@@ -120,22 +130,24 @@ def run_sweep(a: argparse.Namespace, lrs: list[float], out: Path) -> list[dict]:
         io = f"batch.load={batches}" if load else f"batch.save={batches}"
         ov = [*base, f"optimizer.lr={lr!r}", io, f"run_dir={out / 'runs' / f'lr_{lr:g}'}", *a.overrides]
         row = {"lr": lr, **{k: NAN for k in KEYS}, **{k: "" for k in EXTRA}, "status": "ok", "error": "",
-               "wall_s": NAN}
+               "wall_s": NAN, "stage12_s": NAN}
         print(f"[lr {lr:g}] {'load' if load else 'sample + save'} batches; overrides: {' '.join(ov)}", flush=True)
         t0 = time.perf_counter()
         try:
-            res = run(compose(ov))
+            res = run(compose(ov), batch_cache=cache)
             for k in KEYS:
                 row[k] = fnum(res.get(k, NAN))
             for k in EXTRA:
                 row[k] = res.get(k, "")
+            row["stage12_s"] = sum(fnum(res.get(f"time/{p}_s", 0.0)) for p in STAGE12_PHASES)
         except Exception as exc:  # a measurement: record and go on
             traceback.print_exc()
             row["status"], row["error"] = "error", f"{type(exc).__name__}: {exc}".replace("\n", " ")[:500]
         row["wall_s"] = time.perf_counter() - t0
         p, se, which = prediction(row)
         first = "" if which == "deltaH1" else f"deltaH1 {pm(row['deltaH1'], row['SE_deltaH1'])}, "
-        print(f"[lr {lr:g}] {row['status']} in {row['wall_s']:.1f}s: {which} {pm(p, se)}, "
+        print(f"[lr {lr:g}] {row['status']} in {row['wall_s']:.1f}s (Stages 1-2 {row['stage12_s']:.1f}s, "
+              f"reused {row['reused_stage12']}): {which} {pm(p, se)}, "
               f"{first}deltaH1_step {fmt(row['deltaH1_step'])}, "
               f"deltaH_true {pm(row['deltaH_true'], row['SE_deltaH_true'])}, ESS_frac {fmt(row['ESS_frac'])}",
               flush=True)
@@ -144,7 +156,7 @@ def run_sweep(a: argparse.Namespace, lrs: list[float], out: Path) -> list[dict]:
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
-    cols = ["lr", "status", "wall_s", *KEYS, *EXTRA, "error"]
+    cols = ["lr", "status", "wall_s", "stage12_s", *KEYS, *EXTRA, "error"]
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
@@ -238,7 +250,9 @@ def main() -> int:
             fn(out / name)
         except Exception:
             traceback.print_exc()
-    print(f"[sweep] {len(rows)} lrs in {time.perf_counter() - t0:.1f}s -> {out}/lr_sweep.{{csv,md,png}}")
+    print(f"[sweep] {len(rows)} lrs in {time.perf_counter() - t0:.1f}s (jobs {sum(r['wall_s'] for r in rows):.1f}s, "
+          f"Stages 1-2 {sum(r['stage12_s'] for r in rows if math.isfinite(r['stage12_s'])):.1f}s) "
+          f"-> {out}/lr_sweep.{{csv,md,png}}")
     print((out / "lr_sweep.md").read_text() if (out / "lr_sweep.md").is_file() else "")
     return 0
 

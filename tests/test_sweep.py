@@ -65,6 +65,9 @@ def test_lr_sweep_reuses_batches_and_records_the_failed_job(tmp_path):
             assert float(r[k]) == x[k], k
     # One batch for both lr values: sampled by job 0, loaded from the cache by job 1.
     assert [x["batch_source"] for x in res] == ["sampled", "cache"] == [r["batch"] for r in rows[:2]]
+    # Stages 1-2 computed by job 0, rescaled by job 1 (tests/test_stage12_share.py checks the numbers)
+    assert [x["reused_stage12"] for x in res] == [False, True]
+    assert [r["stage12"] for r in rows] == ["computed", "reused", ""]
     assert "time/sample_E_s" in res[0] and "time/sample_E_s" not in res[1]
     for k in ("bars_dot", "H_orig", "V_X", "V_Y", "batch_E/reward_mean", "batch_U/reward_mean"):
         assert res[0][k] == res[1][k], k  # identical E and U (and weights): bit for bit
@@ -88,6 +91,7 @@ def test_submitit_local_job_runs_ddp_over_its_tasks(tmp_path):
     assert (sw / ".submitit").is_dir()
     ddp = json.loads((sw / "0" / "results.json").read_text())
     assert ddp["world_size"] == 2 and ddp["B_E"] == 5 and ddp["B_U"] == 3
+    assert ddp["reused_stage12"] is False and ddp["stage12_share"] == "off: 2 processes (sharing is single-process only)"
     cache = next(p for p in (sw / sweep.CACHE_DIR).iterdir() if p.is_dir())
     one = run(compose_cfg(tmp_path / "one", *SMALL, "optimizer.lr=1e-5", f"batch.load='{cache}'"))
     for k in ("deltaH1", "SE_deltaH1", "V_X", "V_Y", "deltaH_true", "ESS"):
@@ -107,7 +111,7 @@ def test_cache_key_ignores_the_optimizer_and_tracks_what_sampling_depends_on(tmp
 def test_summary_lists_only_the_overrides_that_vary(tmp_path):
     for num, ov, status in ((0, ["a=1", "lr=1"], "ok"), (1, ["a=1", "lr=2"], "failed")):
         row = {"job": num, "status": status, "overrides": ov, "time_s": 1.5, "output_dir": str(tmp_path / str(num)),
-               "batch": "", "error": "" if status == "ok" else "RuntimeError: x|y", "deltaH1": 0.25 * (num + 1),
+               "batch": "", "stage12": "", "error": "" if status == "ok" else "RuntimeError: x|y", "deltaH1": 0.25 * (num + 1),
                "SE_deltaH1": 0.1, "deltaH_true": float("nan"), "ESS_frac": 0.5, "deltaH_pred": -0.02,
                "SE_deltaH_pred": 0.01, "SE_deltaH_true": float("nan"), "deltaH_true_minus_pred": float("nan"),
                "SE_deltaH_true_minus_pred": float("nan"), "lr": 1e-6 * (num + 1), "B_E": 4, "B_U": 4}
@@ -119,7 +123,7 @@ def test_summary_lists_only_the_overrides_that_vary(tmp_path):
     md = md_path.read_text().splitlines()
     assert md[2] == "2 jobs, 1 failed."
     assert md[-3] == ("| 1 | failed | lr=2 | 2e-06 | 4 | 4 | -0.02 | 0.01 | nan | nan | nan | nan | 0.5 | 0.5 | "
-                      "0.1 | 1.5 |  | RuntimeError: x\\|y |")
+                      "0.1 | 1.5 |  |  | RuntimeError: x\\|y |")
     assert md[-1] == "![predicted vs measured](sweep_summary.png)"  # from the one job that completed
     assert (tmp_path / "sweep_summary.png").is_file()
 
@@ -202,6 +206,7 @@ def test_documented_sweep_writes_its_plot_and_wandb_runs_are_named_grouped_and_s
     assert sorted((float(r["lr"]), int(r["B_E"]), int(r["B_U"])) for r in rows) == [
         (1e-6, 8, 8), (1e-6, 16, 8), (1e-5, 8, 8), (1e-5, 16, 8)]
     assert sorted(r["batch"] for r in rows) == ["cache", "cache", "sampled", "sampled"]
+    assert sorted(r["stage12"] for r in rows) == ["computed", "computed", "reused", "reused"]  # one per B_E
     png = sw / "sweep_summary.png"
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "![predicted vs measured](sweep_summary.png)" in (sw / "sweep_summary.md").read_text()

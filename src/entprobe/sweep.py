@@ -5,8 +5,11 @@
     #   0/ .. 7/                 one run directory per job (results.json, attribution.csv, ...)
     #   batch_cache/<key>/       E.pt, U.pt: sampled by the first job that needs them, loaded by
     #                            every other job with the same key (here: once per (B_E, B_U))
-    #   sweep_summary.csv / .md  one row per job, rewritten as each job ends
-#   sweep_summary.png        predicted vs measured +- SE over lr (and over B when it varies)
+    #     stage12/<key>/         Stages 1-2, computed by the first of the jobs that differ only in
+    #                            the lr, rescaled by the others (stage12_share.py)
+    #   sweep_summary.csv / .md  one row per job, rewritten as each job ends (``stage12``: reused /
+    #                            computed / off)
+    #   sweep_summary.png        predicted vs measured +- SE over lr (and over B when it varies)
 
 Cache key: everything the sampled batches depend on (batch minus save/load, sampling, model,
 task, probe mode, seed, world size), hashed; never the optimizer, so lr sweeps share batches.
@@ -46,7 +49,7 @@ SUMMARY = "sweep_summary"
 METRICS = ("deltaH_pred", "SE_deltaH_pred", "deltaH_true", "SE_deltaH_true", "deltaH_true_minus_pred",
            "SE_deltaH_true_minus_pred", "ESS_frac", "deltaH1", "SE_deltaH1")
 SETTINGS = ("lr", "B_E", "B_U")  # read from results.json: the plot's x axes
-COLUMNS = ("job", "status", "overrides", *SETTINGS, *METRICS, "time_s", "batch", "error")
+COLUMNS = ("job", "status", "overrides", *SETTINGS, *METRICS, "time_s", "batch", "stage12", "error")
 
 
 # ----------------------------------------------------------------------------- batch cache
@@ -77,7 +80,7 @@ def job_row(config: DictConfig, job_return: JobReturn, seconds: float) -> dict:
     ok = job_return.status == JobStatus.COMPLETED
     row = {"job": int(config.hydra.job.num), "status": "ok" if ok else "failed",
            "overrides": list(job_return.overrides or []), "time_s": round(seconds, 3),
-           "output_dir": str(out), "batch": "", "error": ""}
+           "output_dir": str(out), "batch": "", "stage12": "", "error": ""}
     row.update({k: float("nan") for k in (*SETTINGS, *METRICS)})
     results = out / str(config.get("logging", {}).get("results_file", "results.json"))
     if ok and results.is_file():
@@ -87,12 +90,21 @@ def job_row(config: DictConfig, job_return: JobReturn, seconds: float) -> dict:
         row.update(lr=res.get("lr", float("nan")), B_E=res.get("B_E", res.get("gt/B_E", float("nan"))),
                    B_U=res.get("B_U", res.get("B", float("nan"))))
         row["batch"] = res.get("batch_source", "")
+        row["stage12"] = stage12_column(res)
     elif ok:
         row.update(status="failed", error=f"no {results.name} in {out}")
     else:
         err = job_return._return_value  # the exception (``return_value`` would re-raise it)
         row["error"] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
     return row
+
+
+def stage12_column(res: dict) -> str:
+    """``reused`` (Stages 1-2 read from another lr's job), ``computed`` (here, stored for the
+    others), ``off`` (not shared: ``stage12_share`` says why) or empty (single_batch)."""
+    if res.get("reused_stage12"):
+        return "reused"
+    return str(res.get("stage12_share", "")).split(" ", 1)[0].rstrip(":")
 
 
 def read_rows(sweep_dir: str | Path) -> list[dict]:
