@@ -112,6 +112,8 @@ def test_lr_sweep_shares_stage12_and_matches_independent_jobs(tmp_path):
         # fp32: a job's own dots of its fp32 update parts carry rounding of ~1e-6 relative
         # (measured 2.3e-6 at most); the shared job's are the first job's, rescaled
         assert_same_results(reused[lr], own[lr], rel=1e-5)
+    # the same batches loaded from a folder (batch.load, as benchmarks/lr_sweep.py does): shared too
+    assert job("l", "optimizer.lr=3e-3", f"batch.load='{cache}'")["reused_stage12"] is True
     assert len([p for p in (cache / SUBDIR).iterdir() if p.is_dir()]) == 1
 
     # a job that differs in anything but the lr computes (and stores) its own

@@ -20,9 +20,9 @@ On disk, in a sweep's batch cache (sweep.py)::
     batch_cache/<batch key>/stage12/<key>.lock
 
 The key is everything the job's Stage 1-2 numbers depend on except ``optimizer.lr``: the whole
-config (less ``optimizer.lr``, ``run_dir``, ``logging``, ``batch.save``, ``batch.lock_timeout_s``
-and the switch itself), the model / tokenizer / optimizer-state file digests, the E and U
-batches' contents, the devices and dtypes the passes run in, the world size and the entprobe source.
+config (less ``optimizer.lr``, ``run_dir``, ``logging``, ``batch.save`` / ``batch.load`` -- the E
+and U batches enter by their contents -- ``batch.lock_timeout_s`` and the switch itself), the
+model / tokenizer / optimizer-state file digests, the batches' contents, the devices and dtypes the passes run in, the world size and the entprobe source.
 The first job takes the lock, computes and writes (``entry.json`` last, every file atomically);
 the others wait on the lock, verify the entry (the key in full, the files' sha256, the parameter
 shapes) and load it. An entry that fails a check is reported and recomputed in its place.
@@ -144,7 +144,7 @@ def share_key(cfg, identity: dict, optimizer_file: Path | None, ctx: ProbeContex
     for k in ("run_dir", "logging"):
         c.pop(k)
     c["optimizer"].pop("lr")
-    for k in ("save", "lock_timeout_s", "share_across_lr"):
+    for k in ("save", "load", "lock_timeout_s", "share_across_lr"):  # the batches: by content
         c["batch"].pop(k)
     return _json({"format": FORMAT, "config": c, "identity": identity,
                   "optimizer_file": file_digest(optimizer_file) if optimizer_file else None,
