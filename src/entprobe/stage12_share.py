@@ -179,11 +179,26 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+class _HashingWriter:
+    """A binary file that hashes what is written through it (``torch.save`` writes sequentially)."""
+
+    def __init__(self, f):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def _save(obj, path: Path) -> str:
-    """``torch.save`` atomically; returns the file's sha256."""
+    """``torch.save`` atomically; returns the file's sha256 (taken as it is written)."""
     with atomic_open(path, "wb") as f:
-        torch.save(obj, f)
-    return _sha256(path)
+        w = _HashingWriter(f)
+        torch.save(obj, w)
+    return w.sha.hexdigest()
 
 
 @dataclass
