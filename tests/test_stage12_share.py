@@ -121,12 +121,12 @@ def test_lr_sweep_shares_stage12_and_matches_independent_jobs(tmp_path):
     assert other["reused_stage12"] is False and other["stage12_share"].startswith("computed here")
     assert len([p for p in (cache / SUBDIR).iterdir() if p.is_dir()]) == 2
 
-    # corrupt: a flipped byte in Xbar / Ybar is found by its sha256, recomputed and rewritten
+    # corrupt: a flipped byte in Xbar / Ybar is found by its checksum, recomputed and rewritten
     buf = entry / BUFFERS
     data = bytearray(buf.read_bytes())
     data[len(data) // 2] ^= 0xFF
     buf.write_bytes(bytes(data))
-    with pytest.warns(UserWarning, match="corrupt: buffers.pt does not match its sha256"):
+    with pytest.warns(UserWarning, match="corrupt: buffers.pt does not match its checksum"):
         again = job("c", "optimizer.lr=1e-2")
     assert again["reused_stage12"] is False
     assert_same_results(again, own["1e-2"], rel=0.0)

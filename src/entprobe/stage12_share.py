@@ -13,7 +13,7 @@ job's lr, then importance sampling over E) runs in every job, on the stored Ybar
 On disk, in a sweep's batch cache (sweep.py)::
 
     batch_cache/<batch key>/stage12/<key>/
-        entry.json   what the entry was computed from (``key``), at which lr, sha256 of the files
+        entry.json   what the entry was computed from (``key``), at which lr, CRC-32 checksums
         buffers.pt   Xbar and Ybar: 2 x parameters x probe.buffers_dtype bytes (1.1 GB for
                      SmolLM2-135M in fp32); the rest is per-prompt and a few KB
         values.pt    everything else in ``Stage12``
@@ -24,8 +24,8 @@ config (less ``optimizer.lr``, ``run_dir``, ``logging``, ``batch.save`` / ``batc
 and U batches enter by their contents -- ``batch.lock_timeout_s`` and the switch itself), the
 model / tokenizer / optimizer-state file digests, the batches' contents, the devices and dtypes the passes run in, the world size and the entprobe source.
 The first job takes the lock, computes and writes (``entry.json`` last, every file atomically);
-the others wait on the lock, verify the entry (the key in full, the files' sha256, the parameter
-shapes) and load it. An entry that fails a check is reported and recomputed in its place.
+the others wait on the lock, verify the entry (the key in full, the checksums -- of Xbar's and
+Ybar's bytes once loaded, so the big file is read once -- and the parameter shapes) and load it. An entry that fails a check is reported and recomputed in its place.
 
 Shared only where the rescaling is exact up to rounding: one process (under torchrun each rank
 holds its own shard of the per-prompt values: off), the two-batch mode, and an update in closed
@@ -41,6 +41,7 @@ import json
 import os
 import socket
 import warnings
+import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -50,7 +51,7 @@ import torch
 
 from entprobe import distributed as D
 from entprobe import paramvec as pv
-from entprobe.atomic_io import atomic_open, write_json_atomic
+from entprobe.atomic_io import torch_save_atomic, write_json_atomic
 from entprobe.batch_store import file_digest
 from entprobe.locks import file_lock
 from entprobe.rollout import RolloutBatch
@@ -171,34 +172,23 @@ def why_not_shared(cfg, batch_cache: Path | None, geo, icfg) -> str | None:
     return None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def _crc32(chunks) -> str:
+    """CRC-32 of a sequence of byte buffers, as 8 hex digits."""
+    c = 0
+    for b in chunks:
+        c = zlib.crc32(b, c)
+    return f"{c:08x}"
+
+
+def tensors_crc32(tensors: list[torch.Tensor]) -> str:
+    """CRC-32 of the tensors' bytes in order (CPU tensors): checked after loading, so that a file
+    of parameter size is read once."""
+    return _crc32(t.detach().reshape(-1).view(torch.uint8).numpy() for t in tensors)
+
+
+def file_crc32(path: Path) -> str:
     with open(path, "rb") as f:
-        while chunk := f.read(_READ):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-class _HashingWriter:
-    """A binary file that hashes what is written through it (``torch.save`` writes sequentially)."""
-
-    def __init__(self, f):
-        self.f, self.sha = f, hashlib.sha256()
-
-    def write(self, data) -> int:
-        self.sha.update(data)
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def _save(obj, path: Path) -> str:
-    """``torch.save`` atomically; returns the file's sha256 (taken as it is written)."""
-    with atomic_open(path, "wb") as f:
-        w = _HashingWriter(f)
-        torch.save(obj, w)
-    return w.sha.hexdigest()
+        return _crc32(iter(lambda: f.read(_READ), b""))
 
 
 @dataclass
@@ -238,11 +228,12 @@ class Stage12Share:
             diff = sorted(k for k in set(entry.get("key") or {}) | set(self.key)
                           if (entry.get("key") or {}).get(k) != self.key.get(k))
             raise ValueError(f"stale: written for another configuration (differs in {diff})")
-        for name, sha in entry["files"].items():
-            if _sha256(self.folder / name) != sha:
-                raise ValueError(f"corrupt: {name} does not match its sha256 in {ENTRY}")
-        bufs = torch.load(self.folder / BUFFERS, map_location="cpu", weights_only=True)
+        if file_crc32(self.folder / VALUES) != entry["crc32"][VALUES]:
+            raise ValueError(f"corrupt: {VALUES} does not match its checksum in {ENTRY}")
         vals = torch.load(self.folder / VALUES, map_location="cpu", weights_only=True)
+        bufs = torch.load(self.folder / BUFFERS, map_location="cpu", weights_only=True)
+        if tensors_crc32([*bufs["Xbar"], *bufs["Ybar"]]) != entry["crc32"][BUFFERS]:
+            raise ValueError(f"corrupt: {BUFFERS} does not match its checksum in {ENTRY}")
         if vals["names"] != ctx.names or any(tuple(x.shape) != tuple(p.shape) for x, p in zip(bufs["Xbar"], ctx.params)):
             raise ValueError("stale: its parameters are not this model's trainable parameters")
 
@@ -256,10 +247,11 @@ class Stage12Share:
             (self.folder / ENTRY).unlink(missing_ok=True)  # a reader never pairs an old entry with new files
             self.folder.mkdir(parents=True, exist_ok=True)
             vals = {f.name: getattr(st, f.name) for f in dataclasses.fields(st) if f.name not in ("Xbar", "Ybar")}
-            files = {BUFFERS: _save({"Xbar": [x.detach().cpu() for x in st.Xbar],
-                                     "Ybar": [y.detach().cpu() for y in st.Ybar]}, self.folder / BUFFERS),
-                     VALUES: _save(vals, self.folder / VALUES)}
-            write_json_atomic({"format": FORMAT, "key": self.key, "lr": st.lr, "files": files,
+            bufs = {"Xbar": [x.detach().cpu() for x in st.Xbar], "Ybar": [y.detach().cpu() for y in st.Ybar]}
+            torch_save_atomic(bufs, self.folder / BUFFERS)
+            torch_save_atomic(vals, self.folder / VALUES)
+            crc = {BUFFERS: tensors_crc32([*bufs["Xbar"], *bufs["Ybar"]]), VALUES: file_crc32(self.folder / VALUES)}
+            write_json_atomic({"format": FORMAT, "key": self.key, "lr": st.lr, "crc32": crc,
                                "by": f"pid {os.getpid()} on {socket.gethostname()}"}, self.folder / ENTRY)
         except OSError as exc:
             warnings.warn(f"entprobe: could not write the Stage 1-2 cache entry {self.folder} ({exc}); "
