@@ -22,10 +22,12 @@ On disk, in a sweep's batch cache (sweep.py)::
 The key is everything the job's Stage 1-2 numbers depend on except ``optimizer.lr``: the whole
 config (less ``optimizer.lr``, ``run_dir``, ``logging``, ``batch.save`` / ``batch.load`` -- the E
 and U batches enter by their contents -- ``batch.lock_timeout_s`` and the switch itself), the
-model / tokenizer / optimizer-state file digests, the batches' contents, the devices and dtypes the passes run in, the world size and the entprobe source.
-The first job takes the lock, computes and writes (``entry.json`` last, every file atomically);
-the others wait on the lock, verify the entry (the key in full, the checksums -- of Xbar's and
-Ybar's bytes once loaded, so the big file is read once -- and the parameter shapes) and load it. An entry that fails a check is reported and recomputed in its place.
+model / tokenizer / optimizer-state file digests, the batches' contents, the devices and dtypes
+the passes run in, the world size and the entprobe source. The first job takes the lock, computes
+and writes (``entry.json`` last, every file atomically); the others wait on the lock, verify the
+entry (the key in full, the checksums -- of Xbar's and Ybar's bytes once loaded, so the big file
+is read once -- and the parameter shapes) and load it. An entry that fails a check is reported
+and recomputed in its place.
 
 Shared only where the rescaling is exact up to rounding: one process (under torchrun each rank
 holds its own shard of the per-prompt values: off), the two-batch mode, and an update in closed
@@ -54,6 +56,7 @@ from entprobe import paramvec as pv
 from entprobe.atomic_io import torch_save_atomic, write_json_atomic
 from entprobe.batch_store import file_digest
 from entprobe.locks import file_lock
+from entprobe.preflight import CheckedInputs
 from entprobe.rollout import RolloutBatch
 from entprobe.stages.context import ProbeContext
 from entprobe.stages.prediction import LINEAR_IN_LR, step_model_kind
@@ -234,7 +237,8 @@ class Stage12Share:
         bufs = torch.load(self.folder / BUFFERS, map_location="cpu", weights_only=True)
         if tensors_crc32([*bufs["Xbar"], *bufs["Ybar"]]) != entry["crc32"][BUFFERS]:
             raise ValueError(f"corrupt: {BUFFERS} does not match its checksum in {ENTRY}")
-        if vals["names"] != ctx.names or any(tuple(x.shape) != tuple(p.shape) for x, p in zip(bufs["Xbar"], ctx.params)):
+        shapes = [tuple(x.shape) for x in bufs["Xbar"]]
+        if vals["names"] != ctx.names or shapes != [tuple(p.shape) for p in ctx.params]:
             raise ValueError("stale: its parameters are not this model's trainable parameters")
 
         def on_device(buf):
@@ -263,7 +267,7 @@ class ShareSource:
     """A sweep job's way to its Stage 1-2 cache: the sweep's batch-cache folder, and the checked
     inputs (``preflight.CheckedInputs``) whose file digests enter the key."""
     batch_cache: Path
-    inputs: object
+    inputs: CheckedInputs
 
 
 def stage12_share(cfg, source: ShareSource | None, ctx: ProbeContext, geo, E: RolloutBatch,

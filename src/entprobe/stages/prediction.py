@@ -282,5 +282,5 @@ def predict_on_held_out(ctx: ProbeContext, E: RolloutBatch, step: StepModel, pcf
     step_dots = pv.dot_set(Xbar, dirE).tolist()
     del dirE
     e = -D.gather_units(accX.proj)
-    return HeldOutPrediction({"gt/B_E": B_E, **prediction_results(step.names, step.kind, step_dots, e, None)}, Xbar, accX.S,
-                             accX.entropy, e)
+    res = {"gt/B_E": B_E, **prediction_results(step.names, step.kind, step_dots, e, None)}
+    return HeldOutPrediction(res, Xbar, accX.S, accX.entropy, e)
