@@ -164,3 +164,16 @@ def test_a_plain_run_says_why_it_shared_nothing(tmp_path):
     assert res["reused_stage12"] is False
     assert res["stage12_share"].startswith("off: not a sweep")
     assert json.loads((Path(tmp_path) / "results.json").read_text())["reused_stage12"] is False
+
+
+def test_a_sharded_optimizer_state_folder_enters_the_key_by_its_files(tmp_path):
+    """A sharded trainer's optimizer state is a folder: its digest covers every file under it."""
+    from entprobe.batch_store import file_digest
+
+    (tmp_path / "optimizer_0").mkdir()
+    (tmp_path / "optimizer_0" / "rank0.pt").write_bytes(b"a" * 100)
+    (tmp_path / "optimizer_0" / "rank1.pt").write_bytes(b"b" * 100)
+    before = file_digest(tmp_path)
+    (tmp_path / "optimizer_0" / "rank1.pt").write_bytes(b"c" * 100)
+    assert file_digest(tmp_path) != before
+    assert file_digest(tmp_path / "optimizer_0" / "rank0.pt") != file_digest(tmp_path / "optimizer_0" / "rank1.pt")

@@ -45,9 +45,14 @@ def _file_digest(h, path: Path) -> None:
 
 
 def file_digest(path: str | Path) -> str:
-    """Digest of one file (name, size, sampled chunks: ``_file_digest``)."""
-    h = hashlib.sha256()
-    _file_digest(h, Path(path))
+    """Digest of one file, or of every file under a folder (a sharded checkpoint; relative paths
+    and ``_file_digest`` of each, sorted)."""
+    path, h = Path(path), hashlib.sha256()
+    if path.is_file():
+        _file_digest(h, path)
+    for f in sorted(q for q in path.rglob("*") if q.is_file()) if path.is_dir() else ():
+        h.update(str(f.relative_to(path)).encode())
+        _file_digest(h, f)
     return h.hexdigest()[:16]
 
 
