@@ -45,6 +45,11 @@ class ProjectionMode(str, Enum):
     backward = "backward"  # reference: per-unit backward, grads moved to the buffers
 
 
+class Strategy(str, Enum):
+    ddp = "ddp"  # every rank holds the whole model, optimizer state and probe buffers
+    fsdp2 = "fsdp2"  # torch fully_shard: all of them sharded over the ranks (sharding.py)
+
+
 class UnitBackward(str, Enum):
     auto = "auto"  # vmap below 10M params (host-bound), else loop
     loop = "loop"  # one backward per unit
@@ -202,6 +207,7 @@ class OptimizerConfig:
 
 @dataclass
 class DDPConfig:
+    strategy: Strategy = Strategy.ddp
     backend: str = "auto"
     find_unused_parameters: bool = True
     timeout_s: int = 1800
@@ -396,8 +402,9 @@ def validate(cfg: Any) -> None:
     _require(o.weight_decay is None or o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
     from entprobe.objectives import config_errors
     from entprobe.prompt_ids import style_errors
+    from entprobe.sharding import config_errors as sharding_errors
     from entprobe.tasks.reward_funcs import weight_errors
-    for key, msg in config_errors(cfg.objective, cfg) + style_errors(cfg) + \
+    for key, msg in config_errors(cfg.objective, cfg) + style_errors(cfg) + sharding_errors(cfg) + \
             weight_errors(cfg.task.reward_funcs, cfg.task.reward_weights):
         _require(False, key, msg)
     _require(cfg.logging.wandb.mode in ("disabled", "offline", "online"), "logging.wandb.mode",

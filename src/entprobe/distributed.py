@@ -128,12 +128,18 @@ def shutdown(ok: bool = True) -> None:
     dist.destroy_process_group()
 
 
-def wrap(model: torch.nn.Module, device: torch.device, find_unused_parameters: bool = True
-         ) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, device: torch.device, find_unused_parameters: bool = True,
+         strategy: str = "ddp") -> torch.nn.Module:
     """DDP around ``model`` when a group exists, else ``model``. Buffers are not re-broadcast at
-    every forward (ranks run different numbers of forwards; the buffers never change)."""
-    if not is_dist():
+    every forward (ranks run different numbers of forwards; the buffers never change).
+    ``strategy="fsdp2"``: the model is sharded in place instead (``sharding.shard_model``)."""
+    from entprobe import sharding
+
+    sharding.unshard_state()
+    if not is_dist() or world() == 1:
         return model
+    if strategy == "fsdp2":
+        return sharding.shard_model(model, device)
     DDP = torch.nn.parallel.DistributedDataParallel
     no_buffer_sync = ({"forward_sync_buffers": False}  # torch >= 2.13 spelling
                       if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from entprobe import paramvec as pv
+from entprobe import sharding
 from entprobe.config import ConfigError, EntprobeConfig
 from entprobe.models import DTYPES
 from entprobe.optim_state import StoredOptimizerState, load_optimizer
@@ -40,6 +41,8 @@ def build_geometry(cfg: EntprobeConfig, lm, params, buf_dev: torch.device,
                               "optimizer.lr=<lr> for plain SGD geometry")
         return Geometry(torch.optim.SGD(params, lr=o.lr), o.lr, None), {"lr_source": "optimizer.lr (config)"}
     lo = load_optimizer(lm.model, stored, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, step=o.step)
+    # FSDP2: the full state was matched by name and shape; each rank keeps its shard of it
+    sharding.shard_optimizer_state_(lo.optimizer)
     P = None
     if o.preconditioner.value == "adam":
         P = pv.LiveAdamPreconditioner(lo.optimizer, params, lo.step, lo.betas[1], lo.eps, buf_dev, buf_dtype)

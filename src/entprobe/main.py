@@ -70,7 +70,8 @@ def load_probe(cfg: EntprobeConfig) -> tuple[LoadedModel, Task, ProbeContext]:
         check_template(tok, [p.source for p in task.prompts[:1]], style, where)
 
     lm = load_model(cfg.model, check_tokenizer=check_tokenizer)
-    model = D.wrap(lm.model, lm.device, cfg.ddp.find_unused_parameters)  # DDP under torchrun / SLURM
+    # DDP (or FSDP2 sharding in place, ddp.strategy) under torchrun / SLURM
+    model = D.wrap(lm.model, lm.device, cfg.ddp.find_unused_parameters, cfg.ddp.strategy.value)
     return lm, task, probe_context(cfg, lm.model, lm.device, lm.autocast_dtype, run_model=model)
 
 

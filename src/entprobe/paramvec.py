@@ -2,12 +2,17 @@
 
 Dots run per tensor in at least fp32 on the buffers' device; only the final scalar moves to the host.
 P (Adam's diagonal preconditioner) is a buffer of the same layout; ``None`` means identity.
+Under FSDP2 (sharding.py) a buffer holds this rank's shard of each parameter-sized tensor, laid
+out like the parameter's local shard; every dot, norm and projection is the local one plus one
+all-reduce of its scalars (``sharding.reduce_shards``), so it equals the unsharded value.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
+
+from entprobe.sharding import local, reduce_shards
 
 Buffer = list[torch.Tensor]
 
@@ -21,7 +26,8 @@ def trainable(model) -> tuple[list[str], list[torch.nn.Parameter]]:
 
 
 def zeros(params: Sequence[torch.Tensor], device, dtype=torch.float32) -> Buffer:
-    return [torch.zeros(p.shape, device=device, dtype=dtype) for p in params]
+    """Zeros shaped like each parameter's (local shard of the) tensor."""
+    return [torch.zeros(local(p).shape, device=device, dtype=dtype) for p in params]
 
 
 def clone(buf: Buffer, device=None, dtype=None) -> Buffer:
@@ -29,20 +35,20 @@ def clone(buf: Buffer, device=None, dtype=None) -> Buffer:
 
 
 def grads(params: Sequence[torch.Tensor]) -> Buffer:
-    """Current ``.grad`` of each parameter (zeros where a parameter got none)."""
-    return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    """Current ``.grad`` of each parameter, this rank's shard under FSDP2 (zeros where a parameter
+    got none)."""
+    return [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in params]
 
 
 def add_grads_(buf: Buffer, params: Sequence[torch.Tensor], scale: float = 1.0) -> None:
     """``buf += scale * grad`` for every parameter that has a gradient (cast to buf's device/dtype).
     One fused ``_foreach_add_`` when every gradient already matches its buffer's device and dtype."""
-    pairs = [(b, p.grad.detach()) for b, p in zip(buf, params) if p.grad is not None]
+    pairs = [(b, local(p.grad.detach())) for b, p in zip(buf, params) if p.grad is not None]
     if pairs and all(b.device == g.device and b.dtype == g.dtype for b, g in pairs):
         torch._foreach_add_([b for b, _ in pairs], [g for _, g in pairs], alpha=scale)
         return
-    for b, p in zip(buf, params):
-        if p.grad is not None:
-            b.add_(p.grad.detach().to(b.device, b.dtype), alpha=scale)
+    for b, g in pairs:
+        b.add_(g.to(b.device, b.dtype), alpha=scale)
 
 
 def scale_(buf: Buffer, s: float) -> Buffer:
@@ -71,7 +77,7 @@ def dot_terms(a: Buffer, b: Buffer, P: Buffer | None = None) -> torch.Tensor:
         terms.append(torch.dot(*_flat_pair(x, y)).double())
     if not terms:
         return torch.zeros(0, dtype=torch.float64)
-    return torch.stack([t.to(terms[0].device) for t in terms])
+    return reduce_shards(torch.stack([t.to(terms[0].device) for t in terms]))
 
 
 def dot(a: Buffer, b: Buffer, P: Buffer | None = None) -> float:
@@ -94,13 +100,13 @@ def where_at_least(c: Buffer, threshold: float) -> list[tuple[int, torch.Tensor]
 def dot_at(a: Buffer, b: Buffer, index: list[tuple[int, torch.Tensor]]) -> float:
     """``sum a_i b_i`` over the coordinates of ``index`` (``where_at_least``), in at least fp32 per
     tensor, summed in fp64."""
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64)
     for i, idx in index:
         x, y = a[i].reshape(-1), b[i].reshape(-1).to(a[i].device)
         dt = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
         idx = idx.to(x.device)
-        total += float(torch.dot(x[idx].to(dt), y[idx].to(dt)).double())
-    return total
+        total += torch.dot(x[idx].to(dt), y[idx].to(dt)).double().cpu()
+    return float(reduce_shards(total))
 
 
 
@@ -121,7 +127,7 @@ def norm(a: Buffer) -> float:
         per = torch.stack(torch._foreach_norm(xs)).double()
     else:
         per = torch.stack([torch.linalg.vector_norm(x).double().to(xs[0].device) for x in xs])
-    return float(per.square().sum().sqrt())
+    return float(reduce_shards(per.square().sum()).sqrt())
 
 
 def _adam_p(v: torch.Tensor, bc: float, eps: float, device, dtype) -> torch.Tensor:
@@ -156,7 +162,7 @@ class LiveAdamPreconditioner(Sequence):
         return len(self.params)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        v = self.optimizer.state[self.params[i]]["exp_avg_sq"]
+        v = local(self.optimizer.state[self.params[i]]["exp_avg_sq"])  # this rank's shard under FSDP2
         return _adam_p(v, self.bc, self.eps, self.device, self.dtype)
 
 
@@ -191,7 +197,7 @@ def empty_directions(k: int, like: Sequence[torch.Tensor], device, dtype,
     """An uninitialised ``DirectionSet`` of k directions shaped like ``like``; fill its columns.
     ``storage`` (a ``[>= k, N]`` matrix of the same device and dtype no longer needed) is reused
     instead of a fresh allocation (a parameter-sized allocation is a page-faulted pass on CPU)."""
-    shapes = [t.shape for t in like]
+    shapes = [local(t).shape for t in like]
     N = sum(sh.numel() for sh in shapes)
     if storage is not None and storage.shape[0] >= k and storage.shape[1] == N and \
             storage.device == torch.device(device) and storage.dtype == dtype:
@@ -221,11 +227,11 @@ def dot_set(a: Buffer, dset: DirectionSet) -> torch.Tensor:
     dt = _dt(a[0], mat)
     if mat.shape[1] <= FLAT_MAX_NUMEL:
         flat = torch.cat([x.reshape(-1).to(mat.device, dt) for x in a])
-        return (mat.to(dt) @ flat).double()
+        return reduce_shards((mat.to(dt) @ flat).double())
     total = torch.zeros(dset.k, dtype=torch.float64, device=mat.device)
     for i, x in enumerate(a):
         total += (dset.block(i).to(dt) @ x.reshape(-1).to(mat.device, dt)).double()
-    return total
+    return reduce_shards(total)
 
 
 def dot_rows_set(rows: Buffer, dset: DirectionSet) -> torch.Tensor:
@@ -236,8 +242,8 @@ def dot_rows_set(rows: Buffer, dset: DirectionSet) -> torch.Tensor:
     n = rows[0].shape[0]
     if mat.shape[1] <= FLAT_MAX_NUMEL:
         flat = torch.cat([x.reshape(n, -1).to(dt) for x in rows], 1)
-        return (flat @ mat.to(dt).T).double()
+        return reduce_shards((flat @ mat.to(dt).T).double())
     total = torch.zeros((n, dset.k), dtype=torch.float64, device=mat.device)
     for i, x in enumerate(rows):
         total += (x.reshape(n, -1).to(dt) @ dset.block(i).to(rows[0].device, dt).T).double()
-    return total
+    return reduce_shards(total)

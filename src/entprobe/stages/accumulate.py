@@ -25,10 +25,11 @@ import torch
 
 from entprobe import distributed as D
 from entprobe import paramvec as pv
+from entprobe import sharding
 from entprobe.distributed import no_sync
 from entprobe.estimators import x_loss
 from entprobe.rollout import RolloutBatch
-from entprobe.stages.context import ProbeContext
+from entprobe.stages.context import ProbeContext, is_filler
 
 
 @dataclass
@@ -150,6 +151,9 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
         raise ValueError(f"unit_backward={unit_backward!r}; use loop or vmap")
     S_all, lp_all, ent_all, proj, units, unit_labels = [], [], [], [], [], []
     per_unit = directions is not None or keep_unit_grads
+    if per_unit and sharding.sharded():
+        raise ValueError(f"{label}: per-unit gradients (probe.projection=stored/fused) do not run under "
+                         "ddp.strategy=fsdp2; use probe.projection=backward")
     vmap = per_unit and unit_backward == "vmap"
     running = directions is not None and not keep_unit_grads and not vmap  # projections by increase
     # Buffers of the parameters' own device and dtype: .grad is the sum (backward accumulates
@@ -187,7 +191,7 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
                         raise RuntimeError(f"{what}: the probe loss has no gradient path (is autograd "
                                            "disabled, or are all parameters frozen?)")
                     loss.backward()
-                ctx.stats.count("backward", piece.B * piece.G)
+                ctx.stats.count("backward", 0 if is_filler(piece) else piece.B * piece.G)
                 if keep_unit_grads:
                     mb_units.append([g.detach().unsqueeze(0) for g in pv.grads(ctx.params)])  # a view
                     unit_labels.append(what)
@@ -200,6 +204,8 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
                     proj.append((now - before).unsqueeze(0))
                     _check_projections(ctx, proj[-1], what)
                     before = now
+            if is_filler(piece):  # FSDP2: a collective pass that adds nothing
+                continue
             S_all.append(S.detach().cpu())
             lp_all.append(lp.detach().cpu())
             if ent is not None:
@@ -224,7 +230,9 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
 
 
 def global_mean(buf: pv.Buffer, B_local: int) -> tuple[pv.Buffer, int]:
-    """All-reduce a sum buffer once per tensor and divide by the global unit count."""
-    D.reduce_sum_(buf)
+    """All-reduce a sum buffer once per tensor and divide by the global unit count. Under FSDP2
+    the buffer already holds this rank's shard of the global sum (the backward's reduce-scatter)."""
+    if not sharding.sharded():
+        D.reduce_sum_(buf)
     B = int(D.reduce_scalars(B_local)[0])
     return pv.scale_(buf, 1.0 / B), B

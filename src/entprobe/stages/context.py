@@ -3,12 +3,14 @@ pass counters and per-phase timings."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from entprobe import distributed as D
+from entprobe import sharding
 from entprobe.logprobs import check_finite, token_logprobs
 from entprobe.objectives import ENTPROBE, Objective
 from entprobe.rollout import RolloutBatch
@@ -67,7 +69,7 @@ def resolve_buffers_device(spec: str, params, dtype: torch.dtype) -> torch.devic
         return torch.device(spec)
     if dev.type != "cuda":
         return dev
-    need = PROBE_BUFFERS * sum(p.numel() for p in params) * dtype.itemsize
+    need = PROBE_BUFFERS * sum(sharding.local(p).numel() for p in params) * dtype.itemsize
     fits = need <= device_budget_bytes(dev)
     return dev if D.reduce_scalars(float(fits))[0] == D.world() else torch.device("cpu")
 
@@ -168,14 +170,33 @@ class ProbeContext:
         shape = (mb.B, mb.G, ids.shape[-1])
         S = tl.logp.sum(-1).view(mb.B, mb.G)
         check_finite(S.detach(), what)
+        if is_filler(mb):  # a collective pass only: no gradient, no count (sharding.py)
+            return S * 0.0, tl.logp.view(shape), None
         self.stats.count("forward", mb.B * mb.G)
         ent = tl.entropy.view(shape) if tl.entropy is not None else None
         return S, tl.logp.view(shape), ent
 
     def iterate(self, batch: RolloutBatch, size: int, desc: str):
-        """Microbatches of ``size`` prompts with an optional progress bar."""
+        """Microbatches of ``size`` prompts with an optional progress bar. Under FSDP2 ranks with
+        fewer microbatches than the busiest rank end with filler microbatches (``is_filler``:
+        a pass whose log-probs are multiplied by 0; callers drop its outputs)."""
+        n = (batch.B + size - 1) // size
         it = batch.microbatches(size)
+        if sharding.sharded():
+            missing = sharding.max_over_ranks(n) - n
+            it = itertools.chain(it, ((batch.B, filler(batch)) for _ in range(missing)))
         if self.progress:
             from tqdm.auto import tqdm
-            it = tqdm(it, total=(batch.B + size - 1) // size, desc=desc, leave=False)
+            it = tqdm(it, total=n, desc=desc, leave=False)
         return it
+
+
+def filler(batch: RolloutBatch) -> RolloutBatch:
+    """A one-prompt microbatch that only keeps the ranks' collective passes in step (FSDP2)."""
+    mb = batch.select(0)
+    mb.filler = True
+    return mb
+
+
+def is_filler(mb: RolloutBatch) -> bool:
+    return getattr(mb, "filler", False)

@@ -20,8 +20,10 @@ from entprobe import distributed as D
 from entprobe import estimators as est
 from entprobe import importance_math as im
 from entprobe import paramvec as pv
+from entprobe import sharding
 from entprobe.rollout import RolloutBatch
-from entprobe.stages.context import ProbeContext
+from entprobe.sharding import like_param, local
+from entprobe.stages.context import ProbeContext, is_filler
 from entprobe.stages.snapshot import resolve_snapshot_device, restore, take
 
 
@@ -40,18 +42,18 @@ class StepInputs:
 
 def _set_grads(ctx: ProbeContext, buf: pv.Buffer, scale: float) -> None:
     for p, b in zip(ctx.params, buf):
-        p.grad = (b.to(p.device, p.dtype) * scale).contiguous()
+        p.grad = like_param(p, (b.to(p.device, p.dtype) * scale).contiguous())
 
 
 def _negated_as_grads(ctx: ProbeContext, buf: pv.Buffer) -> bool:
     """``p.grad = -buf`` without a parameter-sized allocation when buf has the parameters' device,
     dtype and layout: buf is negated in place (exact: a sign flip) and the gradients are views of
     it; ``_unnegate`` flips it back. False (nothing done) when it cannot alias."""
-    if not all(b.device == p.device and b.dtype == p.dtype and b.shape == p.shape and b.is_contiguous()
+    if not all(b.device == p.device and b.dtype == p.dtype and b.shape == local(p).shape and b.is_contiguous()
                for p, b in zip(ctx.params, buf)):
         return False
     for p, b in zip(ctx.params, buf):
-        p.grad = b.neg_()
+        p.grad = like_param(p, b.neg_())
     return True
 
 
@@ -73,7 +75,8 @@ def _recompute_grads(ctx: ProbeContext, U: RolloutBatch, icfg, B_U_global: int) 
     (both global: B_U_global prompts, all ranks' tokens). A forward covers
     ``importance_microbatch_size * rl_grad_accum`` prompts (``mb_size_prompts`` when null). DDP averages gradients over ranks, so
     the local loss carries a factor world size; DDP decides at forward time whether to reduce, so
-    forward and backward of every microbatch but the last run under ``no_sync``.
+    forward and backward of every microbatch but the last run under ``no_sync``. FSDP2 sums the
+    ranks' gradients in every backward (sharding.py).
     Returns the token log-probs of U under theta [B, G, T] for the ratio diagnostics."""
     ctx.zero_grad()
     size = (icfg.importance_microbatch_size or ctx.mb_size) * icfg.rl_grad_accum
@@ -91,9 +94,11 @@ def _recompute_grads(ctx: ProbeContext, U: RolloutBatch, icfg, B_U_global: int) 
             else:
                 loss = -S.sum() * (world / n_tok)
             loss.backward()
+        if is_filler(mb):
+            continue
         ctx.stats.count("backward", mb.B * mb.G)
         token_lp.append(lp.detach().cpu())
-    if D.is_dist() and not ddp:  # a bare module under torch.distributed: sum the local shares
+    if D.is_dist() and not ddp and not sharding.sharded():  # a bare module under torch.distributed: sum the local shares
         D.reduce_sum_(pv.grads(ctx.params))
     return torch.cat(token_lp)
 
@@ -112,7 +117,7 @@ def _step(ctx: ProbeContext, inp: StepInputs, icfg, grads_from: Callable[[], Non
         with torch.no_grad():
             for i, (p, y) in enumerate(zip(ctx.params, inp.Ybar_raw)):
                 d = y if inp.P is None else y * inp.P[i].to(y.device)
-                p.add_(d.to(p.device, p.dtype), alpha=inp.lr)
+                local(p).add_(d.to(p.device, p.dtype), alpha=inp.lr)
         return
     grads_from()
     _check_grads_finite(ctx)
@@ -125,14 +130,14 @@ def _step(ctx: ProbeContext, inp: StepInputs, icfg, grads_from: Callable[[], Non
 def _xbar_dot_step(Xbar: pv.Buffer, params, snap_params) -> float:
     """``Xbar . (theta_now - theta_snapshot)``, one tensor at a time on Xbar's device in at least
     fp32 (the difference of two nearby floats is exact or within half an ulp of itself; an fp64
-    model stays fp64), the per-tensor terms summed in fp64. No parameter-sized copy is kept."""
-    total = None
+    model stays fp64), the per-tensor terms summed in fp64 (and over the shards under FSDP2).
+    No parameter-sized copy is kept."""
+    total = torch.zeros((), dtype=torch.float64)
     for x, p, s in zip(Xbar, params, snap_params):
         dt = torch.promote_types(torch.promote_types(p.dtype, x.dtype), torch.float32)
-        d = p.detach().to(x.device, dt) - s.to(x.device, dt)
-        term = torch.dot(x.reshape(-1).to(dt), d.reshape(-1)).double()
-        total = term if total is None else total + term
-    return float(total) if total is not None else 0.0
+        d = local(p.detach()).to(x.device, dt) - s.to(x.device, dt)
+        total += torch.dot(x.reshape(-1).to(dt), d.reshape(-1)).double().cpu()
+    return float(sharding.reduce_shards(total))
 
 
 IS_MODES = ("cv", "snis", "clip", "psis")
@@ -196,10 +201,12 @@ def eval_at_current(ctx: ProbeContext, E: RolloutBatch, icfg) -> tuple[torch.Ten
         # The bare module: no DDP buffer broadcast per forward (ranks may hold different
         # numbers of E microbatches).
         bare = getattr(ctx.model, "module", ctx.model)
+        outs = []
         try:
-            outs = [ctx.forward_S(mb, f"E at theta_plus [{s}, {s + mb.B})", with_entropy=True, model=bare)
-                    for s, mb in ctx.iterate(E, ctx.nograd_mb(E, False, icfg.importance_microbatch_size),
-                                             "E at theta+")]
+            for s, mb in ctx.iterate(E, ctx.nograd_mb(E, False, icfg.importance_microbatch_size), "E at theta+"):
+                o = ctx.forward_S(mb, f"E at theta_plus [{s}, {s + mb.B})", with_entropy=True, model=bare)
+                if not is_filler(mb):  # FSDP2: a collective pass only
+                    outs.append(o)
         finally:
             ctx.model.train(was_training)
     return torch.cat([o[0].cpu() for o in outs]), torch.cat([o[2].cpu() for o in outs])
@@ -332,8 +339,9 @@ def _adamw_zero_grad_parts(ctx: ProbeContext, opt, Xbar: pv.Buffer, snap) -> tup
             key = (gi, None if step is None else float(step), p.device, dt)
             batches.setdefault(key, []).append(i)
 
-    def dot(xs, ys) -> float:  # as pv.dot: per tensor in dt, no product tensor, summed in fp64
-        return float(torch.stack([torch.dot(x.reshape(-1), y.reshape(-1)).double() for x, y in zip(xs, ys)]).sum())
+    def dot(xs, ys) -> float:  # as pv.dot: per tensor in dt, no product tensor, summed in fp64 (and shards)
+        return float(sharding.reduce_shards(torch.stack(
+            [torch.dot(x.reshape(-1), y.reshape(-1)).double() for x, y in zip(xs, ys)]).sum().cpu()))
 
     momentum = decay = 0.0
     for (gi, step, dev, dt), idx in batches.items():

@@ -29,6 +29,7 @@ from entprobe import distributed as D
 from entprobe import estimators as est
 from entprobe import paramvec as pv
 from entprobe.rollout import RolloutBatch
+from entprobe.sharding import like_param, local
 from entprobe.stages.accumulate import accumulate, global_mean, x_loss_of
 from entprobe.stages.context import ProbeContext
 from entprobe.stages.ground_truth import plain_adamw
@@ -38,12 +39,13 @@ from entprobe.step_math import AdamWHyper, StepModel, adamw_jacobian_times_into,
 
 
 def _state_of(opt: torch.optim.Optimizer, p: torch.Tensor, dev, dt):
-    """(m, v) of AdamW's state for p on ``dev`` in ``dt``; zeros without state (never stepped)."""
+    """(m, v) of AdamW's state for p on ``dev`` in ``dt`` (this rank's shards under FSDP2); zeros
+    without state (never stepped)."""
     st = opt.state.get(p)
     if not st or "exp_avg" not in st:
-        z = torch.zeros(p.shape, device=dev, dtype=dt)
+        z = torch.zeros(local(p).shape, device=dev, dtype=dt)
         return z, z
-    return st["exp_avg"].to(dev, dt), st["exp_avg_sq"].to(dev, dt)
+    return local(st["exp_avg"]).to(dev, dt), local(st["exp_avg_sq"]).to(dev, dt)
 
 
 def _step_of(opt: torch.optim.Optimizer, p: torch.Tensor) -> float:
@@ -97,12 +99,12 @@ def build_step_model(ctx: ProbeContext, optimizer: torch.optim.Optimizer, lr: fl
         snap = take(ctx.params, optimizer, ctx.buffers_device)
         try:
             for p, y in zip(ctx.params, Ybar):
-                p.grad = (-y).to(p.device, p.dtype).contiguous()
+                p.grad = like_param(p, (-y).to(p.device, p.dtype).contiguous())
             if max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(ctx.params, max_grad_norm)
             optimizer.step()
             for p, s, o in zip(ctx.params, snap.params, outs["update"]):
-                torch.sub(p.detach().to(o.device, o.dtype), s.to(o.device, o.dtype), out=o)
+                torch.sub(local(p.detach()).to(o.device, o.dtype), s.to(o.device, o.dtype), out=o)
         finally:
             restore(ctx.params, optimizer, snap)
     return StepModel(["update"], step_into, None, "optimizer_step")
@@ -128,7 +130,7 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
         g = optimizer.param_groups[gi]
         h = AdamWHyper(float(g["lr"]), float(g.get("weight_decay", 0.0)), *(
             (float(g["betas"][0]), float(g["betas"][1]), float(g["eps"])) if adam else (0.0, 0.0, 0.0)), step)
-        small = sum(ctx.params[i].numel() for i in idx) <= pv.FLAT_MAX_NUMEL
+        small = sum(local(ctx.params[i]).numel() for i in idx) <= pv.FLAT_MAX_NUMEL
         chunks += [(idx, h)] if small else [([i], h) for i in idx]
     names = ["gradient"] + (["momentum"] if adam else []) + (
         ["weight_decay"] if any(float(g.get("weight_decay", 0.0)) for g in optimizer.param_groups) else [])
@@ -137,17 +139,17 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
         """``fn(ch, h, ins, out_flat, scratch)`` per chunk on flat inputs; results land in ``outs``."""
         first = next(iter(outs.values()))
         dev, dt = first[0].device, first[0].dtype
-        biggest = max(sum(ctx.params[i].numel() for i in ch) for ch, _ in chunks)
+        biggest = max(sum(local(ctx.params[i]).numel() for i in ch) for ch, _ in chunks)
         scratch = [torch.empty(biggest, device=dev, dtype=dt) for _ in range(2)]
         for ch, h in chunks:
-            n = sum(ctx.params[i].numel() for i in ch)
+            n = sum(local(ctx.params[i]).numel() for i in ch)
 
             def flat(ts):
                 if len(ts) == 1:
                     return ts[0].reshape(-1).to(dev, dt)
                 return torch.cat([t.reshape(-1).to(dev, dt) for t in ts])
             st = [_state_of(optimizer, ctx.params[i], dev, dt) for i in ch] if adam else None
-            ins = {"y": flat([Ybar[i] for i in ch]), "theta": flat([ctx.params[i].detach() for i in ch])}
+            ins = {"y": flat([Ybar[i] for i in ch]), "theta": flat([local(ctx.params[i].detach()) for i in ch])}
             if adam:
                 ins["m"], ins["v"] = flat([x[0] for x in st]), flat([x[1] for x in st])
             direct = len(ch) == 1
@@ -156,7 +158,7 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
             fn(ch, h, ins, flat_out, [x[:n] for x in scratch])
             if not direct:
                 for k, o in outs.items():
-                    for i, t in zip(ch, flat_out[k].split([ctx.params[i].numel() for i in ch])):
+                    for i, t in zip(ch, flat_out[k].split([local(ctx.params[i]).numel() for i in ch])):
                         o[i].copy_(t.view(o[i].shape))
 
     def update(ch, h, ins, out, scratch):

@@ -1,4 +1,5 @@
-"""Snapshot and bit-exact restore of parameters and the full optimizer state."""
+"""Snapshot and bit-exact restore of parameters and the full optimizer state. Under FSDP2 each rank
+copies and restores its own shards (``sharding.local``) of the parameters and of the state."""
 from __future__ import annotations
 
 import contextlib
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from entprobe.sharding import is_dtensor, like_param, local
 from entprobe.stages.context import device_budget_bytes
 
 
@@ -17,15 +19,16 @@ class Snapshot:
 
 
 def _copy(v, device):
-    """Tensors become (copy on ``device``, original device); other values are kept as they are."""
-    return (v.detach().to(device, copy=True), v.device) if isinstance(v, torch.Tensor) else v
+    """Tensors become (copy of this rank's shard on ``device``, original device); other values are
+    kept as they are."""
+    return (local(v.detach()).to(device, copy=True), v.device) if isinstance(v, torch.Tensor) else v
 
 
 def snapshot_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None) -> int:
     """Bytes a snapshot copies: the parameters and every tensor of their optimizer state."""
-    n = sum(p.numel() * p.element_size() for p in params)
+    n = sum(local(p).numel() * p.element_size() for p in params)
     if optimizer is not None:
-        n += sum(v.numel() * v.element_size() for p in params for v in optimizer.state.get(p, {}).values()
+        n += sum(local(v).numel() * v.element_size() for p in params for v in optimizer.state.get(p, {}).values()
                  if isinstance(v, torch.Tensor))
     return n
 
@@ -51,13 +54,13 @@ def take(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None, de
                 state[i] = {k: _copy(v, device) for k, v in optimizer.state[p].items()}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] \
         if optimizer is not None else []
-    return Snapshot([p.detach().to(device, copy=True) for p in params], state, groups)
+    return Snapshot([local(p.detach()).to(device, copy=True) for p in params], state, groups)
 
 
 @torch.no_grad()
 def restore(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None, snap: Snapshot) -> None:
     """Copy everything back in place (same tensors, same bits); drop state the step created."""
-    datas = [p.data for p in params]
+    datas = [local(p.data) for p in params]
     if all(d.device == s.device for d, s in zip(datas, snap.params)):
         torch._foreach_copy_(datas, snap.params)  # one multi-tensor copy; the same bits
     else:
@@ -78,8 +81,10 @@ def restore(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None,
                 continue
             saved, dev = v
             cur = live.get(k)
-            if isinstance(cur, torch.Tensor) and cur.shape == saved.shape and cur.device == dev:
-                cur.copy_(saved)
+            if isinstance(cur, torch.Tensor) and local(cur).shape == saved.shape and cur.device == dev:
+                local(cur).copy_(saved)
+            elif is_dtensor(p) and saved.shape == local(p).shape and saved.dim():  # a sharded state tensor
+                live[k] = like_param(p, saved.to(dev, copy=True))
             else:
                 live[k] = saved.to(dev, copy=True)
         for k in set(live) - set(snap.state[i]):
@@ -100,10 +105,10 @@ def restored_after(params, optimizer, device):
 
 def state_fingerprint(params, optimizer) -> list[torch.Tensor]:
     """All parameter and optimizer-state tensors, cloned (for bitwise comparison in tests)."""
-    out = [p.detach().clone() for p in params]
+    out = [local(p.detach()).clone() for p in params]
     if optimizer is not None:
         for p in params:
             for k, v in sorted(optimizer.state.get(p, {}).items()):
                 if isinstance(v, torch.Tensor):
-                    out.append(v.detach().clone())
+                    out.append(local(v.detach()).clone())
     return out

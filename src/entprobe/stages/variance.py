@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from entprobe import distributed as D
 from entprobe import paramvec as pv
+from entprobe import sharding
 from entprobe.distributed import no_sync
 from entprobe.estimators import x_unit_coeffs
 from entprobe.rollout import RolloutBatch
@@ -189,6 +190,8 @@ def resolve_projection(pcfg, ctx: ProbeContext, B_U_local: int) -> str:
     on E, P Xbar and J Xbar on U -- so ``jvp`` is not the cheap path on small models: builtin 3.4
     units against 2.2.)"""
     mode = pcfg.projection.value
+    if sharding.sharded():  # the one projection path that runs sharded (config.py refuses the others)
+        return "backward"
     if mode != "auto":
         return mode
     B_max = -(-int(D.reduce_scalars(B_U_local)[0]) // D.world())  # shards differ by at most 1
@@ -280,15 +283,28 @@ def _project_jvp_one(ctx: ProbeContext, batch: RolloutBatch, direction: pv.Buffe
 
 def project_backward(ctx: ProbeContext, batch: RolloutBatch, directions: pv.DirectionSet, side: str,
                      label: str) -> torch.Tensor:
-    """Reference: per-unit backward, gradient copied to the directions' device, dotted there; [B, k]."""
+    """Reference: per-unit backward, gradient copied to the directions' device, dotted there; [B, k].
+
+    Under FSDP2 (sharding.py) a backward reduce-scatters the sum of all ranks' gradients, so the
+    ranks take the global units in turn: every rank runs the owner's unit (the token batches are
+    small and gathered), the others' log-probs multiplied by 0 (``context.filler``), and each
+    rank dots its gradient shard with its direction shards (one all-reduce of k scalars). Every
+    rank runs every unit: the per-unit pass does not get faster with more ranks, only smaller."""
+    owners = D.gather_objects(batch) if sharding.sharded() else [batch]
+    me = D.rank() if sharding.sharded() else 0
     out = []
     ctx.zero_grad()
-    for start, mb in ctx.iterate(batch, 1, label):
-        with torch.enable_grad(), no_sync(ctx.model):  # probe pass: no DDP gradient all-reduce
-            S, _, _ = ctx.forward_S(mb, f"{label} prompt {start}")
-            w = unit_coeffs(ctx, S.detach(), mb, side)
-            (w * S).sum().backward()
-        ctx.stats.count("backward", mb.B * mb.G)
-        out.append(pv.dot_set(pv.grads(ctx.params), directions).cpu())
-        ctx.zero_grad()
+    for owner, part in enumerate(owners):
+        for start, mb in part.microbatches(1):
+            if owner != me:
+                mb.filler = True  # another rank's unit: log-probs times 0, not counted here
+            with torch.enable_grad(), no_sync(ctx.model):  # probe pass: no DDP gradient all-reduce
+                S, _, _ = ctx.forward_S(mb, f"{label} prompt {start}")
+                w = unit_coeffs(ctx, S.detach(), mb, side)
+                (w * S).sum().backward()
+            proj = pv.dot_set(pv.grads(ctx.params), directions).cpu()
+            if owner == me:
+                ctx.stats.count("backward", mb.B * mb.G)
+                out.append(proj)
+            ctx.zero_grad()
     return torch.stack(out)

@@ -1,0 +1,94 @@
+"""FSDP2 on CPU (gloo): ``ddp.strategy=fsdp2`` on two ranks gives the one-process numbers.
+
+The model, the optimizer state and the probe's parameter-sized buffers are sharded; the run reads
+batches saved by a one-process run with uneven shards (E 3+2 prompts, U 2+1: a rank runs filler
+passes), the per-unit ``backward`` projection (units taken in turn over the ranks) and the real
+sharded AdamW step, restored bit-exactly per shard.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import compose_cfg
+from ddp_launch import launch
+from entprobe.config import ConfigError
+from entprobe.main import run, to_typed
+
+SMALL = ("batch.B_E=5", "batch.B_U=3", "batch.G=4", "batch.seed_U=7", "probe.projection=backward",
+         "importance.resample_on_low_ess=false")
+FSDP = ("ddp.strategy=fsdp2", "ddp.timeout_s=120")
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b), 1e-300)
+
+
+def _worker(rank: int, world: int, port: int, saved: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from entprobe import distributed as D
+    from entprobe import sharding
+    from entprobe.stages import ground_truth, snapshot
+
+    out = Path(out)
+    seen = {}
+    real_restore = ground_truth.restore
+
+    def checked_restore(params, optimizer, snap):  # the restore is bit-exact on every shard
+        real_restore(params, optimizer, snap)
+        seen["restored"] = all(torch.equal(sharding.local(p.detach()), s) for p, s in zip(params, snap.params))
+        seen["sharded"] = all(sharding.is_dtensor(p) for p in params) and sharding.sharded()
+        seen["state_sharded"] = all(sharding.is_dtensor(optimizer.state[p]["exp_avg"]) for p in params)
+        seen["fingerprint"] = sum(float(t.double().sum()) for t in snapshot.state_fingerprint(params, optimizer))
+
+    ground_truth.restore = checked_restore
+    try:
+        res = run(compose_cfg(out / f"run_rank{rank}", *SMALL, *FSDP, f"batch.load='{saved}'"))
+    finally:
+        ground_truth.restore = real_restore
+    res.update({f"check/{k}": v for k, v in seen.items()})
+    (out / f"rank{rank}.json").write_text(json.dumps({k: v for k, v in res.items()
+                                                      if isinstance(v, (int, float, str, bool))}))
+    D.shutdown()
+
+
+def test_fsdp2_two_ranks_equal_one_process(tmp_path):
+    saved = tmp_path / "saved"
+    one = run(compose_cfg(tmp_path / "one", *SMALL, f"batch.save='{saved}'"))
+    launch(_worker, 2, str(saved), str(tmp_path), timeout_s=240)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["world_size"] == 2 and r0["B_E"] == 5 and r0["B_U"] == 3 and r0["projection"] == "backward"
+    assert r0["check/sharded"] and r0["check/state_sharded"] and r0["check/restored"] and r1["check/restored"]
+    for k in ("deltaH1", "SE_deltaH1", "deltaH_pred", "SE_deltaH_pred", "deltaH_true", "H_orig"):
+        assert r0[k] == r1[k], k  # every rank the same numbers
+    for k in ("deltaH1", "SE_deltaH1"):
+        assert math.isfinite(one[k]) and one[k] != 0.0, k
+        assert _rel(r0[k], one[k]) < 1e-6, (k, r0[k], one[k])
+    # the measured change is a difference of two entropies of size |H_orig|: compared on that scale
+    assert abs(r0["deltaH_true"] - one["deltaH_true"]) < 1e-6 * abs(one["H_orig"]), (r0["deltaH_true"], one["deltaH_true"])
+    assert abs(r0["deltaH_pred"] - one["deltaH_pred"]) < 1e-4 * abs(one["deltaH_pred"])
+    passes = [{k: v for k, v in r.items() if k.startswith("passes/")} for r in (one, r0)]
+    assert passes[0] == passes[1]  # the filler passes and the other ranks' units are not counted
+
+
+@pytest.mark.parametrize("override, key", [
+    ("probe.mode=single_batch", "probe.mode"), ("probe.projection=stored", "probe.projection"),
+    ("probe.projection=jvp", "probe.projection"), ("probe.save_buffers=true", "probe.save_buffers"),
+    ("importance.resample_on_low_ess=true", "importance.resample_on_low_ess"),
+])
+def test_fsdp2_refuses_what_it_does_not_shard(tmp_path, override, key):
+    cfg = compose_cfg(tmp_path, *SMALL, *FSDP, "batch.load=/x", override)
+    with pytest.raises(ConfigError, match=key):
+        to_typed(cfg)
+
+
+def test_fsdp2_needs_saved_batches(tmp_path):
+    with pytest.raises(ConfigError, match="batch.load.*batch.save"):
+        to_typed(compose_cfg(tmp_path, *SMALL, *FSDP))
