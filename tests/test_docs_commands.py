@@ -111,6 +111,8 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "launchers/torchrun.sh 4 -m optimizer.lr=1e-6,1e-5,1e-4": ("compose", "4 processes"),
     f"launchers/torchrun.sh 8 {CKPT} batch.save=batches/step500": ("compose", "8 GPUs, your checkpoint"),
     f"python -m entprobe.main {CKPT} batch.load=batches/step500": ("compose", "your checkpoint, saved batches"),
+    f"launchers/torchrun.sh 8 {CKPT} batch.load=batches/step500 ddp.strategy=fsdp2 "
+    "importance.resample_on_low_ess=false": ("compose", "8 GPUs, your checkpoint; tests/test_fsdp.py runs fsdp2 on 2 CPU ranks"),
     # docs/planning.md (all four run in order by one test)
     ".venv/bin/python -m entprobe.main batch.B_E=8 batch.B_U=8 hydra.run.dir=outputs/pilot":
         ("run", "tests/test_plan.py::test_planning_doc_commands_run_verbatim"),
