@@ -121,6 +121,9 @@ def init_from_env(backend: str = "auto", timeout_s: int = 1800, model_device: st
 def shutdown(ok: bool = True) -> None:
     """Tear the group down. After a failure skip the barrier: the other ranks may never reach it
     (torchrun / srun then stop them), and a barrier would hang until the timeout."""
+    from entprobe import sharding
+
+    sharding.unshard_state()
     if not is_dist():
         return
     if ok:
