@@ -127,19 +127,23 @@ def main() -> None:
             print(f"world {w}: failed (exit {proc.returncode})\n{proc.stderr[-2000:]}")
             continue
         rows += [json.loads(out.with_suffix(f".rank{r}.json").read_text()) for r in range(w)]
-    print("| world | rank | sharded MiB (params + AdamW state) | at start MiB | probe peak MiB | deltaH1 | SE_deltaH1 |")
-    print("|---|---|---|---|---|---|---|")
+    print("| world | rank | sharded MiB (params + AdamW state) | at start MiB | probe peak MiB | "
+          "probe peak - start MiB | deltaH1 | SE_deltaH1 |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['world']} | {r['rank']} | {r['sharded_mib']:.0f} | {r['start_mib']:.0f} | "
-              f"{r['probe_peak_mib']:.0f} | {r['deltaH1']:.6g} | {r['SE_deltaH1']:.6g} |")
+              f"{r['probe_peak_mib']:.0f} | {r['probe_peak_mib'] - r['start_mib']:.0f} | {r['deltaH1']:.6g} | "
+              f"{r['SE_deltaH1']:.6g} |")
     base = [r for r in rows if r["world"] == 1]
     for w in sorted({r["world"] for r in rows} - {1}):
         if base:
             ws = [r for r in rows if r["world"] == w]
             sh = max(r["sharded_mib"] for r in ws) / base[0]["sharded_mib"]
             pk = max(r["probe_peak_mib"] for r in ws) / base[0]["probe_peak_mib"]
+            grow = max(r["probe_peak_mib"] - r["start_mib"] for r in ws) / (
+                base[0]["probe_peak_mib"] - base[0]["start_mib"])
             print(f"world {w}: sharded part x{sh:.3f} of one rank's (1/world = {1 / w:.3f}); "
-                  f"probe peak x{pk:.3f}")
+                  f"probe peak x{pk:.3f}, its growth over the start x{grow:.3f}")
 
 
 if __name__ == "__main__":
