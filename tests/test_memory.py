@@ -52,6 +52,8 @@ def test_live_preconditioner_equals_the_materialised_one_and_reads_the_restored_
 
 
 def _live_tensor_bytes() -> int:
+    """Bytes of the tensors still reachable (cycles earlier tests left for the collector do not count)."""
+    gc.collect()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
