@@ -51,11 +51,12 @@ def proc_kb(key: str) -> int:
 
 
 def live_tensor_bytes() -> int:
-    """Bytes of the distinct storages of every live tensor (parameters, gradients, optimizer state,
-    the probe's buffers, the snapshot)."""
+    """Bytes of the distinct storages of every reachable CPU tensor (parameters, gradients, optimizer
+    state, the probe's buffers, the snapshot); cyclic garbage is collected first."""
     import warnings
 
     import torch
+    gc.collect()
     seen, total = set(), 0
     with warnings.catch_warnings():  # isinstance on torch's deprecated module attributes warns
         warnings.simplefilter("ignore")
@@ -73,6 +74,25 @@ def live_tensor_bytes() -> int:
     return total
 
 
+def counting_phases(copies: dict, sizes: dict | None = None, baseline: int = 0):
+    """A replacement for ``ProbeContext.phase`` that records, at each phase's end, the live
+    tensors above ``baseline`` bytes in parameter-sized copies into ``copies[phase]``."""
+    import contextlib
+
+    from entprobe.stages import context
+    original = context.ProbeContext.phase
+
+    @contextlib.contextmanager
+    def counted(self, name):
+        with original(self, name):
+            yield
+        n = sum(p.numel() * p.element_size() for p in self.params)
+        if sizes is not None:
+            sizes.update(n_params=sum(p.numel() for p in self.params), param_mib=n / 2**20)
+        copies[name] = round((live_tensor_bytes() - baseline) / n, 2)
+    return counted
+
+
 def compose(overrides: list[str]):
     sys.path.insert(0, str(HERE))
     from _common import compose as c
@@ -81,25 +101,13 @@ def compose(overrides: list[str]):
 
 def child_probe(overrides: list[str], out: Path) -> dict:
     """The CLI's run, with the live tensors counted at each phase's end."""
-    import contextlib
-
     from entprobe.main import run
     from entprobe.stages import context
 
     base = proc_kb("VmRSS")
     copies: dict[str, float] = {}
     sizes: dict[str, float] = {}
-    original = context.ProbeContext.phase
-
-    @contextlib.contextmanager
-    def counted(self, name):
-        with original(self, name):
-            yield
-        n = sum(p.numel() * p.element_size() for p in self.params)
-        sizes.update(n_params=sum(p.numel() for p in self.params), param_mib=n / 2**20)
-        copies[name] = round(live_tensor_bytes() / n, 2)
-
-    context.ProbeContext.phase = counted
+    context.ProbeContext.phase = counting_phases(copies, sizes)
     cfg = compose(overrides + [f"run_dir={out}"])
     res = run(cfg)
     return {"peak_mib": proc_kb("VmHWM") / 1024, "after_imports_mib": base / 1024, **sizes,
@@ -108,8 +116,6 @@ def child_probe(overrides: list[str], out: Path) -> dict:
 
 def child_train(overrides: list[str]) -> dict:
     """One training step on U as a trainer's process holds it: model, AdamW state, gradients."""
-    import torch
-
     from entprobe.batches import get_batches
     from entprobe.estimators import y_loss
     from entprobe.geometry import build_geometry

@@ -3,9 +3,8 @@ copy), and the live tensors between phases are the ones docs/memory.md lists, co
 parameter-sized copies on the built-in default."""
 from __future__ import annotations
 
-import contextlib
-import gc
-import warnings
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +14,9 @@ from entprobe import paramvec as pv
 from entprobe.main import run
 from entprobe.stages import context
 from entprobe.stages.snapshot import restore, take
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_footprint import counting_phases, live_tensor_bytes  # noqa: E402
 
 
 def _adamw_with_state(seed: int = 0):
@@ -51,21 +53,6 @@ def test_live_preconditioner_equals_the_materialised_one_and_reads_the_restored_
         pv.LiveAdamPreconditioner(opt, params, 0, 0.999, 1e-8)
 
 
-def _live_tensor_bytes() -> int:
-    """Bytes of the tensors still reachable (cycles earlier tests left for the collector do not count)."""
-    gc.collect()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-    seen, total = set(), 0
-    for t in tensors:
-        st = t.untyped_storage()
-        if st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            total += st.nbytes()
-    return total
-
-
 @pytest.mark.parametrize("projection, at_x_end", [("fused", 9), ("stored", 13)])
 def test_parameter_sized_copies_between_phases(tmp_path, monkeypatch, projection, at_x_end):
     """Live tensors at each phase's end, in parameter-sized copies (the small rest -- token
@@ -74,18 +61,8 @@ def test_parameter_sized_copies_between_phases(tmp_path, monkeypatch, projection
     four E directions (+5); during the ground truth the snapshot of weights and moments (3) with
     Xbar and Ybar. No P copy anywhere."""
     copies: dict[str, float] = {}
-    original = context.ProbeContext.phase
-
-    @contextlib.contextmanager
-    def counted(self, name):
-        with original(self, name):
-            yield
-        n = sum(p.numel() * p.element_size() for p in self.params)
-        copies[name] = (_live_tensor_bytes() - before) / n
-
-    monkeypatch.setattr(context.ProbeContext, "phase", counted)
-    gc.collect()
-    before = _live_tensor_bytes()  # what earlier tests in this process left alive
+    before = live_tensor_bytes()  # what earlier tests in this process left alive
+    monkeypatch.setattr(context.ProbeContext, "phase", counting_phases(copies, baseline=before))
     run(compose_cfg(tmp_path, f"probe.projection={projection}"))
     B_U = 4  # SHRINK
     want = {"accumulate_Y_U": 4 + (B_U if projection == "stored" else 0), "accumulate_X_E": at_x_end,
