@@ -245,3 +245,45 @@ def test_model_path_at_a_trainer_folder_says_where_the_weights_are(written, tmp_
         run(compose_cfg(tmp_path / "c", "model=hf", f"model.path='{written / 'accelerate'}'"))
     with pytest.raises(ConfigError, match=r"zero_to_fp32\.py"):
         run(compose_cfg(tmp_path / "d", "model=hf", f"model.path='{DS / 'zero3'}'"))
+
+
+def _fsdp_worker(rank: int, world: int, port: int, out: str, hf: str, actor: str, saved: str) -> None:
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from entprobe import distributed as D
+
+    res = run(compose_cfg(Path(out) / f"fsdp_rank{rank}", *FSDP_PROBE, "ddp.strategy=fsdp2", "ddp.timeout_s=120",
+                          f"model.path='{hf}'", f"optimizer.state_path='{actor}'", f"batch.load='{saved}'"))
+    (Path(out) / f"fsdp_rank{rank}.json").write_text(json.dumps({k: v for k, v in res.items()
+                                                                 if isinstance(v, (int, float, str, bool))}))
+    D.shutdown()
+
+
+FSDP_PROBE = ("model=hf", "batch.B_E=3", "batch.B_U=3", "sampling.max_new_tokens=6", f"optimizer.lr={LR_NEXT}",
+              "probe.projection=backward", "importance.resample_on_low_ess=false")
+
+
+def test_a_four_rank_verl_state_probed_on_two_fsdp2_ranks_equals_one_process(written, tmp_path):
+    """Resharding on load: verl's state written by 4 ranks, read whole and sharded over 2 fsdp2
+    ranks, gives the one-process numbers of the plain state on the same saved batches."""
+    from ddp_launch import launch
+
+    actor = written / "verl" / "global_step_3" / "actor"
+    hf = actor / "huggingface"
+    plain = tmp_path / "plain"
+    shutil.copytree(hf, plain)
+    shutil.copy(written / "verl" / "reference_optimizer.pt", plain / "optimizer.pt")
+    saved = tmp_path / "saved"
+    one = run(compose_cfg(tmp_path / "one", *FSDP_PROBE, f"model.path='{plain}'", f"optimizer.state_path='{plain}'",
+                          f"batch.save='{saved}'"))
+    launch(_fsdp_worker, 2, str(tmp_path), str(hf), str(actor), str(saved), timeout_s=240)
+    r0, r1 = (json.loads((tmp_path / f"fsdp_rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["world_size"] == 2 and r0["optimizer_format"] == "verl FSDP2 checkpoint, world size 4"
+    # this policy earns no reward (Ybar = 0, so deltaH1 = 0): the step is AdamW's momentum and decay
+    for k in ("deltaH_pred", "SE_deltaH_pred"):
+        assert math.isfinite(one[k]) and one[k] != 0.0, k
+        assert r0[k] == r1[k] and abs(r0[k] - one[k]) <= 1e-4 * abs(one[k]), (k, r0[k], one[k])
+    assert abs(r0["deltaH_true"] - one["deltaH_true"]) < 1e-6 * abs(one["H_orig"])
