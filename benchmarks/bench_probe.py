@@ -1,11 +1,14 @@
 """The whole probe (Stages 1-3) in training-step units, measured beside one training step.
 
-One *unit* is one forward+backward of the DR-GRPO loss over E ∪ U with the probe's microbatching
-(``mb_size_prompts`` prompts per microbatch, the same teacher-forced log-prob path), without the
-optimizer step (its time is printed separately). In one process, on the same sampled batches,
-each repetition runs, in this order:
+One *unit* is one training step over E ∪ U without its sampling: a forward+backward of the DR-GRPO
+loss with the probe's microbatching (``mb_size_prompts`` prompts per microbatch, the same
+teacher-forced log-prob path) and the optimizer's ``step()``. The ratios without the step (the
+definition before it was counted, ``fwd+bwd units``) are printed beside. In one process, on the
+same sampled batches, each repetition runs, in this order:
 
-- ``train``: the unit;
+- ``train``: the forward+backward;
+- ``step``: the AdamW ``step()`` alone (on zero gradients; a snapshot taken before and restored
+  after, outside the timed block);
 - ``probe``: ``run_two_batch`` as configured (default ``projection=auto``: Stage 1 with the
   per-unit projections of the path it picks, docs/variance.md; ground truth stepping from the
   stored ``-Ybar_raw``: snapshot, AdamW step, E at theta_plus, IS, step split, restore);
@@ -124,7 +127,7 @@ def bench(model: str, reps: int, extra: list[str]) -> dict:
     from entprobe.config import ProjectionMode
     from entprobe.modes.two_batch import run_two_batch
     from entprobe.stages.context import PhaseStats
-    from entprobe.stages.snapshot import restored_after
+    from entprobe.stages.snapshot import restore, take
 
     cfg, lm, ctx, E, U, geo = build(model, extra)
     schedules = {
@@ -132,7 +135,7 @@ def bench(model: str, reps: int, extra: list[str]) -> dict:
         "literal": (dataclasses.replace(cfg.probe, projection=ProjectionMode.backward),
                     dataclasses.replace(cfg.importance, reuse_probe_gradient=False)),
     }
-    blocks = ("train", *schedules)
+    blocks = ("train", "step", *schedules)
     wall, cpu, mem = ({k: [] for k in blocks} for _ in range(3))
     phases = {k: [] for k in schedules}
     results = {}
@@ -145,36 +148,44 @@ def bench(model: str, reps: int, extra: list[str]) -> dict:
         for name in blocks:
             if name == "train":
                 fn = lambda: training_unit(ctx, E, U)  # noqa: E731
+            elif name == "step":
+                snap = take(ctx.params, geo.optimizer, torch.device("cpu"))
+                for p in ctx.params:
+                    p.grad = torch.zeros_like(p)
+                fn = geo.optimizer.step
             else:
                 c = dataclasses.replace(ctx, stats=PhaseStats())
                 fn = lambda c=c, pi=schedules[name]: run_two_batch(c, E, U, geo, *pi, tmp)  # noqa: E731
             w, t, mib, res = timed(fn, lm.device)
+            if name == "step":
+                ctx.zero_grad()
+                restore(ctx.params, geo.optimizer, snap)
+                del snap
             wall[name].append(w)
             cpu[name].append(t)
             mem[name].append(mib)
-            if name != "train":
+            if name in schedules:
                 phases[name].append({p: sec / w for p, sec in c.stats.seconds.items()})  # share of wall
                 results[name] = res
-    with restored_after(ctx.params, geo.optimizer, "cpu"):  # the AdamW step alone, undone after
-        for p in ctx.params:
-            p.grad = torch.zeros_like(p)
-        t0 = time.perf_counter()
-        geo.optimizer.step()
-        opt_s = time.perf_counter() - t0
     # On CPU the process's CPU time is the clock (other users' load does not count; the runs are
     # single-threaded with OMP_NUM_THREADS=1); on CUDA the wall clock.
     clock = cpu if lm.device.type == "cpu" else wall
-    unit = statistics.median(clock["train"])
+    fwd_bwd = statistics.median(clock["train"])
+    unit = fwd_bwd + statistics.median(clock["step"])
+    step_of = [t + st for t, st in zip(clock["train"], clock["step"])]  # per repetition
+    wall_unit = statistics.median(wall["train"]) + statistics.median(wall["step"])
     units = {k: statistics.median(v) / unit for k, v in clock.items()}
     return {"model": model, "device": str(lm.device), "reps": reps, "clock": "cpu" if clock is cpu else "wall",
             "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default"),
             "n_params": sum(p.numel() for p in ctx.params),
             "B_E": E.B, "B_U": U.B, "G": E.G, "T_E": E.input_ids.shape[-1], "T_U": U.input_ids.shape[-1],
-            "mb_size_prompts": ctx.mb_size, "optimizer_step_s": opt_s, "unit_s": unit,
+            "mb_size_prompts": ctx.mb_size, "optimizer_step_s": statistics.median(clock["step"]),
+            "fwd_bwd_s": fwd_bwd, "unit_s": unit,
+            "fwd_bwd_units": {k: statistics.median(v) / fwd_bwd for k, v in clock.items()},
             "U_frac_zero_var_groups": U.stats("U")["U/frac_zero_var_groups"],
             "units": units,
-            "paired_units": {k: statistics.median(x / t for x, t in zip(v, clock["train"])) for k, v in clock.items()},
-            "wall_units": {k: statistics.median(v) / statistics.median(wall["train"]) for k, v in wall.items()},
+            "paired_units": {k: statistics.median(x / t for x, t in zip(v, step_of)) for k, v in clock.items()},
+            "wall_units": {k: statistics.median(v) / wall_unit for k, v in wall.items()},
             "wall_s": wall, "cpu_s": cpu, "peak_mib": {k: max(v) for k, v in mem.items()},
             "phase_units": {k: {p: statistics.median(r[p] for r in v) * units[k] for p in v[0]}
                             for k, v in phases.items()},
@@ -187,15 +198,16 @@ def report(r: dict) -> None:
           f"G={r['G']} T_E={r['T_E']} T_U={r['T_U']} mb_size_prompts={r['mb_size_prompts']}; "
           f"U groups with zero reward variance {r['U_frac_zero_var_groups']:.2f}; median of {r['reps']}; "
           f"MALLOC_MMAP_THRESHOLD_ {r['malloc_mmap_threshold']}")
-    print(f"1 unit (fwd+bwd over E ∪ U) = {r['unit_s']:.3f} s ({r['clock']} time); "
-          f"AdamW step alone {r['optimizer_step_s']:.3f} s wall")
-    print(f"{'block':<9}{'units':>7}{'paired':>8}{'wall':>7}{'peak MiB':>10}   {r['clock']} s / wall s per repetition")
+    print(f"1 unit (a training step over E ∪ U) = {r['unit_s']:.3f} s ({r['clock']} time): fwd+bwd "
+          f"{r['fwd_bwd_s']:.3f} s + AdamW step {r['optimizer_step_s']:.3f} s")
+    print(f"{'block':<9}{'units':>7}{'paired':>8}{'wall':>7}{'fwd+bwd':>9}{'peak MiB':>10}   "
+          f"{r['clock']} s / wall s per repetition")
     for k in r["units"]:
         per = " ".join(f"{c:.2f}/{w:.2f}" for c, w in zip(r[f"{r['clock']}_s"][k], r["wall_s"][k]))
         print(f"{k:<9}{r['units'][k]:>7.2f}{r['paired_units'][k]:>8.2f}{r['wall_units'][k]:>7.2f}"
-              f"{r['peak_mib'][k]:>10.1f}   {per}")
-    print(f"  units: median {r['clock']} time / the train block's; paired: median of per-repetition ratios; "
-          "wall: the same from wall-clock medians")
+              f"{r['fwd_bwd_units'][k]:>9.2f}{r['peak_mib'][k]:>10.1f}   {per}")
+    print(f"  units: median {r['clock']} time / (train + step medians); paired: median of per-repetition "
+          "ratios; wall: the same from wall-clock medians; fwd+bwd: over the train block alone")
     for k, ph in r["phase_units"].items():
         print(f"  {k} phases (units, wall shares x total): " + ", ".join(f"{p} {u:.2f}" for p, u in ph.items()))
     for k, c in r["check"].items():
