@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from online_probe import build_trainer  # noqa: E402
 
 from entprobe.config import ConfigError  # noqa: E402
-from entprobe.integrations import EntropyProbeCallback  # noqa: E402
+from entprobe.integrations import EntropyProbeCallback, OnlineProbe  # noqa: E402
 
 STEPS = 4
 
@@ -101,6 +101,9 @@ def test_callback_refuses_what_it_cannot_probe(tmp_path):
         EntropyProbeCallback(tr, **{"objective.loss_type": "grpo"})
     with pytest.raises(ConfigError, match="batch.G: is your trainer's"):
         EntropyProbeCallback(tr, batch={"G": 8})
+    with pytest.raises(TypeError, match="pass config .* or overrides"):  # the callback's config is made once
+        OnlineProbe(tr.model, tr.optimizer, None, lambda step: None, config=EntropyProbeCallback(tr).cfg,
+                    batch={"B_E": 4})
     tr.num_iterations = 2
     with pytest.raises(ConfigError, match="num_iterations=2"):
         EntropyProbeCallback(tr)

@@ -112,10 +112,9 @@ class EntropyProbeCallback(TrainerCallback):
                               f"gradient_accumulation_steps={args.gradient_accumulation_steps}: one generation batch "
                               "must be one optimizer step")
         self.trainer, self.every = trainer, every_n_steps
-        self.fixed = {"batch.G": trainer.num_generations, "sampling.temperature": float(args.temperature),
-                      "sampling.top_k": int(args.top_k or 0), "sampling.top_p": float(args.top_p)}
-        self.overrides = overrides
-        self.cfg = online_config(overrides, self.fixed)  # bad keys fail here, before training
+        fixed = {"batch.G": trainer.num_generations, "sampling.temperature": float(args.temperature),
+                 "sampling.top_k": int(args.top_k or 0), "sampling.top_p": float(args.top_p)}
+        self.cfg = online_config(overrides, fixed)  # bad keys fail here, before training (not composed again)
         psis_backend()  # its one-time import (~1 s) now rather than at the start of training
         self.probe: OnlineProbe | None = None
         self._to_log: dict = {}
@@ -145,7 +144,7 @@ class EntropyProbeCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         tr = self.trainer
         self.probe = OnlineProbe(tr.model, tr.optimizer, tr.processing_class, self.sample_held_out, self.every,
-                                 fixed=self.fixed, **self.overrides)
+                                 config=self.cfg)
         cbs = tr.callback_handler.callbacks  # first: the reporting callbacks see what on_log adds
         cbs.insert(0, cbs.pop(cbs.index(self)))
 
