@@ -211,8 +211,7 @@ def eval_at_current(ctx: ProbeContext, E: RolloutBatch, icfg,
                     outs.append(o)
         finally:
             ctx.model.train(was_training)
-    S = torch.cat([o[0].cpu() for o in outs])
-    return S, torch.cat([o[2].cpu() for o in outs]) if with_entropy else None
+    return torch.cat([o[0].cpu() for o in outs]), torch.cat([o[2].cpu() for o in outs]) if with_entropy else None
 
 
 def true_change(est_res: dict, psi: dict, mode: str) -> dict:
