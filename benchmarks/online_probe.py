@@ -1,20 +1,30 @@
 """The online probe inside TRL's GRPOTrainer on the built-in default model (CPU): how often the
 measured change agrees with the prediction, and the callback's cost.
 
-    OMP_NUM_THREADS=1 python benchmarks/online_probe.py --steps 60 --every 1      # agreement, ~5 min
-    OMP_NUM_THREADS=1 python benchmarks/online_probe.py --steps 40 --every 10 --overhead
+    OMP_NUM_THREADS=1 python benchmarks/online_probe.py --steps 60 --every 1                     # agreement
+    OMP_NUM_THREADS=1 python benchmarks/online_probe.py --steps 50 --every 10 --B-E 8 --overhead  # and cost
 
 Agreement: each probe's measured change (importance sampling on the held-out E after the real
 step) against its prediction (before the step, same E): the fraction of probes whose difference's
 95% interval (paired SE) holds 0, and the fraction whose measured value lies inside the
-prediction's own 95% interval. Overhead: the same run (same seed) with and without the callback;
-the extra wall time as a fraction of the plain run's. Prints both; exits 0 whatever they are.
+prediction's own 95% interval.
+
+Overhead (``--overhead``): after that first run (which also pays the process's one-time costs:
+imports, the first probe), ``--pairs`` pairs of the same run (same seed) with and without the
+callback, interleaved (with/without, then without/with, ...) so that a drift in the machine's
+load hits both sides. Each run's ``trainer.train()`` is timed by wall clock and by process CPU
+time (``time.process_time``: with ``OMP_NUM_THREADS=1`` one core's work, insensitive to other jobs
+waiting for the core). Reported: the medians, the extra time as a fraction of the plain run's by
+either clock, the probe's own time (``callback.history``'s ``time_s`` / ``cpu_time_s``) as a
+fraction of the plain run's, and the probe's time per probe by phase (medians over the timed
+runs' probes). Prints them; exits 0 whatever they are.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import re
+import statistics
 import tempfile
 import time
 
@@ -67,23 +77,112 @@ def agreement(history: list[dict]) -> tuple[float, float]:
     return paired, inside
 
 
-def main() -> None:
+def step_clock():
+    """A TrainerCallback recording each optimizer step's wall and CPU seconds (``on_step_begin`` to
+    ``on_step_end``: generation, forward/backward, the probe when it runs, the optimizer step)."""
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.steps: list[tuple[int, float, float]] = []  # (step, wall s, CPU s)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._t = (time.perf_counter(), time.process_time())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps.append((state.global_step, time.perf_counter() - self._t[0], time.process_time() - self._t[1]))
+    return StepClock()
+
+
+def timed_run(out: str, a, probe: bool) -> dict:
+    """``trainer.train()`` with or without the callback: ``wall`` and ``cpu`` seconds, the
+    callback's ``history`` and the ``steps`` of ``step_clock``."""
     from entprobe.integrations import EntropyProbeCallback
 
+    tr = build_trainer(out, a.steps)
+    cb, clock = None, step_clock()
+    if probe:
+        cb = EntropyProbeCallback(tr, every_n_steps=a.every, batch={"B_E": a.B_E})
+        tr.add_callback(cb)
+    tr.add_callback(clock)
+    t0, c0 = time.perf_counter(), time.process_time()
+    tr.train()
+    return {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0,
+            "history": cb.history if cb else [], "steps": clock.steps}
+
+
+# the probe's phases (ProbeContext.phase names), in the order they run
+PHASES = {"sample_E": "sample E (the trainer's generation)", "geometry": "geometry + update model",
+          "step_parts": "update's parts (closed form)", "accumulate_X_E": "X pass over E, per-prompt projections",
+          "gt_eval_E": "E's log-probs after the step", "importance": "importance sampling"}
+
+
+def phase_table(hist: list[dict]) -> list[str]:
+    """Per-probe medians (ms) by phase, wall and CPU; ``other`` is the rest of ``time_s``
+    (context, gradient copy, RNG and modes kept, the callback's logging)."""
+    def med(key):
+        return 1e3 * statistics.median(r.get(key, 0.0) for r in hist)
+    rows = []
+    for k, label in PHASES.items():
+        rows.append((label, med(f"time/{k}_s"), med(f"cpu_time/{k}_s")))
+    rows.append(("other", 1e3 * statistics.median(r["time_s"] - sum(r.get(f"time/{k}_s", 0.0) for k in PHASES)
+                                                  for r in hist),
+                 1e3 * statistics.median(r["cpu_time_s"] - sum(r.get(f"cpu_time/{k}_s", 0.0) for k in PHASES)
+                                         for r in hist)))
+    rows.append(("total per probe", med("time_s"), med("cpu_time_s")))
+    return [f"  {label:<40} {w:7.1f} ms wall {c:7.1f} ms CPU" for label, w, c in rows]
+
+
+def overhead(out: str, a, first_probe: dict) -> None:
+    """Interleaved pairs with and without the callback (module docstring); prints the figures."""
+    runs: dict[bool, list[dict]] = {True: [], False: []}
+    for i in range(a.pairs):
+        for probe in ((True, False) if i % 2 == 0 else (False, True)):
+            runs[probe].append(timed_run(out, a, probe))
+    hist = [r for run in runs[True] for r in run["history"]]
+    per_run = len(runs[True][0]["history"])
+    print(f"overhead at every={a.every}, B_E={a.B_E}: {a.pairs} interleaved pairs, {per_run} probes per run")
+    for clock, own_key, j in (("wall", "time_s", 1), ("cpu", "cpu_time_s", 2)):
+        w, p = [r[clock] for r in runs[True]], [r[clock] for r in runs[False]]
+        own = statistics.median(sum(h[own_key] for h in r["history"]) for r in runs[True])
+        mw, mp = statistics.median(w), statistics.median(p)
+        print(f"  {clock:>4}, whole runs: with {mw:.2f} s, without {mp:.2f} s (medians of "
+              f"{', '.join(f'{x:.2f}' for x in w)} / {', '.join(f'{x:.2f}' for x in p)}): {(mw - mp) / mp:+.1%}; "
+              f"the probe's own time {own:.2f} s = {own / mp:.1%} of the plain run")
+        step = statistics.median(s[j] for r in runs[False] for s in r["steps"])
+        probed = {h["step"] for h in hist}
+        other = statistics.median(s[j] for r in runs[True] for s in r["steps"] if s[0] not in probed)
+        per_probe = statistics.median(h[own_key] for h in hist)
+        print(f"  {clock:>4}, per step (medians): a plain step {1e3 * step:.1f} ms (an unprobed step of the "
+              f"probed runs {1e3 * other:.1f} ms), a probe {1e3 * per_probe:.1f} ms: "
+              f"{per_probe / (a.every * step):.1%} of {a.every} steps (target <= 20%)")
+    print("per probe, by phase (medians over the timed runs' probes):")
+    print("\n".join(phase_table(hist)))
+    steady = statistics.median(h["time_s"] for h in hist)
+    print(f"the process's first probe: {first_probe['time_s']:.3f} s wall ({first_probe['time_s'] - steady:+.3f} s "
+          "over the median probe)")
+
+
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--every", type=int, default=1)
     ap.add_argument("--B-E", type=int, default=16)
-    ap.add_argument("--overhead", action="store_true", help="also time the same run without the callback")
+    ap.add_argument("--overhead", action="store_true", help="also time the run with and without the callback")
+    ap.add_argument("--pairs", type=int, default=3, help="interleaved with/without pairs for --overhead")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as out:
-        tr = build_trainer(out, a.steps)
-        cb = EntropyProbeCallback(tr, every_n_steps=a.every, batch={"B_E": a.B_E})
-        tr.add_callback(cb)
+        import datasets, trl  # noqa: F401, E401  (the trainer's own imports, untimed)
+
         t0 = time.perf_counter()
-        tr.train()
-        with_probe = time.perf_counter() - t0
-        hist = cb.history
+        from entprobe.integrations import EntropyProbeCallback  # noqa: F401
+        t1 = time.perf_counter()
+        from entprobe.importance_math import psis_backend
+        psis_backend()
+        print(f"one-time, before training: importing entprobe.integrations {t1 - t0:.2f} s, the PSIS dependency "
+              f"(arviz-stats, imported when the callback is made) {time.perf_counter() - t1:.2f} s")
+        first = timed_run(out, a, True)
+        with_probe, hist = first["wall"], first["history"]
         paired, inside = agreement(hist)
         print(f"{len(hist)} probes over {a.steps} steps (every {a.every}, B_E={a.B_E}, G=4):")
         print(f"  difference's 95% interval holds 0: {paired:.1%} (target 90-99%)")
@@ -91,16 +190,9 @@ def main() -> None:
         closed = max(abs(r["deltaH1_step"] - r["deltaH_pred"]) / max(abs(r["deltaH_pred"]), 1e-12) for r in hist)
         print(f"  closed-form update vs the real step: max relative gap {closed:.1e}")
         print(f"  probe time {sum(r['time_s'] for r in hist):.1f} s of {with_probe:.1f} s")
-        if a.overhead:
-            tr = build_trainer(out, a.steps)
-            t0 = time.perf_counter()
-            tr.train()
-            plain = time.perf_counter() - t0
-            probe_s = sum(r["time_s"] for r in hist)
-            print(f"overhead at every={a.every}: {with_probe:.1f} s vs {plain:.1f} s without: "
-                  f"{(with_probe - plain) / plain:+.1%} of the training time by wall clock; the probe's own "
-                  f"time {probe_s:.1f} s = {probe_s / plain:.1%} of it (target <= 20%)")
         assert all(math.isfinite(r["deltaH_pred"]) for r in hist)
+        if a.overhead:
+            overhead(out, a, hist[0])
 
 
 if __name__ == "__main__":

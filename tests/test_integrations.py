@@ -21,13 +21,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from online_probe import build_trainer  # noqa: E402
 
 from entprobe.config import ConfigError  # noqa: E402
-from entprobe.integrations import EntropyProbeCallback  # noqa: E402
+from entprobe.integrations import EntropyProbeCallback, OnlineProbe  # noqa: E402
 
 STEPS = 4
 
 
 def train(tmp_path, probe: bool):
+    """A run of STEPS steps; ``tr.reward_calls`` counts the completions its reward function scored."""
     tr = build_trainer(str(tmp_path), STEPS, prompts_per_step=4)
+    tr.reward_calls = []
+    reward = tr.reward_funcs[0]
+
+    def counted(*args, **kwargs):
+        tr.reward_calls.append(len(kwargs["completions"]))
+        return reward(*args, **kwargs)
+    tr.reward_funcs[0] = counted
     cb = None
     if probe:
         cb = EntropyProbeCallback(tr, every_n_steps=2, batch={"B_E": 6})
@@ -55,6 +63,8 @@ def test_callback_logs_every_n_steps_and_leaves_the_trajectory_alone(tmp_path):
         assert {k: v for k, v in a.items() if k not in timing} == \
                {k: v for k, v in b.items() if k not in ours | timing}
 
+    assert probed.reward_calls == plain.reward_calls == [4 * 4] * STEPS  # E is generated, never scored
+
     probed_steps = [h["step"] for h in logs_b if "entprobe/deltaH_pred" in h]
     assert probed_steps == [2, 4]
     for h in logs_b:
@@ -69,12 +79,31 @@ def test_callback_logs_every_n_steps_and_leaves_the_trajectory_alone(tmp_path):
         assert r["B_E"] == 6 and r["G"] == 4
 
 
+def test_held_out_rows_read_at_once_or_one_by_one_give_the_same_batch(tmp_path):
+    """``sample_held_out`` reads E's rows with the dataset's ``__getitems__`` (one read, as torch's
+    DataLoader does) when it has one, else row by row: the same prompts, the same E."""
+    tr = build_trainer(str(tmp_path), 1, prompts_per_step=4)
+    cb = EntropyProbeCallback(tr, batch={"B_E": 3})
+    batches = []
+    for ds in (tr.train_dataset, [tr.train_dataset[i] for i in range(len(tr.train_dataset))]):
+        tr.train_dataset = ds
+        torch.manual_seed(0)
+        batches.append(cb.sample_held_out(5))
+    a, b = batches
+    assert a.B == 3 and a.G == 4
+    for k in ("input_ids", "attention_mask", "response_mask"):
+        assert torch.equal(getattr(a, k), getattr(b, k)), k
+
+
 def test_callback_refuses_what_it_cannot_probe(tmp_path):
     tr = build_trainer(str(tmp_path), 1)
     with pytest.raises(ConfigError, match="objective.loss_type: does not apply to the online probe"):
         EntropyProbeCallback(tr, **{"objective.loss_type": "grpo"})
     with pytest.raises(ConfigError, match="batch.G: is your trainer's"):
         EntropyProbeCallback(tr, batch={"G": 8})
+    with pytest.raises(TypeError, match="pass config .* or overrides"):  # the callback's config is made once
+        OnlineProbe(tr.model, tr.optimizer, None, lambda step: None, config=EntropyProbeCallback(tr).cfg,
+                    batch={"B_E": 4})
     tr.num_iterations = 2
     with pytest.raises(ConfigError, match="num_iterations=2"):
         EntropyProbeCallback(tr)

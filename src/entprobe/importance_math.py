@@ -45,6 +45,15 @@ def clipped_log_weights(logw: torch.Tensor, clip_c: float) -> torch.Tensor:
     return logw.double().clamp(max=math.log(clip_c))
 
 
+def psis_backend():
+    """arviz-stats' array functions (``psislw``). The first import in a process takes ~1 s (it
+    loads scipy.signal); the online probe calls this when it is made, so that its first
+    measurement does not stall the training loop."""
+    from arviz_stats.base import array_stats
+
+    return array_stats
+
+
 def psis_weights(logw: torch.Tensor) -> tuple[torch.Tensor, float]:
     """Pareto-smoothed self-normalised weights and k-hat (arviz-stats ``psislw``).
 
@@ -54,8 +63,8 @@ def psis_weights(logw: torch.Tensor) -> tuple[torch.Tensor, float]:
     against the textbook Gaussian cases, where k = 1 - 1/sigma^2). Needs >= 25 weights.
     """
     import numpy as np
-    from arviz_stats.base import array_stats
 
+    array_stats = psis_backend()
     if logw.numel() < 25:  # arviz fits the tail to floor(N/5) >= 5 draws: PSIS is undefined below
         warnings.warn(f"PSIS needs >= 25 importance weights, got {logw.numel()}: psis = SNIS, k-hat = nan")
         return snis_weights(logw), float("nan")

@@ -26,6 +26,7 @@ samples at the current parameters (the TRL callback passes the trainer's own gen
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ from entprobe.api import api_config, left_as_it_was
 from entprobe.config import ConfigError, EntprobeConfig
 from entprobe.core import probe_context
 from entprobe.geometry import live_geometry, unwrap_optimizer
+from entprobe.importance_math import psis_backend
 from entprobe.prompt_ids import prompt_kwargs
 from entprobe.rollout import RolloutBatch, draw_prompt_indices, sample_batch
 from entprobe.stages.ground_truth import eval_at_current, importance_estimates, true_change
@@ -91,26 +93,32 @@ class OnlineProbe:
 
     ``held_out``: a ``Task`` (E sampled with entprobe's sampler: ``batch.B_E`` prompts, ``batch.G``
     responses, seed ``batch.seed_E + step``) or a callable ``step -> RolloutBatch`` sampling at the
-    current parameters. ``overrides``: config keys (``online_config``). ``history`` keeps every
-    probe's full results (the logged ones and the rest)."""
+    current parameters. ``overrides``: config keys (``online_config``); or ``config``, one
+    ``online_config`` made already (composing one takes ~0.3 s: the TRL callback makes it when it
+    is constructed, before training). ``history`` keeps every probe's full results (the logged
+    ones, per-phase wall and CPU times ``time/<phase>_s`` / ``cpu_time/<phase>_s``, and the rest)."""
 
     def __init__(self, model: torch.nn.Module, optimizer, tokenizer, held_out: Task | Callable[[int], RolloutBatch],
-                 every: int = 10, fixed: Mapping[str, Any] | None = None, **overrides):
+                 every: int = 10, fixed: Mapping[str, Any] | None = None, config: EntprobeConfig | None = None,
+                 **overrides):
         if every < 1:
             raise ConfigError(f"every={every}: probe every N >= 1 optimizer steps")
         if not (isinstance(held_out, Task) or callable(held_out)):
             raise TypeError("held_out: a Task, or a callable step -> RolloutBatch sampled at the current parameters")
+        if config is not None and (overrides or fixed):
+            raise TypeError("OnlineProbe: pass config (an online_config) or overrides and fixed, not both")
         self.model, self.optimizer, self.tokenizer = model, unwrap_optimizer(optimizer), tokenizer
         self.held_out, self.every = held_out, every
-        self.cfg = online_config(overrides, fixed)
+        self.cfg = config if config is not None else online_config(overrides, fixed)
         self.history: list[dict] = []
         self._pending: _Pending | None = None
+        psis_backend()  # its one-time import (~1 s) here, not inside the training loop's first probe
 
     def due(self, step: int) -> bool:
         """Whether ``before_step(step)`` probes: every ``every`` steps, once AdamW has state (its first
         step gives the preconditioner's second moment)."""
-        has_state = any(self.optimizer.state.get(p) for g in self.optimizer.param_groups for p in g["params"])
-        return step % self.every == 0 and has_state
+        return step % self.every == 0 and any(self.optimizer.state.get(p) for g in self.optimizer.param_groups
+                                               for p in g["params"])
 
     def _sample(self, step: int) -> RolloutBatch:
         if callable(self.held_out) and not isinstance(self.held_out, Task):
@@ -127,7 +135,7 @@ class OnlineProbe:
         if not self.due(step):
             return False
         cfg, model = self.cfg, self.model
-        t0 = _now()
+        t0, c0 = _now(), time.process_time()
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         no_grad = [n for n, p in trainable if p.grad is None]
         if no_grad:
@@ -135,21 +143,23 @@ class OnlineProbe:
                                "after backward, with the gradient optimizer.step() will use")
         Ybar = [-p.grad.detach().float() for _, p in trainable]  # the step's gradient, before it is set aside
         with left_as_it_was(model, self.optimizer, None) as callers_modes:
+            ctx = probe_context(cfg, model, Ybar[0].device, _autocast(cfg, Ybar[0].device))
             callers_modes()  # sampled as the loop samples (a trainer's generation reads model.training)
-            E = self._sample(step)
+            with ctx.phase("sample_E"):
+                E = self._sample(step)
             model.eval()
             if E.temperature != cfg.sampling.temperature:
                 raise ConfigError(f"held-out E was sampled at temperature {E.temperature}, the probe's log-probs "
                                   f"use sampling.temperature={cfg.sampling.temperature}: make them agree")
-            ctx = probe_context(cfg, model, Ybar[0].device, _autocast(cfg, Ybar[0].device))
-            geo, _ = live_geometry(cfg, self.optimizer, ctx.names, ctx.params, ctx.buffers_device)
-            update = build_step_model(ctx, geo.optimizer, geo.lr, Ybar, geo.P, "optimizer", None)
-            pred = predict_on_held_out(ctx, E, update, cfg.probe)
+            with ctx.phase("geometry"):
+                geo, _ = live_geometry(cfg, self.optimizer, ctx.names, ctx.params, ctx.buffers_device)
+                update = build_step_model(ctx, geo.optimizer, geo.lr, Ybar, geo.P, "optimizer", None)
+            pred = predict_on_held_out(ctx, E, update, cfg.probe, with_entropy=False)
             del Ybar, update
             x_theta = pv.dot(pred.Xbar, [p.detach() for p in ctx.params])
         res = {**pred.res, "lr": geo.lr, "step": step, "B_E": E.B, "G": E.G}
         self._pending = _Pending(step, E, pred, x_theta, res)
-        self._ctx, self._t = ctx, _now() - t0
+        self._ctx, self._t, self._cpu = ctx, _now() - t0, time.process_time() - c0
         return True
 
     def after_step(self) -> dict | None:
@@ -158,26 +168,28 @@ class OnlineProbe:
         pend, self._pending = self._pending, None
         if pend is None:
             return None
-        t0 = _now()
+        t0, c0 = _now(), time.process_time()
         ctx, icfg, E = self._ctx, self.cfg.importance, pend.E
         with left_as_it_was(self.model, self.optimizer, None):
-            S_upd, _ = eval_at_current(ctx, E, icfg)
-            est_res, psi = importance_estimates(pend.pred.S, S_upd, E.gen_lengths, E.Lmax, ctx.weighting_mode,
-                                                icfg.clip_c, warn_psis=False)
-            x_after = pv.dot(pend.pred.Xbar, [p.detach() for p in ctx.params])
+            S_upd, _ = eval_at_current(ctx, E, icfg, with_entropy=False)
+            with ctx.phase("importance"):
+                est_res, psi = importance_estimates(pend.pred.S, S_upd, E.gen_lengths, E.Lmax, ctx.weighting_mode,
+                                                    icfg.clip_c, warn_psis=False)
+                x_after = pv.dot(pend.pred.Xbar, [p.detach() for p in ctx.params])
         res = pend.res
         res.update(est_res)
         res.update(true_change(est_res, psi, icfg.is_mode.value))
         res.update(compare_with_prediction(res, psi[icfg.is_mode.value], pend.pred.e))
         res["deltaH1_step"] = -(x_after - pend.x_dot_theta)  # -Xbar . (theta_plus - theta): the real step
         res["time_s"] = self._t + _now() - t0
+        res["cpu_time_s"] = self._cpu + time.process_time() - c0
+        res.update({f"time/{k}_s": v for k, v in ctx.stats.seconds.items()})
+        res.update({f"cpu_time/{k}_s": v for k, v in ctx.stats.cpu_seconds.items()})
         self.history.append(res)
         return {f"entprobe/{k}": float(res[k]) for k in LOGGED if k in res}
 
 
 def _now() -> float:
-    import time
-
     return time.perf_counter()
 
 

@@ -9,7 +9,9 @@ step's microbatches and clipped, ``optimizer.step()`` next) the callback predict
 very step from the gradient the optimizer is about to use (``OnlineProbe.before_step``); the
 held-out E is sampled there, at theta, by the trainer's own generation
 (``_generate_and_score_completions`` on ``batch.B_E`` prompts of its train dataset, ``num_generations``
-each: its tokenization, chat template, temperature and generation backend). At
+each: its tokenization, chat template, temperature and generation backend), without scoring: the
+probe reads E's responses only, so the trainer's reward computation returns zeros meanwhile
+(``rewards_skipped``) and your reward functions are never called on E. At
 ``on_optimizer_step`` (the real step taken) it measures the change on E (``after_step``). The
 metrics join the next ``logs`` dict the trainer reports (the callback puts itself first among the
 callbacks, so wandb / TensorBoard / ... see them) and that entry of ``trainer.state.log_history``;
@@ -17,9 +19,7 @@ callbacks, so wandb / TensorBoard / ... see them) and that entry of ``trainer.st
 
 The trajectory is unchanged: gradients, RNG, modes and the optimizer are restored by the online
 probe; the trainer's own bookkeeping that its generation updates (``_metrics``, ``_logs``,
-``state.num_input_tokens_seen``) is put back after E is sampled. Your reward functions are called
-on E's completions too (they are part of the trainer's generation); a reward function that keeps
-state sees those calls. Needs ``num_iterations == 1`` and ``steps_per_generation ==
+``state.num_input_tokens_seen``) is put back after E is sampled. Needs ``num_iterations == 1`` and ``steps_per_generation ==
 gradient_accumulation_steps`` (one generation batch per optimizer step); one process.
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 from transformers import TrainerCallback
 
 from entprobe.config import ConfigError
+from entprobe.importance_math import psis_backend
 from entprobe.integrations.online import OnlineProbe, online_config
 from entprobe.rollout import RolloutBatch
 
@@ -70,6 +71,29 @@ def bookkeeping_kept(trainer):
         trainer.state.num_input_tokens_seen = tokens
 
 
+@contextlib.contextmanager
+def rewards_skipped(trainer):
+    """GRPOTrainer's ``_calculate_rewards`` returns zeros (``[completions, reward functions]``, as
+    its own) inside the block: generation without scoring. The probe of E needs no rewards, and
+    the user's reward functions (possibly slow, possibly keeping state) are not called on E."""
+    if not hasattr(trainer, "_calculate_rewards"):
+        yield
+        return
+    missing = object()
+    own = trainer.__dict__.get("_calculate_rewards", missing)
+
+    def zeros(inputs, prompts, *args, **kwargs):
+        return torch.zeros(len(prompts), len(trainer.reward_funcs), device=trainer.accelerator.device)
+    trainer._calculate_rewards = zeros
+    try:
+        yield
+    finally:
+        if own is missing:
+            del trainer._calculate_rewards
+        else:
+            trainer._calculate_rewards = own
+
+
 class EntropyProbeCallback(TrainerCallback):
     """Predict and measure the entropy change of every ``every_n_steps``-th optimizer step of a
     ``GRPOTrainer`` (module docstring). ``overrides``: the online probe's config keys
@@ -88,10 +112,10 @@ class EntropyProbeCallback(TrainerCallback):
                               f"gradient_accumulation_steps={args.gradient_accumulation_steps}: one generation batch "
                               "must be one optimizer step")
         self.trainer, self.every = trainer, every_n_steps
-        self.fixed = {"batch.G": trainer.num_generations, "sampling.temperature": float(args.temperature),
-                      "sampling.top_k": int(args.top_k or 0), "sampling.top_p": float(args.top_p)}
-        self.overrides = overrides
-        self.cfg = online_config(overrides, self.fixed)  # bad keys fail here, before training
+        fixed = {"batch.G": trainer.num_generations, "sampling.temperature": float(args.temperature),
+                 "sampling.top_k": int(args.top_k or 0), "sampling.top_p": float(args.top_p)}
+        self.cfg = online_config(overrides, fixed)  # bad keys fail here, before training (not composed again)
+        psis_backend()  # its one-time import (~1 s) now rather than at the start of training
         self.probe: OnlineProbe | None = None
         self._to_log: dict = {}
 
@@ -102,22 +126,25 @@ class EntropyProbeCallback(TrainerCallback):
 
     def sample_held_out(self, step: int) -> RolloutBatch:
         """E at the current parameters: ``batch.B_E`` prompts of the train dataset (seeded by
-        ``batch.seed_E`` and the step), ``num_generations`` completions each, by the trainer's generation."""
+        ``batch.seed_E`` and the step), ``num_generations`` completions each, by the trainer's
+        generation (not scored: ``rewards_skipped``)."""
         tr, b = self.trainer, self.cfg.batch
         ds = tr.train_dataset
         gen = torch.Generator().manual_seed(b.seed_E + 1_000_003 * step)
         rows = torch.randperm(len(ds), generator=gen)[:b.B_E].tolist()
         if len(rows) < 2:
             raise ConfigError(f"the train dataset has {len(ds)} row(s); the held-out batch needs >= 2 prompts")
-        inputs = [ds[i] for i in rows for _ in range(tr.num_generations)]
-        with bookkeeping_kept(tr), torch.no_grad():
+        repeated = [i for i in rows for _ in range(tr.num_generations)]
+        getitems = getattr(ds, "__getitems__", None)  # one read of all rows, as torch's DataLoader does
+        inputs = getitems(repeated) if getitems else [ds[i] for i in repeated]
+        with bookkeeping_kept(tr), rewards_skipped(tr), torch.no_grad():
             out = tr._generate_and_score_completions(inputs)
         return trl_rollout_batch(out, tr.num_generations, self.cfg.sampling.temperature)
 
     def on_train_begin(self, args, state, control, **kwargs):
         tr = self.trainer
         self.probe = OnlineProbe(tr.model, tr.optimizer, tr.processing_class, self.sample_held_out, self.every,
-                                 fixed=self.fixed, **self.overrides)
+                                 config=self.cfg)
         cbs = tr.callback_handler.callbacks  # first: the reporting callbacks see what on_log adds
         cbs.insert(0, cbs.pop(cbs.index(self)))
 

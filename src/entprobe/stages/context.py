@@ -19,6 +19,7 @@ from entprobe.rollout import RolloutBatch
 @dataclass
 class PhaseStats:
     seconds: dict[str, float] = field(default_factory=dict)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)  # this process's CPU time (all threads)
     peak_mem_mb: dict[str, float] = field(default_factory=dict)
     passes: dict[str, int] = field(default_factory=dict)  # forward / backward / jvp (sequences x passes)
 
@@ -144,17 +145,18 @@ class ProbeContext:
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        """Time a phase and record the peak memory reached inside it."""
+        """Time a phase (wall clock and process CPU time) and record the peak memory reached inside it."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.stats.seconds[name] = self.stats.seconds.get(name, 0.0) + time.perf_counter() - t0
+            self.stats.cpu_seconds[name] = self.stats.cpu_seconds.get(name, 0.0) + time.process_time() - c0
             self.stats.peak_mem_mb[name] = _peak_mb(self.device)
 
     def zero_grad(self) -> None:

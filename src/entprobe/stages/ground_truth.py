@@ -192,9 +192,11 @@ def importance_estimates(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Ten
     return out, {k: v.psi for k, v in changes.items()}
 
 
-def eval_at_current(ctx: ProbeContext, E: RolloutBatch, icfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """E's sequence log-probs [B_E, G] and token entropies [B_E, G, T] (CPU) at the parameters as
-    they are now (theta_plus after a step), without a graph, in eval mode (the mode is put back)."""
+def eval_at_current(ctx: ProbeContext, E: RolloutBatch, icfg,
+                    with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """E's sequence log-probs [B_E, G] and token entropies [B_E, G, T] (CPU; None without
+    ``with_entropy``) at the parameters as they are now (theta_plus after a step), without a
+    graph, in eval mode (the mode is put back)."""
     was_training = ctx.model.training
     with ctx.phase("gt_eval_E"), torch.no_grad():
         ctx.model.eval()
@@ -204,12 +206,12 @@ def eval_at_current(ctx: ProbeContext, E: RolloutBatch, icfg) -> tuple[torch.Ten
         outs = []
         try:
             for s, mb in ctx.iterate(E, ctx.nograd_mb(E, False, icfg.importance_microbatch_size), "E at theta+"):
-                o = ctx.forward_S(mb, f"E at theta_plus [{s}, {s + mb.B})", with_entropy=True, model=bare)
+                o = ctx.forward_S(mb, f"E at theta_plus [{s}, {s + mb.B})", with_entropy=with_entropy, model=bare)
                 if not is_filler(mb):  # FSDP2: a collective pass only
                     outs.append(o)
         finally:
             ctx.model.train(was_training)
-    return torch.cat([o[0].cpu() for o in outs]), torch.cat([o[2].cpu() for o in outs])
+    return torch.cat([o[0].cpu() for o in outs]), torch.cat([o[2].cpu() for o in outs]) if with_entropy else None
 
 
 def true_change(est_res: dict, psi: dict, mode: str) -> dict:

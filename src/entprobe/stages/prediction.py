@@ -268,17 +268,20 @@ class HeldOutPrediction:
     res: dict  # gt/B_E and ``prediction_results`` (deltaH_pred, its parts, E-side SEs)
     Xbar: pv.Buffer  # the global mean of E's X (buffers device)
     S: torch.Tensor  # [B_E, G] this rank's E sequence log-probs at theta
-    entropy: torch.Tensor | None  # [B_E, G, T] token entropies at theta
+    entropy: torch.Tensor | None  # [B_E, G, T] token entropies at theta (None: not asked for)
     e: torch.Tensor  # [B_E, parts] per-prompt contributions ``-X_n . Delta theta_part`` (gathered)
 
 
-def predict_on_held_out(ctx: ProbeContext, E: RolloutBatch, step: StepModel, pcfg) -> HeldOutPrediction:
+def predict_on_held_out(ctx: ProbeContext, E: RolloutBatch, step: StepModel, pcfg,
+                        with_entropy: bool = True) -> HeldOutPrediction:
     """``deltaH_pred = -Xbar_E . Delta theta`` of a step known before it is taken, on responses E it
     was not fit to: one X pass over E projects each prompt onto the update's parts (the E side of
-    every SE) and keeps E's log-probs and entropies at theta for the measurement after the step."""
-    dirE = directions(ctx, [], step, ctx.device)
+    every SE) and keeps E's log-probs (and, ``with_entropy``, token entropies) at theta for the
+    measurement after the step."""
+    with ctx.phase("step_parts"):  # the update's parts, written into the projection directions
+        dirE = directions(ctx, [], step, ctx.device)
     with ctx.phase("accumulate_X_E"):
-        accX = accumulate(ctx, E, x_loss_of(ctx), "X over held-out E", directions=dirE, with_entropy=True,
+        accX = accumulate(ctx, E, x_loss_of(ctx), "X over held-out E", directions=dirE, with_entropy=with_entropy,
                           unit_backward=resolve_unit_backward(pcfg, ctx, (E,)))
         Xbar, B_E = global_mean(accX.sum_buf, accX.B)
     step_dots = pv.dot_set(Xbar, dirE).tolist()
