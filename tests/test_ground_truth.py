@@ -175,8 +175,8 @@ def test_delta_h1_step_of_a_real_adamw_step_and_its_split(world, analytic, monke
     AdamW step (gain (1-b1)/(1-b1^t) on the gradient, momentum, decoupled weight decay), checked
     against the exact change and against AdamW's update written out by hand; parts sum to it.
     The split's zero-gradient step is taken in closed form (default) or by repeating the step."""
-    import entprobe.stages.ground_truth as gt
-    monkeypatch.setattr(gt, "ANALYTIC_ADAMW_SPLIT", analytic)
+    import entprobe.stages.step_split as split
+    monkeypatch.setattr(split, "ANALYTIC_ADAMW_SPLIT", analytic)
     w = world
     Xbar = [-g for g in w.grad_H]
     E = w.setup.sample(8, G, seed=8)

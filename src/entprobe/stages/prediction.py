@@ -32,7 +32,7 @@ from entprobe.rollout import RolloutBatch
 from entprobe.sharding import like_param, local
 from entprobe.stages.accumulate import accumulate, global_mean, x_loss_of
 from entprobe.stages.context import ProbeContext
-from entprobe.stages.ground_truth import plain_adamw
+from entprobe.stages.step_split import plain_adamw
 from entprobe.stages.snapshot import restore, take
 from entprobe.stages.variance import resolve_unit_backward
 from entprobe.step_math import AdamWHyper, StepModel, adamw_jacobian_times_into, adamw_update_into
