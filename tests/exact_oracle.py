@@ -10,18 +10,23 @@ at G = 3, in chunks).
     orc = make_oracle(mode="dr_grpo", G=3)
     orc.minus_grad_H              # -grad H in the mode's functional [D], exact
     orc.mean_unit("X")            # E[X_n] [D], exact (equal to -grad H: tests/test_prediction.py)
+    w, objs = preset_weights(orc, ocfg, f)   # a trainer preset's Y weights of draws f (objectives.prepare)
+    orc.population_ascent(ocfg, B)  # the limit of that preset's Ybar over many prompts [D], exact
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
 import torch
 
 from entprobe import estimators as est
+from entprobe import objectives as ob
+from entprobe import paramvec as pv
 from entprobe.rollout import RolloutBatch, assemble, encode_prompts, group_advantages
 from entprobe.step_math import AdamWHyper, adamw_jacobian, adamw_update
-from exact_model import ExactSetup, adamw_with_state, enumerate_responses, make_setup, params_set_to
+from exact_model import MAX_NEW, ExactSetup, adamw_with_state, enumerate_responses, make_setup, params_set_to
 
 N_PROMPTS = 3
 
@@ -119,6 +124,34 @@ class Oracle:
                                          self.G, self.coeff(side)) for p in range(N_PROMPTS)])
         return (kap @ self.J) / N_PROMPTS
 
+    def population_ascent(self, ocfg, B: int) -> torch.Tensor:
+        """The limit in probability of a trainer preset's ``Ybar`` over batches of B prompts as B
+        grows, exactly [D]: the point its delta method expands about. Per-group weights are the
+        production ones (``preset_advantages``, ``Objective.unit_weights``); the batch statistics
+        are replaced by their limits: a token mean's ``Tbar`` by ``E[T_n] = G E[L]``, TRL's batch
+        reward std by the population std of r (prompts uniform, responses from pi). For uncoupled
+        presets this is ``E[Y_n]`` (``token_sum``'s constant B kept: its Ybar sums over prompts)."""
+        q = self.S.exp() / N_PROMPTS  # probability of each response of the mixture
+        obj = ob.bind(ocfg, torch.zeros(B, self.G), torch.ones(B, self.G), MAX_NEW)
+        if obj.aggregation == "token_mean":
+            obj = dataclasses.replace(obj, constant=self.G * float(q @ self.L))
+        adv = functools.partial(ob.preset_advantages, ocfg)
+        preset = getattr(ocfg.preset, "value", ocfg.preset)
+        if preset == "trl" and ob.scale_rewards_choice(ocfg.scale_rewards) == "batch":
+            sigma = float(q @ self.R ** 2 - (q @ self.R) ** 2) ** 0.5
+            adv = lambda R: ob.trl_advantages(R, "none") / (sigma + ob.TRL_STD_EPS)  # noqa: E731
+        kap = torch.cat([expected_weight(self.S[self.rows(p)], self.L[self.rows(p)], self.R[self.rows(p)], self.G,
+                                         lambda S, L, R: obj.unit_weights(adv(R), L, L.amax(-1)))
+                         for p in range(N_PROMPTS)])
+        return (kap @ self.J) / N_PROMPTS
+
+    def preconditioner(self) -> torch.Tensor:
+        """Adam's ``P = 1 / (sqrt(v_hat) + eps)`` of the optimizer state, flat [D] (deltaH1's)."""
+        st = [self.opt.state[p] for p in self.setup.params]
+        P = pv.adam_preconditioner([s["exp_avg_sq"] for s in st], int(st[0]["step"]), self.hyper.beta2,
+                                   self.hyper.eps, dtype=torch.float64)
+        return torch.cat([x.reshape(-1) for x in P])
+
     # ---------------------------------------------------------------- the update and the simulator
     def update(self, Ybar: torch.Tensor) -> dict[str, torch.Tensor]:
         """AdamW's Delta theta(Ybar) by part ([..., D])."""
@@ -180,6 +213,68 @@ def batch_of(o, f: torch.Tensor) -> RolloutBatch:
                                 setup.tokenizer.pad_token_id)
     rewards = o.R[f].float()
     return RolloutBatch(ids, att, rm, lp, rewards, group_advantages(rewards, "dr_grpo"), f[:, 0] // o.K)
+
+
+def light_batch(o: Oracle, f: torch.Tensor) -> RolloutBatch:
+    """A RolloutBatch of flat response indices f [B, G] with what an objective reads (rewards,
+    generated lengths, prompt index; fp64), no tokens: ``objectives.prepare`` takes it."""
+    L = o.L[f].long()
+    rm = (torch.arange(MAX_NEW) < L.unsqueeze(-1)).long()
+    z = torch.zeros(rm.shape, dtype=torch.float64)
+    R = o.R[f]
+    return RolloutBatch(rm, rm, rm, z, R, group_advantages(R, "dr_grpo"), f[:, 0] // o.K)
+
+
+def preset_weights(o: Oracle, ocfg, f: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """A trainer preset's Y weights of draws f [N, B, G] and each draw's objective: per draw,
+    ``objectives.prepare`` (the preset's advantages, the objective bound to the draw) and
+    ``Objective.unit_weights``, as the pipeline computes them: ``Y_n = sum_g w[n,g] grad S``."""
+    ws, objs = [], []
+    for fn in f:
+        U, obj = ob.prepare(ocfg, light_batch(o, fn), MAX_NEW)
+        ws.append(obj.unit_weights(U.advantages, U.gen_lengths, U.Lmax).double())
+        objs.append(obj)
+    return torch.stack(ws), objs
+
+
+@dataclass
+class Simulated:
+    """The two-batch probe on N (E, U) draws, the pipeline's formulas on enumerated gradients:
+    Xbar, Ybar [N, D], the step Delta theta(Ybar) [N, D], deltaH_pred [N], its per-unit
+    contributions e [N, B_E] (E side) and u [N, B_U] (U side, delta method, linearised by each
+    draw's objective as ``two_batch.compute_stage12`` does)."""
+    o: Oracle
+    fE: torch.Tensor
+    fU: torch.Tensor
+    wX: torch.Tensor
+    wY: torch.Tensor
+    objs: list | None  # each draw's Objective (None: entprobe's weights)
+    Xb: torch.Tensor
+    Yb: torch.Tensor
+    delta: torch.Tensor
+    pred: torch.Tensor
+    e: torch.Tensor
+    u: torch.Tensor
+
+    def u_side(self, direction: torch.Tensor) -> torch.Tensor:
+        """U's per-unit projections ``Y_v . direction`` [N, B_U] (direction [N, D]), linearised."""
+        return self.linearize(self.o.project(self.fU, self.wY, direction))
+
+    def linearize(self, b: torch.Tensor) -> torch.Tensor:
+        if self.objs is None:
+            return b
+        return torch.stack([obj.linearize(x) for obj, x in zip(self.objs, b)])
+
+
+def simulate(o: Oracle, fE: torch.Tensor, fU: torch.Tensor, ocfg=None) -> Simulated:
+    """The probe on draws fE, fU [N, B, G]; ``ocfg``: the objective (None: entprobe's, ``o.weights``)."""
+    wX = o.weights(fE, "X")
+    wY, objs = (o.weights(fU, "Y"), None) if ocfg is None else preset_weights(o, ocfg, fU)
+    Xb, Yb = o.means(fE, wX), o.means(fU, wY)
+    delta = sum(o.update(Yb).values())
+    sim = Simulated(o, fE, fU, wX, wY, objs, Xb, Yb, delta, -(Xb * delta).sum(-1), -o.project(fE, wX, delta), None)
+    sim.u = -sim.u_side(o.jacobian(Yb) * Xb)
+    return sim
 
 
 def log_probs_at(o: Oracle, theta: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from entprobe.geometry import Geometry
 from entprobe.modes.two_batch import run_two_batch
 from entprobe.stages.snapshot import restored_after
 from entprobe.step_math import adamw_jacobian, adamw_jacobian_times_into, adamw_update, adamw_update_into
-from exact_oracle import batch_of, functional_values, log_probs_at, make_oracle
+from exact_oracle import batch_of, functional_values, log_probs_at, make_oracle, simulate
 
 MODES = ("sequence", "per_token_avg", "dr_grpo")
 N_DRAWS = 2000
@@ -106,15 +106,10 @@ def test_adamw_update_is_torchs_step_and_its_jacobian_is_autograds():
 
 # ---------------------------------------------------------------- the prediction: unbiased, covering
 def simulate_prediction(o, fE, fU):
-    """Per draw (the pipeline's formulas on enumerated gradients): deltaH_pred [N], the per-unit
-    contributions e [N, B_E] (E side) and u [N, B_U] (U side, delta method), and Delta theta [N, D]."""
-    wX, wY = o.weights(fE, "X"), o.weights(fU, "Y")
-    Xb, Yb = o.means(fE, wX), o.means(fU, wY)
-    delta = sum(o.update(Yb).values())
-    pred = -(Xb * delta).sum(-1)
-    e = -o.project(fE, wX, delta)
-    u = -o.project(fU, wY, o.jacobian(Yb) * Xb)
-    return pred, e, u, delta
+    """Per draw: deltaH_pred [N], the per-unit contributions e [N, B_E] (E side) and u [N, B_U]
+    (U side, delta method), and Delta theta [N, D] (``exact_oracle.simulate``)."""
+    sim = simulate(o, fE, fU)
+    return sim.pred, sim.e, sim.u, sim.delta
 
 
 @pytest.mark.parametrize("B", [8, 32])
