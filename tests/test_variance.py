@@ -217,6 +217,24 @@ def test_every_path_equals_backward_through_run_two_batch(ex, mode, tmp_path):
             assert rel(res[key], ref[key]) < 1e-5, (proj, how, key, res[key], ref[key])
 
 
+@pytest.mark.parametrize("proj", ["stored", "fused", "jvp"])
+def test_directions_stored_per_parameter_give_the_same_numbers(ex, proj, tmp_path, monkeypatch):
+    """Large models keep the k directions as one [k, n_i] block per parameter (each its own
+    allocation) instead of one [k, N] matrix: every dot, projection and storage reuse gives the
+    matrix layout's numbers (forced here by a flat limit of 0 on the exact model)."""
+    setup = ex.setup
+    E, U = setup.sample(6, 3, seed=11), setup.sample(5, 3, seed=12)
+    geo, icfg = Geometry(ex.opt, ex.lr, ex.P), ImportanceConfig(enabled=False)
+    pcfg = ProbeConfig(projection=ProjectionMode(proj), unit_backward=UnitBackward.loop, top_k_params=0)
+    flat = run_two_batch(setup.ctx("per_token_avg", mb_size=2), E, U, geo, pcfg, icfg, tmp_path)
+    monkeypatch.setattr(pv, "FLAT_MAX_NUMEL", 0)
+    d = pv.empty_directions(3, ex.setup.params, "cpu", torch.float64)
+    assert d.mat is None and len(d.blocks) == len(ex.setup.params) and d.first(2).k == 2
+    blocks = run_two_batch(setup.ctx("per_token_avg", mb_size=2), E, U, geo, pcfg, icfg, tmp_path)
+    for key in ("bars_dot", "deltaH_pred", "SE_deltaH_pred", "deltaH1", *VAR_KEYS):
+        assert rel(blocks[key], flat[key]) < 1e-12, (key, blocks[key], flat[key])
+
+
 def test_auto_projection_rule():
     """auto: stored when the largest U shard's per-unit gradients fit the budget and are at most
     ``unit_grads_max_copies`` parameter-sized copies (any number while under 256 MB); fused

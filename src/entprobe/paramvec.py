@@ -171,49 +171,75 @@ FLAT_MAX_NUMEL = 10_000_000  # below this, per-tensor loops cost more host time 
 
 
 class DirectionSet:
-    """k parameter-sized directions as one ``[k, N]`` matrix (N = total numel, parameters in order):
-    a gradient is read once for all k dots. Parameter i's block is ``mat[:, off_i:off_i + n_i]``."""
+    """k parameter-sized directions: a gradient is read once for all k dots. Stored as one
+    ``[k, N]`` matrix ``mat`` (N = total numel, parameters in order; parameter i's block is
+    ``mat[:, off_i:off_i + n_i]``) when N <= ``FLAT_MAX_NUMEL`` (one matrix product for all
+    parameters), else as one ``[k, n_i]`` tensor per parameter (``blocks``): separate allocations,
+    each small enough to come from the allocator's heap and be reused warm, where one [k, N]
+    matrix of a 135M-parameter model is a 2 GB mapping whose pages fault in anew on every probe."""
 
-    def __init__(self, mat: torch.Tensor, shapes: list[torch.Size]):
-        self.mat, self.shapes = mat, shapes
+    def __init__(self, shapes: list[torch.Size], mat: torch.Tensor | None = None,
+                 blocks: list[torch.Tensor] | None = None):
+        if (mat is None) == (blocks is None):
+            raise ValueError("DirectionSet: give mat or blocks")
+        self.mat, self.blocks, self.shapes = mat, blocks, shapes
         self.offsets = [0]
         for sh in shapes:
             self.offsets.append(self.offsets[-1] + sh.numel())
 
     @property
     def k(self) -> int:
-        return self.mat.shape[0]
+        return self.mat.shape[0] if self.mat is not None else self.blocks[0].shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return (self.mat if self.mat is not None else self.blocks[0]).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return (self.mat if self.mat is not None else self.blocks[0]).dtype
 
     def block(self, i: int) -> torch.Tensor:
-        return self.mat[:, self.offsets[i]:self.offsets[i + 1]]
+        """Parameter i's ``[k, n_i]`` block (rows contiguous)."""
+        if self.mat is not None:
+            return self.mat[:, self.offsets[i]:self.offsets[i + 1]]
+        return self.blocks[i]
 
     def column(self, j: int) -> Buffer:
         """Direction j as a buffer of views shaped like the parameters."""
-        return [self.mat[j, self.offsets[i]:self.offsets[i + 1]].view(sh) for i, sh in enumerate(self.shapes)]
+        return [self.block(i)[j].view(sh) for i, sh in enumerate(self.shapes)]
+
+    def first(self, k: int) -> "DirectionSet":
+        """The first k directions, sharing this set's storage."""
+        if self.mat is not None:
+            return DirectionSet(self.shapes, mat=self.mat[:k])
+        return DirectionSet(self.shapes, blocks=[b[:k] for b in self.blocks])
 
 
 def empty_directions(k: int, like: Sequence[torch.Tensor], device, dtype,
-                     storage: torch.Tensor | None = None) -> DirectionSet:
+                     storage: DirectionSet | None = None) -> DirectionSet:
     """An uninitialised ``DirectionSet`` of k directions shaped like ``like``; fill its columns.
-    ``storage`` (a ``[>= k, N]`` matrix of the same device and dtype no longer needed) is reused
-    instead of a fresh allocation (a parameter-sized allocation is a page-faulted pass on CPU)."""
+    ``storage`` (a set of >= k directions of the same shapes, device and dtype no longer needed)
+    is reused instead of a fresh allocation (a parameter-sized allocation is a page-faulted pass
+    on CPU)."""
     shapes = [local(t).shape for t in like]
     N = sum(sh.numel() for sh in shapes)
-    if storage is not None and storage.shape[0] >= k and storage.shape[1] == N and \
+    if storage is not None and storage.k >= k and storage.shapes == shapes and \
             storage.device == torch.device(device) and storage.dtype == dtype:
-        return DirectionSet(storage[:k], shapes)
-    return DirectionSet(torch.empty((k, N), device=device, dtype=dtype), shapes)
+        return storage.first(k)
+    if N <= FLAT_MAX_NUMEL:
+        return DirectionSet(shapes, mat=torch.empty((k, N), device=device, dtype=dtype))
+    return DirectionSet(shapes, blocks=[torch.empty((k, sh.numel()), device=device, dtype=dtype) for sh in shapes])
 
 
 def stack_directions(bufs: Sequence[Buffer], device=None, dtype=None) -> DirectionSet:
     """k buffers -> a ``DirectionSet`` on ``device`` in ``dtype`` (default: the first tensor's)."""
     first = bufs[0][0]
-    dev, dt = device or first.device, dtype or first.dtype
-    shapes = [t.shape for t in bufs[0]]
-    mat = torch.empty((len(bufs), sum(sh.numel() for sh in shapes)), device=dev, dtype=dt)
+    dset = empty_directions(len(bufs), bufs[0], device or first.device, dtype or first.dtype)
     for j, buf in enumerate(bufs):
-        torch.cat([t.reshape(-1).to(dev, dt) for t in buf], out=mat[j])
-    return DirectionSet(mat, shapes)
+        for t, out in zip(buf, dset.column(j)):
+            out.copy_(t.reshape(out.shape))
+    return dset
 
 
 def _dt(x: torch.Tensor, d: torch.Tensor) -> torch.dtype:
@@ -223,27 +249,26 @@ def _dt(x: torch.Tensor, d: torch.Tensor) -> torch.dtype:
 def dot_set(a: Buffer, dset: DirectionSet) -> torch.Tensor:
     """``[dot(a, direction_j) for j]`` as [k] fp64 on the directions' device: one matrix-vector
     product over the concatenated tensors for small models, else one per tensor (terms in fp64)."""
-    mat = dset.mat
-    dt = _dt(a[0], mat)
-    if mat.shape[1] <= FLAT_MAX_NUMEL:
-        flat = torch.cat([x.reshape(-1).to(mat.device, dt) for x in a])
-        return reduce_shards((mat.to(dt) @ flat).double())
-    total = torch.zeros(dset.k, dtype=torch.float64, device=mat.device)
+    dev, dt = dset.device, _dt(a[0], dset.block(0))
+    if dset.mat is not None:
+        flat = torch.cat([x.reshape(-1).to(dev, dt) for x in a])
+        return reduce_shards((dset.mat.to(dt) @ flat).double())
+    total = torch.zeros(dset.k, dtype=torch.float64, device=dev)
     for i, x in enumerate(a):
-        total += (dset.block(i).to(dt) @ x.reshape(-1).to(mat.device, dt)).double()
+        total += (dset.block(i).to(dt) @ x.reshape(-1).to(dev, dt)).double()
     return reduce_shards(total)
 
 
 def dot_rows_set(rows: Buffer, dset: DirectionSet) -> torch.Tensor:
     """Per-unit dots of stacked rows (``[n, *shape]`` per parameter) with the k directions:
     [n, k] fp64 on the rows' device (one matrix product, per tensor for large models)."""
-    mat = dset.mat.to(rows[0].device)
-    dt = _dt(rows[0], mat)
+    dev = rows[0].device
+    dt = _dt(rows[0], dset.block(0))
     n = rows[0].shape[0]
-    if mat.shape[1] <= FLAT_MAX_NUMEL:
+    if dset.mat is not None:
         flat = torch.cat([x.reshape(n, -1).to(dt) for x in rows], 1)
-        return reduce_shards((flat @ mat.to(dt).T).double())
-    total = torch.zeros((n, dset.k), dtype=torch.float64, device=mat.device)
+        return reduce_shards((flat @ dset.mat.to(dev, dt).T).double())
+    total = torch.zeros((n, dset.k), dtype=torch.float64, device=dev)
     for i, x in enumerate(rows):
         total += (x.reshape(n, -1).to(dt) @ dset.block(i).to(rows[0].device, dt).T).double()
     return reduce_shards(total)

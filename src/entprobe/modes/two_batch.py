@@ -72,7 +72,7 @@ def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Ge
             # U-side directions: P Xbar (deltaH1), then J * Xbar (the prediction's delta method)
             fill_JX = [lambda out: step.jacobian_times_into(Xbar, out)] if step.jacobian_times_into else []
             # with a_u taken in the X pass, the E directions are spent: U's are written over them
-            reuse = dirE.mat if fused else None
+            reuse = dirE if fused else None
             dirU = directions(ctx, [mul_into(Xbar, geo.P)] + fill_JX, None, dir_dev, storage=reuse)
             del reuse
             if mode == "stored":

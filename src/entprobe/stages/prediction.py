@@ -187,7 +187,7 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
 
 
 def directions(ctx: ProbeContext, first: list, step: StepModel | None, device,
-               storage: torch.Tensor | None = None) -> pv.DirectionSet:
+               storage: pv.DirectionSet | None = None) -> pv.DirectionSet:
     """A ``DirectionSet`` whose first rows are ``first`` (callables ``fill(out_buffer)``) and whose
     next rows are the step's parts (``step.names`` order), each written in place into its row
     (into ``storage`` when given: see ``paramvec.empty_directions``)."""
