@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 from conftest import CONF_DIR, compose_cfg
-from entprobe.config import ConfigError, validate
+from entprobe.config import ConfigError
+from entprobe.config_checks import validate
 from entprobe.main import run, to_typed
 from entprobe.tasks import build_task
 from entprobe.train import ensure_default_checkpoint

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import compose_cfg
-from entprobe.config import ConfigError, validate
+from entprobe.config import ConfigError
+from entprobe.config_checks import validate
 from entprobe.main import run
 from entprobe.rollout import RolloutBatch
 from entprobe.tasks.jsonl import JsonlTask

@@ -11,7 +11,7 @@
 - ``none``: nothing beyond results.json / report.md.
 
 ``logging.logger=csv`` or ``none`` with ``logging.wandb.mode=online`` is refused by
-``config.validate`` (it asks for a wandb run that would not happen).
+``config_checks.validate`` (it asks for a wandb run that would not happen).
 """
 from __future__ import annotations
 

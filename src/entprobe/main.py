@@ -25,7 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 from entprobe import distributed as D
 from entprobe import sweep
 from entprobe.batches import get_batches
-from entprobe.config import EntprobeConfig, register_configs, validate
+from entprobe.config import EntprobeConfig, register_configs
+from entprobe.config_checks import validate
 from entprobe.core import InMemory, finish, probe_batches, probe_context
 from entprobe.geometry import build_geometry
 from entprobe.loggers import make_logger
