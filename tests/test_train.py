@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,14 @@ def test_losses_are_the_trainers_formulas():
 def test_bad_options_name_themselves(run_out, tmp_path):
     with pytest.raises(ConfigError, match=r"--out=.*already holds checkpoint-2: write the run to a new folder"):
         train(TrainArgs(out=str(run_out), steps=1))
+    with pytest.raises(ConfigError, match=r"--resume=.*already holds checkpoint-3, which the resumed run"):
+        train(TrainArgs(out=str(run_out), steps=4, resume=str(run_out / "checkpoint-2")))
+    with pytest.raises(ConfigError, match=r"--steps=3: the checkpoint is at step 3"):
+        train(TrainArgs(out=str(run_out), steps=3, resume="last"))
+    with pytest.raises(ConfigError, match=r"--resume=last: .* holds no checkpoint"):
+        train(TrainArgs(out=str(tmp_path / "x"), resume="last"))
+    with pytest.raises(ConfigError, match=r"--lr-scheduler='step'"):
+        train(TrainArgs(out=str(tmp_path / "x"), lr_scheduler="step"))
     with pytest.raises(ConfigError, match=r"--model='.*': not a save_pretrained folder"):
         train(TrainArgs(out=str(tmp_path / "x"), model=str(tmp_path)))
     with pytest.raises(ConfigError, match=r"--G=1: group advantages need >= 2"):
@@ -107,8 +116,8 @@ def test_help_documents_the_options(capsys):
         main(["--help"])
     assert info.value.code == 0
     text = capsys.readouterr().out
-    for opt in ("--model", "--task", "--steps", "--lr", "--B", "--G", "--max-new-tokens", "--loss", "--save-every",
-                "--probe-every", "--build-default"):
+    for opt in ("--model", "--task", "--steps", "--lr", "--lr-scheduler", "--warmup-steps", "--B", "--G",
+                "--max-new-tokens", "--loss", "--save-every", "--probe-every", "--resume", "--build-default"):
         assert opt in text, opt
     main(["--build-default"])  # the default checkpoint (cached), as entprobe-build-default gives it
     assert capsys.readouterr().out.strip() == str(ensure_default_checkpoint())
@@ -157,3 +166,32 @@ def test_trains_an_hf_folder_on_a_jsonl_task(run_out, tmp_path):
     before = AutoModelForCausalLM.from_pretrained(run_out / "checkpoint-3").state_dict()
     after = AutoModelForCausalLM.from_pretrained(ckpt).state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the step moved the weights
+
+
+def test_resumed_run_takes_the_uninterrupted_runs_steps(tmp_path):
+    """A cosine schedule with warmup (transformers' own lrs, logged per step), interrupted at
+    checkpoint-2 and resumed (--resume last) to step 4: the same weights, AdamW state, scheduler and
+    losses, bit for bit, as the run that was never interrupted."""
+    from transformers import get_scheduler
+
+    argv = ["--steps", "4", "--save-every", "2", "--B", "4", "--G", "4", "--lr-scheduler", "cosine",
+            "--warmup-steps", "2", "--lr", "1e-3"]
+    main(["--out", str(tmp_path / "whole"), *argv])
+    shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / "cut" / "checkpoint-2")
+    main(["--out", str(tmp_path / "cut"), *argv, "--resume", "last"])
+    a, b = tmp_path / "whole" / "checkpoint-4", tmp_path / "cut" / "checkpoint-4"
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    sa, sb = (torch.load(f / "optimizer.pt", weights_only=True) for f in (a, b))
+    assert all(torch.equal(sa["state"][i][k], sb["state"][i][k]) for i in sa["state"] for k in ("exp_avg", "exp_avg_sq"))
+    assert sa["param_groups"] == sb["param_groups"]
+    assert torch.load(a / "scheduler.pt", weights_only=True) == torch.load(b / "scheduler.pt", weights_only=True)
+    la, lb = (json.loads((f / "trainer_state.json").read_text())["log_history"] for f in (a, b))
+    assert [e["loss"] for e in la] == [e["loss"] for e in lb] and len(lb) == 4
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    sched = get_scheduler("cosine", opt, num_warmup_steps=2, num_training_steps=4)
+    want = []
+    for _ in range(4):
+        want.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert [e["learning_rate"] for e in la] == want and want[0] == 0.0 and max(want) == 1e-3

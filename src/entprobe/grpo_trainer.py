@@ -4,7 +4,10 @@
 Each step: B prompts drawn from the task, G responses each sampled from the current policy
 (``rollout.sample_batch``, temperature 1), rewards and group advantages, the policy loss
 (``train.policy_loss``: ``dr_grpo`` or ``grpo``), backward, gradient clipping, AdamW over HF Trainer's
-decay / no-decay groups, a constant-lr scheduler. Every ``probe_every`` steps ``OnlineProbe``
+decay / no-decay groups, transformers' lr scheduler (``get_scheduler``: constant, linear, cosine, with
+warmup). ``resume`` continues a run from one of its checkpoints: the weights, AdamW state, scheduler
+and log history are read back, and since each step's sampling is seeded by its step number the
+resumed run takes the steps the uninterrupted one would have. Every ``probe_every`` steps ``OnlineProbe``
 predicts the step's entropy change before ``optimizer.step()`` and measures it after; its
 ``entprobe/*`` metrics join that step's entry of the log history. Every ``save_every`` steps, and at
 the last step, ``out/checkpoint-<step>/`` is written (``trainer_checkpoint``).
@@ -20,7 +23,8 @@ import torch
 from entprobe.config import ConfigError, SamplingConfig
 from entprobe.rollout import draw_prompt_indices, sample_batch
 from entprobe.tasks.base import check_encodable
-from entprobe.trainer_checkpoint import existing_checkpoints, trainer_state, write_trainer_checkpoint
+from entprobe.trainer_checkpoint import (CHECKPOINT_RE, existing_checkpoints, read_trainer_checkpoint, trainer_state,
+                                         write_trainer_checkpoint)
 
 ADV_EPS = 1e-6  # grpo advantages: (r - mean) / (std + ADV_EPS)
 
@@ -34,6 +38,8 @@ class TrainArgs:
     reward: str = "numeric"
     steps: int = 20
     lr: float = 1e-3
+    lr_scheduler: str = "constant"  # transformers.get_scheduler's name: constant, linear, cosine, ...
+    warmup_steps: int = 0
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
     B: int = 16
@@ -45,6 +51,10 @@ class TrainArgs:
     probe_B_E: int = 8
     seed: int = 0
     device: str = "cpu"
+    resume: str | None = None  # a checkpoint-<step> folder of this run, or "last": --out's latest
+
+
+LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 
 def check_args(a: TrainArgs) -> None:
@@ -63,9 +73,37 @@ def check_args(a: TrainArgs) -> None:
     if a.model is not None and not (Path(a.model).expanduser() / "config.json").is_file():
         raise ConfigError(f"--model={a.model!r}: not a save_pretrained folder (no config.json); leave it out "
                           "to train the built-in model")
-    if existing_checkpoints(a.out):
-        raise ConfigError(f"--out={a.out!r} already holds {existing_checkpoints(a.out)[0].name}: "
-                          "write the run to a new folder")
+    if a.lr_scheduler not in LR_SCHEDULERS or a.warmup_steps < 0:
+        raise ConfigError(f"--lr-scheduler={a.lr_scheduler!r} --warmup-steps={a.warmup_steps}: one of "
+                          f"{', '.join(LR_SCHEDULERS)}, warmup >= 0")
+    if a.resume is None:
+        if existing_checkpoints(a.out):
+            raise ConfigError(f"--out={a.out!r} already holds {existing_checkpoints(a.out)[0].name}: "
+                              "write the run to a new folder, or --resume it")
+        return
+    if a.model is not None:
+        raise ConfigError("--resume reads the weights from the checkpoint: leave --model out")
+    ckpt = resume_folder(a)
+    step = int(ckpt.name.split("-")[-1])
+    later = [p.name for p in existing_checkpoints(a.out) if int(p.name.split("-")[-1]) > step]
+    if later:
+        raise ConfigError(f"--resume={a.resume!r}: --out already holds {later[0]}, which the resumed run would "
+                          "write again; resume from the latest checkpoint or into a new --out")
+    if a.steps <= step:
+        raise ConfigError(f"--steps={a.steps}: the checkpoint is at step {step}; ask for more steps")
+
+
+def resume_folder(a: TrainArgs) -> Path:
+    """The checkpoint ``--resume`` names (``last``: the highest-numbered one in ``--out``)."""
+    if a.resume == "last":
+        found = sorted(existing_checkpoints(a.out), key=lambda p: int(p.name.split("-")[-1]))
+        if not found:
+            raise ConfigError(f"--resume=last: --out={a.out!r} holds no checkpoint-<step> folder")
+        return found[-1]
+    folder = Path(a.resume).expanduser()
+    if not (folder.is_dir() and CHECKPOINT_RE.match(folder.name)):
+        raise ConfigError(f"--resume={a.resume!r}: not a checkpoint-<step> folder (or 'last')")
+    return folder
 
 
 def load_policy(a: TrainArgs):
@@ -74,7 +112,8 @@ def load_policy(a: TrainArgs):
 
     from entprobe.train import ensure_default_checkpoint
 
-    folder = Path(a.model).expanduser() if a.model else ensure_default_checkpoint(seed=a.seed)
+    folder = resume_folder(a) if a.resume else (
+        Path(a.model).expanduser() if a.model else ensure_default_checkpoint(seed=a.seed))
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -108,14 +147,19 @@ def train(a: TrainArgs, log=print) -> list[Path]:
     task = load_task(a)
     check_encodable(task, tok, f"--task={a.task!r}")
     opt = trainer_adamw(model, a.lr, a.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    from transformers import get_scheduler
+
+    sched = get_scheduler(a.lr_scheduler, opt, num_warmup_steps=a.warmup_steps, num_training_steps=a.steps)
     sampling = SamplingConfig(max_new_tokens=a.max_new_tokens)
     advantage = "dr_grpo" if a.loss == "dr_grpo" else "grpo"
     probe = (OnlineProbe(model, opt, tok, task, every=a.probe_every, seed=a.seed, sampling={
         "max_new_tokens": a.max_new_tokens}, batch={"B_E": a.probe_B_E, "G": a.G}) if a.probe_every else None)
-    history, written = [], []
+    history, written, start = [], [], 0
+    if a.resume:
+        start, history = read_trainer_checkpoint(resume_folder(a), opt, sched, a.B * a.G)
+        log(f"[entprobe] resumed from {resume_folder(a)} at step {start}")
     torch.manual_seed(a.seed)
-    for step in range(1, a.steps + 1):
+    for step in range(start + 1, a.steps + 1):
         t0 = time.perf_counter()
         seed = a.seed * 100003 + step
         batch = sample_batch(model, tok, task, draw_prompt_indices(len(task.prompts), a.B, seed), a.G, sampling,

@@ -155,7 +155,7 @@ def build_default_main(argv: list[str] | None = None) -> None:
 
 def parse_train_args(argv: list[str] | None = None):
     """The trainer's command line -> ``grpo_trainer.TrainArgs``."""
-    from entprobe.grpo_trainer import TrainArgs
+    from entprobe.grpo_trainer import LR_SCHEDULERS, TrainArgs
 
     d = TrainArgs(out="")
     ap = argparse.ArgumentParser(
@@ -168,7 +168,10 @@ def parse_train_args(argv: list[str] | None = None):
                     '{"prompt": ..., "answer": ...} records')
     ap.add_argument("--reward", default=d.reward, choices=("numeric", "boxed"), help="reward of a .jsonl task")
     ap.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
-    ap.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (constant schedule)")
+    ap.add_argument("--lr", type=float, default=d.lr, help="AdamW peak learning rate")
+    ap.add_argument("--lr-scheduler", default=d.lr_scheduler, choices=LR_SCHEDULERS,
+                    help="transformers' schedule of the lr over --steps")
+    ap.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warmup steps of the schedule")
     ap.add_argument("--weight-decay", type=float, default=d.weight_decay,
                     help="on the Trainer's decay group (not biases / norm weights)")
     ap.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="gradient clipping (0: off)")
@@ -182,6 +185,8 @@ def parse_train_args(argv: list[str] | None = None):
     ap.add_argument("--probe-B-E", type=int, default=d.probe_B_E, help="held-out prompts per probe")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--device", default=d.device, help="cpu, cuda, cuda:1, ...")
+    ap.add_argument("--resume", default=None, help="continue from a checkpoint-<step> folder of this run, or "
+                    "'last' (--out's latest); give the run's other options again")
     return TrainArgs(**{k.replace("-", "_"): v for k, v in vars(ap.parse_args(argv)).items()})
 
 
@@ -196,6 +201,7 @@ Probe a checkpoint it wrote with the command line:
   python -m entprobe.main model=hf model.path=runs/grpo/checkpoint-20 optimizer.state_path=runs/grpo/checkpoint-20
 
 (--loss grpo: add objective=trl objective.loss_type=grpo so the probed step is the one trained).
+--resume last (or a checkpoint-<step> folder) continues the run in --out with its other options given again.
 python -m entprobe.train --build-default [--out DIR] [--seed N] builds the built-in default checkpoint."""
 
 

@@ -8,7 +8,7 @@
     rng_state.pth    python / numpy / torch CPU (and CUDA) RNG states, as the Trainer saves them
 
 the layout ``entprobe.main model=hf model.path=F optimizer.state_path=F`` (and HF Trainer's
-``resume_from_checkpoint``) reads. The folder is built aside and renamed into place whole
+``resume_from_checkpoint``) reads; ``read_trainer_checkpoint`` resumes a run from it. The folder is built aside and renamed into place whole
 (``atomic_io.staging_dir``): a reader never sees half a checkpoint.
 """
 from __future__ import annotations
@@ -63,3 +63,24 @@ def write_trainer_checkpoint(out_dir: str | Path, step: int, model, tokenizer, o
         state.save_to_json(str(tmp / "trainer_state.json"))
         torch.save(rng_state(), tmp / "rng_state.pth")
     return target
+
+
+def read_trainer_checkpoint(folder: str | Path, optimizer, scheduler, train_batch_size: int) -> tuple[int, list[dict]]:
+    """Load ``optimizer.pt`` and ``scheduler.pt`` of a checkpoint this layout wrote into ``optimizer``
+    and ``scheduler`` (built as the run built them), and return its ``global_step`` and
+    ``log_history`` (``trainer_state.json``). Refuses a checkpoint of a different batch size. The
+    tensors are read with ``weights_only=True``; ``rng_state.pth`` is not needed (each step's
+    sampling is seeded by its step number)."""
+    from transformers import TrainerState
+
+    folder = Path(folder)
+    missing = [f for f in ("trainer_state.json", "optimizer.pt", "scheduler.pt") if not (folder / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{folder}: not a checkpoint of this trainer (no {', '.join(missing)})")
+    state = TrainerState.load_from_json(str(folder / "trainer_state.json"))
+    if state.train_batch_size != train_batch_size:
+        raise ValueError(f"{folder}: written with {state.train_batch_size} responses a step, this run takes "
+                         f"{train_batch_size} (--B x --G): resume with the run's own --B and --G")
+    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True))
+    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+    return int(state.global_step), [dict(e) for e in state.log_history]
