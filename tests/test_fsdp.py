@@ -3,7 +3,8 @@
 The model, the optimizer state and the probe's parameter-sized buffers are sharded; the run reads
 batches saved by a one-process run with uneven shards (E 3+2 prompts, U 2+1: a rank runs filler
 passes), the per-unit ``backward`` projection (units taken in turn over the ranks) and the real
-sharded AdamW step, restored bit-exactly per shard.
+sharded AdamW step, restored bit-exactly per shard. Gradient clipping and activation
+checkpointing are checked sharded too (one more 2-rank run with both).
 """
 from __future__ import annotations
 
@@ -29,7 +30,41 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-300)
 
 
-def _worker(rank: int, world: int, port: int, saved: str, out: str) -> None:
+def _instrumented(seen: dict):
+    """Record in ``seen`` every ``clip_grad_norm_``'s total norm (``clip_norms``, the whole
+    gradient's: a DTensor norm is read whole) and the gradient-enabled calls of the model and of
+    its first decoder layer's MLP (``model_calls``, ``mlp_calls``: a checkpointed layer runs again
+    in the backward). Returns a function that undoes the patches."""
+    from entprobe import main, sharding
+
+    real_clip, real_load = torch.nn.utils.clip_grad_norm_, main.load_model
+    seen.update(clip_norms=[], model_calls=0, mlp_calls=0)
+
+    def clip(params, max_norm, *a, **k):
+        n = real_clip(params, max_norm, *a, **k)
+        seen["clip_norms"].append(float(n.full_tensor() if sharding.is_dtensor(n) else n))
+        return n
+
+    def load(cfg, check_tokenizer=None):
+        lm = real_load(cfg, check_tokenizer)
+        mlp = next(m for n, m in lm.model.named_modules() if n.endswith("layers.0.mlp"))
+
+        def count(key):
+            def hook(*_):
+                seen[key] += torch.is_grad_enabled()
+            return hook
+        lm.model.register_forward_pre_hook(count("model_calls"))
+        mlp.register_forward_pre_hook(count("mlp_calls"))
+        return lm
+
+    torch.nn.utils.clip_grad_norm_, main.load_model = clip, load
+
+    def undo():
+        torch.nn.utils.clip_grad_norm_, main.load_model = real_clip, real_load
+    return undo
+
+
+def _worker(rank: int, world: int, port: int, saved: str, out: str, extra: tuple = ()) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -49,13 +84,15 @@ def _worker(rank: int, world: int, port: int, saved: str, out: str) -> None:
         seen["fingerprint"] = sum(float(t.double().sum()) for t in snapshot.state_fingerprint(params, optimizer))
 
     ground_truth.restore = checked_restore
+    undo = _instrumented(seen)
     try:
-        res = run(compose_cfg(out / f"run_rank{rank}", *SMALL, *FSDP, f"batch.load='{saved}'"))
+        res = run(compose_cfg(out / f"run_rank{rank}", *SMALL, *FSDP, f"batch.load='{saved}'", *extra))
     finally:
         ground_truth.restore = real_restore
+        undo()
     res.update({f"check/{k}": v for k, v in seen.items()})
     (out / f"rank{rank}.json").write_text(json.dumps({k: v for k, v in res.items()
-                                                      if isinstance(v, (int, float, str, bool))}))
+                                                      if isinstance(v, (int, float, str, bool, list))}))
     D.shutdown()
 
 
@@ -76,6 +113,45 @@ def test_fsdp2_two_ranks_equal_one_process(tmp_path):
     assert abs(r0["deltaH_pred"] - one["deltaH_pred"]) < 1e-4 * abs(one["deltaH_pred"])
     passes = [{k: v for k, v in r.items() if k.startswith("passes/")} for r in (one, r0)]
     assert passes[0] == passes[1]  # the filler passes and the other ranks' units are not counted
+
+
+CLIP_AC = ("importance.max_grad_norm=2.0", "model.activation_checkpointing=true")
+
+
+def test_fsdp2_clipping_and_activation_checkpointing_equal_one_process(tmp_path):
+    """Gradient clipping (the norm of the whole gradient, over every rank's shards, in the
+    prediction's optimizer-step model and in the real step) and activation checkpointing (layers
+    recomputed in the backward, inside FSDP2's all-gathers) give the one-process numbers. The
+    clipping binds (max_grad_norm 2.0 against a norm of ~3.9: about half of the gradient is kept),
+    so a norm taken per shard (3.4 and 1.9 here) keeps more of it: deltaH_pred then moves by 2%."""
+    saved, seen = tmp_path / "saved", {}
+    undo = _instrumented(seen)
+    try:
+        one = run(compose_cfg(tmp_path / "one", *SMALL, *CLIP_AC, f"batch.save='{saved}'"))
+    finally:
+        undo()
+    free = run(compose_cfg(tmp_path / "free", *SMALL, f"batch.load='{saved}'"))
+    launch(_worker, 2, str(saved), str(tmp_path), CLIP_AC, timeout_s=240)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["world_size"] == 2 and r0["check/sharded"] and r0["check/restored"] and r1["check/restored"]
+    # clipping: prediction and ground truth each clip once, by the global norm, which binds
+    assert len(seen["clip_norms"]) == len(r0["check/clip_norms"]) == 2
+    assert seen["clip_norms"][0] > 1.5 * 2.0  # at most 2/3 of the gradient kept
+    assert r0["check/clip_norms"] == pytest.approx(seen["clip_norms"], rel=1e-6)
+    assert one["pred/step_model"] == r0["pred/step_model"] == "optimizer_step"
+    for k in ("deltaH_pred", "deltaH_true"):  # the clipped step is not the free one
+        assert _rel(one[k], free[k]) > 1e-2, (k, one[k], free[k])
+    # checkpointing: the first layer ran again in the backward, on one process and sharded
+    sharded = {k: r0[f"check/{k}"] for k in ("model_calls", "mlp_calls")}
+    for calls in (seen, sharded):
+        assert calls["mlp_calls"] > calls["model_calls"] > 0, calls
+    for k in ("deltaH1", "SE_deltaH1", "deltaH_pred", "SE_deltaH_pred", "deltaH_true", "H_orig"):
+        assert r0[k] == r1[k], k  # every rank the same numbers
+    for k in ("deltaH1", "SE_deltaH1"):
+        assert _rel(r0[k], one[k]) < 1e-6, (k, r0[k], one[k])
+    for k in ("deltaH_pred", "SE_deltaH_pred"):
+        assert _rel(r0[k], one[k]) < 1e-4, (k, r0[k], one[k])
+    assert abs(r0["deltaH_true"] - one["deltaH_true"]) < 1e-6 * abs(one["H_orig"]), (r0["deltaH_true"], one["deltaH_true"])
 
 
 @pytest.mark.parametrize("override, key", [

@@ -11,7 +11,8 @@ all-gathered per layer, gradients reduce-scattered), so all ranks run the same n
 A rank with fewer microbatches runs filler passes (``FILLER``) whose sequence log-probs are
 multiplied by 0: their gradient is exactly zero and their outputs are dropped. The reduce-scatter
 sums (divide factor 1): after a backward each rank's ``.grad`` shard is its shard of the gradient
-summed over all ranks' prompts.
+summed over all ranks' prompts. ``torch.nn.utils.clip_grad_norm_`` (``importance.max_grad_norm``)
+on these DTensor gradients takes the norm of the whole gradient, over every rank's shards.
 """
 from __future__ import annotations
 
