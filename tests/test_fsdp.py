@@ -151,7 +151,9 @@ def test_fsdp2_clipping_and_activation_checkpointing_equal_one_process(tmp_path)
         assert _rel(r0[k], one[k]) < 1e-6, (k, r0[k], one[k])
     for k in ("deltaH_pred", "SE_deltaH_pred"):
         assert _rel(r0[k], one[k]) < 1e-4, (k, r0[k], one[k])
-    assert abs(r0["deltaH_true"] - one["deltaH_true"]) < 1e-6 * abs(one["H_orig"]), (r0["deltaH_true"], one["deltaH_true"])
+    # the clip norm sums the gradient in another order sharded (1 ulp apart here), which moves the
+    # step by rounding: 1e-5 |H_orig| (measured 6e-7 |H_orig|; a per-shard norm moves it by 2e-2 relative)
+    assert abs(r0["deltaH_true"] - one["deltaH_true"]) < 1e-5 * abs(one["H_orig"]), (r0["deltaH_true"], one["deltaH_true"])
 
 
 @pytest.mark.parametrize("override, key", [
