@@ -23,8 +23,8 @@ import torch
 from entprobe.config import ConfigError, SamplingConfig
 from entprobe.rollout import draw_prompt_indices, sample_batch
 from entprobe.tasks.base import check_encodable
-from entprobe.trainer_checkpoint import (CHECKPOINT_RE, existing_checkpoints, read_trainer_checkpoint, trainer_state,
-                                         write_trainer_checkpoint)
+from entprobe.trainer_checkpoint import (CHECKPOINT_RE, checkpoint_step, existing_checkpoints, read_trainer_checkpoint,
+                                         trainer_state, write_trainer_checkpoint)
 
 ADV_EPS = 1e-6  # grpo advantages: (r - mean) / (std + ADV_EPS)
 
@@ -83,9 +83,8 @@ def check_args(a: TrainArgs) -> None:
         return
     if a.model is not None:
         raise ConfigError("--resume reads the weights from the checkpoint: leave --model out")
-    ckpt = resume_folder(a)
-    step = int(ckpt.name.split("-")[-1])
-    later = [p.name for p in existing_checkpoints(a.out) if int(p.name.split("-")[-1]) > step]
+    step = checkpoint_step(resume_folder(a))
+    later = [p.name for p in existing_checkpoints(a.out) if checkpoint_step(p) > step]
     if later:
         raise ConfigError(f"--resume={a.resume!r}: --out already holds {later[0]}, which the resumed run would "
                           "write again; resume from the latest checkpoint or into a new --out")
@@ -96,7 +95,7 @@ def check_args(a: TrainArgs) -> None:
 def resume_folder(a: TrainArgs) -> Path:
     """The checkpoint ``--resume`` names (``last``: the highest-numbered one in ``--out``)."""
     if a.resume == "last":
-        found = sorted(existing_checkpoints(a.out), key=lambda p: int(p.name.split("-")[-1]))
+        found = existing_checkpoints(a.out)
         if not found:
             raise ConfigError(f"--resume=last: --out={a.out!r} holds no checkpoint-<step> folder")
         return found[-1]
@@ -156,8 +155,9 @@ def train(a: TrainArgs, log=print) -> list[Path]:
         "max_new_tokens": a.max_new_tokens}, batch={"B_E": a.probe_B_E, "G": a.G}) if a.probe_every else None)
     history, written, start = [], [], 0
     if a.resume:
-        start, history = read_trainer_checkpoint(resume_folder(a), opt, sched, a.B * a.G)
-        log(f"[entprobe] resumed from {resume_folder(a)} at step {start}")
+        folder = resume_folder(a)
+        start, history = read_trainer_checkpoint(folder, opt, sched, a.B * a.G)
+        log(f"[entprobe] resumed from {folder} at step {start}")
     torch.manual_seed(a.seed)
     for step in range(start + 1, a.steps + 1):
         t0 = time.perf_counter()

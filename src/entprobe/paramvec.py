@@ -270,5 +270,5 @@ def dot_rows_set(rows: Buffer, dset: DirectionSet) -> torch.Tensor:
         return reduce_shards((flat @ dset.mat.to(dev, dt).T).double())
     total = torch.zeros((n, dset.k), dtype=torch.float64, device=dev)
     for i, x in enumerate(rows):
-        total += (x.reshape(n, -1).to(dt) @ dset.block(i).to(rows[0].device, dt).T).double()
+        total += (x.reshape(n, -1).to(dt) @ dset.block(i).to(dev, dt).T).double()
     return reduce_shards(total)

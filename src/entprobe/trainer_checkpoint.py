@@ -24,10 +24,16 @@ from entprobe.atomic_io import staging_dir
 CHECKPOINT_RE = re.compile(r"^checkpoint-\d+$")
 
 
+def checkpoint_step(folder: Path) -> int:
+    """N of a ``checkpoint-<N>`` folder."""
+    return int(folder.name.rsplit("-", 1)[1])
+
+
 def existing_checkpoints(out_dir: str | Path) -> list[Path]:
-    """The ``checkpoint-<N>`` folders already in ``out_dir`` (none when it does not exist)."""
+    """The ``checkpoint-<N>`` folders already in ``out_dir``, by N (none when it does not exist)."""
     out = Path(out_dir)
-    return sorted(p for p in out.iterdir() if CHECKPOINT_RE.match(p.name)) if out.is_dir() else []
+    found = [p for p in out.iterdir() if CHECKPOINT_RE.match(p.name)] if out.is_dir() else []
+    return sorted(found, key=checkpoint_step)
 
 
 def rng_state() -> dict:

@@ -19,8 +19,9 @@ callbacks, so wandb / TensorBoard / ... see them) and that entry of ``trainer.st
 
 The trajectory is unchanged: gradients, RNG, modes and the optimizer are restored by the online
 probe; the trainer's own bookkeeping that its generation updates (``_metrics``, ``_logs``,
-``state.num_input_tokens_seen``) is put back after E is sampled. Needs ``num_iterations == 1`` and ``steps_per_generation ==
-gradient_accumulation_steps`` (one generation batch per optimizer step); one process.
+``state.num_input_tokens_seen``) is put back after E is sampled. Needs ``num_iterations == 1`` and
+``steps_per_generation == gradient_accumulation_steps`` (one generation batch per optimizer step);
+one process.
 """
 from __future__ import annotations
 
