@@ -44,8 +44,36 @@ def train(tmp_path, probe: bool):
     return tr, cb
 
 
-def test_callback_logs_every_n_steps_and_leaves_the_trajectory_alone(tmp_path):
+def watch_steps(monkeypatch) -> list[dict]:
+    """Per probe, from copies the test keeps (the probe keeps none): the exact first-order change of
+    the step taken, ``-Xbar . (theta_plus - theta)`` with every difference and product in fp64, and
+    ``||Xbar * theta||_2``, the scale of what the fp32 rounding of ``theta + Delta`` moves it by."""
+    seen = []
+    before, after = OnlineProbe.before_step, OnlineProbe.after_step
+
+    def watched_before(self, step):
+        predicted = before(self, step)
+        if predicted:
+            Xbar = [x.double() for x in self._pending.pred.Xbar]
+            theta = [p.detach().double() for p in self._ctx.params]
+            scale = math.sqrt(sum(float((x * t).square().sum()) for x, t in zip(Xbar, theta)))
+            seen.append({"Xbar": Xbar, "theta": theta, "scale": scale})
+        return predicted
+
+    def watched_after(self):
+        if self._pending is not None:
+            w = seen[-1]
+            w["exact"] = -sum(float(x.flatten() @ (p.detach().double() - t).flatten())
+                              for x, p, t in zip(w.pop("Xbar"), self._ctx.params, w.pop("theta")))
+        return after(self)
+    monkeypatch.setattr(OnlineProbe, "before_step", watched_before)
+    monkeypatch.setattr(OnlineProbe, "after_step", watched_after)
+    return seen
+
+
+def test_callback_logs_every_n_steps_and_leaves_the_trajectory_alone(tmp_path, monkeypatch):
     plain, _ = train(tmp_path / "plain", probe=False)
+    seen = watch_steps(monkeypatch)
     probed, cb = train(tmp_path / "probed", probe=True)
 
     for (n, a), b in zip(plain.model.named_parameters(), probed.model.parameters()):
@@ -74,8 +102,16 @@ def test_callback_logs_every_n_steps_and_leaves_the_trajectory_alone(tmp_path):
                 assert math.isfinite(h[f"entprobe/{k}"]), k
             assert h["entprobe/SE_deltaH_pred"] > 0
     assert len(cb.history) == 2
-    for r in cb.history:  # the closed-form update is the step the trainer took
-        assert r["deltaH1_step"] == pytest.approx(r["deltaH_pred"], rel=1e-4, abs=1e-9)
+    assert len(seen) == 2
+    for r, w in zip(cb.history, seen):
+        # deltaH1_step is the step's own dot: Xbar . theta_plus - Xbar . theta summed in fp32 was off
+        # by 5.6e-8 here (3e-4 on larger models), in fp64 it is the fp64 dot of the difference
+        assert r["deltaH1_step"] == pytest.approx(w["exact"], rel=1e-12, abs=1e-15)
+        # the closed-form update is the step the trainer took: they differ by the fp32 rounding of
+        # theta_plus = theta + Delta (half an ulp, <= 2^-24 |theta_i|, per coordinate, random signs),
+        # which moves -Xbar . (theta_plus - theta) by ~2^-24 ||Xbar * theta||_2 (2.8e-8 and 3.9e-8 at
+        # these two probes; measured 3.1e-8 and 2.4e-8: 6e-7 and 3e-7 of deltaH_pred)
+        assert abs(r["deltaH1_step"] - r["deltaH_pred"]) <= 1e-6 * abs(r["deltaH_pred"]) + 2.0 ** -24 * w["scale"]
         assert r["B_E"] == 6 and r["G"] == 4
 
 

@@ -57,33 +57,44 @@ def scale_(buf: Buffer, s: float) -> Buffer:
     return buf
 
 
-def _flat_pair(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both flattened in a common dtype of at least fp32 (fp64 stays fp64; bf16 is upcast),
-    one tensor at a time so no full-model copy is ever made."""
-    dt = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
-    return x.reshape(-1).to(dt), y.reshape(-1).to(dt)
+_FP64_CHUNK = 1 << 24  # elements per piece of an fp64 dot: 128 MiB a copy, whatever the tensor's size
 
 
-def dot_terms(a: Buffer, b: Buffer, P: Buffer | None = None) -> torch.Tensor:
+def _dot1(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x . y`` (flattened) in a common dtype of at least ``dtype`` (fp32: bf16 is upcast, fp64
+    stays fp64), as an fp64 scalar; one tensor at a time, so no full-model copy is ever made, and
+    an fp64 upcast in pieces of ``_FP64_CHUNK`` elements, so not even a whole tensor's."""
+    dt = torch.promote_types(torch.promote_types(x.dtype, y.dtype), dtype)
+    x, y = x.reshape(-1), y.reshape(-1)
+    if dt != torch.float64 or x.numel() <= _FP64_CHUNK:
+        return torch.dot(x.to(dt), y.to(dt)).double()
+    return torch.stack([torch.dot(x[k:k + _FP64_CHUNK].to(dt), y[k:k + _FP64_CHUNK].to(dt))
+                        for k in range(0, x.numel(), _FP64_CHUNK)]).sum()
+
+
+def dot_terms(a: Buffer, b: Buffer, P: Buffer | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Per-parameter terms ``a_i . (P_i * b_i)`` as one fp64 tensor on a's first device.
 
-    Each tensor's dot runs on its device in at least fp32 (no full-model copy is made); only the
-    stacked terms move, so a caller pays one host sync for all of them."""
+    Each tensor's dot runs on its device in at least ``dtype`` (``_dot1``; no full-model copy is
+    made); only the stacked terms move, so a caller pays one host sync for all of them."""
     terms = []
     for i, (x, y) in enumerate(zip(a, b)):
         y = y.to(x.device, non_blocking=True)
         if P is not None:
             y = y * P[i].to(x.device)
-        terms.append(torch.dot(*_flat_pair(x, y)).double())
+        terms.append(_dot1(x, y, dtype))
     if not terms:
         return torch.zeros(0, dtype=torch.float64)
     return reduce_shards(torch.stack([t.to(terms[0].device) for t in terms]))
 
 
-def dot(a: Buffer, b: Buffer, P: Buffer | None = None) -> float:
+def dot(a: Buffer, b: Buffer, P: Buffer | None = None, dtype: torch.dtype = torch.float32) -> float:
     """``sum_i a_i * P_i * b_i`` over all parameters (P None: identity): ``dot_terms`` summed in
-    fp64 on the device; only the final scalar moves to the host."""
-    return float(dot_terms(a, b, P).sum())
+    fp64 on the device; only the final scalar moves to the host. ``dtype=torch.float64``: the
+    products too (those of fp32 or bf16 numbers are exact there), so the difference of two dots
+    with nearby ``b`` (``Xbar . theta_plus - Xbar . theta``) is the dot with the difference to
+    fp64 rounding, where fp32 products and sums would lose it in the rounding of the large dots."""
+    return float(dot_terms(a, b, P, dtype).sum())
 
 
 def where_at_least(c: Buffer, threshold: float) -> list[tuple[int, torch.Tensor]]:

@@ -84,7 +84,7 @@ class _Pending:
     step: int
     E: RolloutBatch
     pred: HeldOutPrediction
-    x_dot_theta: float  # Xbar . theta before the step (deltaH1_step after it)
+    x_dot_theta: float  # Xbar . theta before the step, products and sums in fp64 (deltaH1_step after it)
     res: dict = field(default_factory=dict)
 
 
@@ -156,7 +156,7 @@ class OnlineProbe:
                 update = build_step_model(ctx, geo.optimizer, geo.lr, Ybar, geo.P, "optimizer", None)
             pred = predict_on_held_out(ctx, E, update, cfg.probe, with_entropy=False)
             del Ybar, update
-            x_theta = pv.dot(pred.Xbar, [p.detach() for p in ctx.params])
+            x_theta = pv.dot(pred.Xbar, [p.detach() for p in ctx.params], dtype=torch.float64)  # no copy of theta
         res = {**pred.res, "lr": geo.lr, "step": step, "B_E": E.B, "G": E.G}
         self._pending = _Pending(step, E, pred, x_theta, res)
         self._ctx, self._t, self._cpu = ctx, _now() - t0, time.process_time() - c0
@@ -175,12 +175,15 @@ class OnlineProbe:
             with ctx.phase("importance"):
                 est_res, psi = importance_estimates(pend.pred.S, S_upd, E.gen_lengths, E.Lmax, ctx.weighting_mode,
                                                     icfg.clip_c, warn_psis=False)
-                x_after = pv.dot(pend.pred.Xbar, [p.detach() for p in ctx.params])
+                x_after = pv.dot(pend.pred.Xbar, [p.detach() for p in ctx.params], dtype=torch.float64)
         res = pend.res
         res.update(est_res)
         res.update(true_change(est_res, psi, icfg.is_mode.value))
         res.update(compare_with_prediction(res, psi[icfg.is_mode.value], pend.pred.e))
-        res["deltaH1_step"] = -(x_after - pend.x_dot_theta)  # -Xbar . (theta_plus - theta): the real step
+        # -Xbar . (theta_plus - theta): the real step. Both dots in fp64 (exact products of fp32 or bf16
+        # numbers): their difference is the step's dot to ~1e-16 of |Xbar| |theta|, where fp32 dots lost
+        # up to 3e-4 (their rounding, ~6e-8 of them, is not small next to the step's dot)
+        res["deltaH1_step"] = -(x_after - pend.x_dot_theta)
         res["time_s"] = self._t + _now() - t0
         res["cpu_time_s"] = self._cpu + time.process_time() - c0
         res.update({f"time/{k}_s": v for k, v in ctx.stats.seconds.items()})
