@@ -134,6 +134,33 @@ def test_overrides_are_the_cli_keys_with_its_checks(cli, tmp_path):
     assert_same(before, everything(model, opt))
 
 
+def test_an_optimizer_at_lr_0_is_refused_before_any_pass(cli, monkeypatch):
+    """Param groups at lr 0 (what a linear schedule leaves in optimizer.pt) are refused as the
+    command line refuses them, before anything runs, with the fix; an explicit lr probes that step."""
+    import entprobe.api
+    from entprobe.optim_state import OptimizerStateError
+
+    res_cli, cfg, batches = cli
+    model, opt, tok = loaded_like_the_cli(cfg)
+    E, U, _ = load_batches(batches, 60)
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    before = everything(model, opt)
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("the probe started")
+    with monkeypatch.context() as m:
+        m.setattr(entprobe.api, "in_memory", no_pass)
+        with pytest.raises(OptimizerStateError, match=r"the schedule has ended: the next step's lr is 0 .*"
+                                                      r"entprobe\.probe\(\.\.\., optimizer=\{\"lr\": 1e-6\}\)$"):
+            entprobe.probe(model, opt, tok, (E, U), **QUIET)
+    assert_same(before, everything(model, opt))
+
+    res = entprobe.probe(model, opt, tok, (E, U), optimizer={"lr": 2e-3}, probe={"mode": "single_batch"}, **QUIET)
+    assert res["lr"] == 2e-3 and res["lr_source"] == "optimizer.lr (config)" and res["deltaH_pred"] != 0
+    assert_same(before, everything(model, opt))  # the groups are back at lr 0
+
+
 def test_config_composes_inside_a_hydra_app():
     """A Hydra app's global state is set aside and put back around the API's own composition."""
     from hydra import initialize_config_dir

@@ -115,6 +115,26 @@ def test_callback_logs_every_n_steps_and_leaves_the_trajectory_alone(tmp_path, m
         assert r["B_E"] == 6 and r["G"] == 4
 
 
+def test_a_step_at_lr_0_is_not_probed_and_training_goes_on(tmp_path):
+    """A schedule at its end (lr 0 from step 3 on): step 4 is due but a step at lr 0 changes
+    nothing, so it is skipped with the command line's reason as a warning; step 2 is probed."""
+    from online_probe import trainer_parts
+    from trl import GRPOTrainer
+
+    p = trainer_parts(str(tmp_path), STEPS, prompts_per_step=4)
+    opt = torch.optim.AdamW(p["model"].parameters(), lr=1e-3, weight_decay=0.01)
+    ended = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if s < 2 else 0.0)  # steps 3 and 4 at lr 0
+    tr = GRPOTrainer(model=p["model"], reward_funcs=p["reward_fn"], args=p["grpo_config"],
+                     processing_class=p["tokenizer"], train_dataset=p["dataset"], optimizers=(opt, ended))
+    cb = EntropyProbeCallback(tr, every_n_steps=2, batch={"B_E": 4})
+    tr.add_callback(cb)
+    with pytest.warns(UserWarning, match=r"the next step's lr is 0 \(the optimizer's param groups\)\. .* step 4 is not"):
+        tr.train()
+    assert tr.state.global_step == STEPS
+    assert [r["step"] for r in cb.history] == [2] and [s for s, _ in cb.probe.skipped] == [4]
+    assert [h["step"] for h in tr.state.log_history if "entprobe/deltaH_pred" in h] == [2]
+
+
 def test_held_out_rows_read_at_once_or_one_by_one_give_the_same_batch(tmp_path):
     """``sample_held_out`` reads E's rows with the dataset's ``__getitems__`` (one read, as torch's
     DataLoader does) when it has one, else row by row: the same prompts, the same E."""

@@ -39,7 +39,7 @@ from entprobe import distributed as D
 from entprobe.batches import sample_global
 from entprobe.config import ConfigError, EntprobeConfig, register_configs
 from entprobe.core import InMemory, finish, probe_batches, probe_context
-from entprobe.geometry import live_geometry, unwrap_optimizer
+from entprobe.geometry import live_geometry, live_lr, unwrap_optimizer
 from entprobe.models import LoadedModel
 from entprobe.rollout import RolloutBatch
 from entprobe.rundir import marks_failure, set_aside_earlier_run
@@ -70,6 +70,7 @@ REFUSED = {
 }
 ALLOWED = ("model.autocast_bf16", "task.chat_template", "task.system_prompt", "task.tokenize",
            "task.chat_template_kwargs")
+API_LR_FIX = 'pass the lr of the step to probe, e.g. entprobe.probe(..., optimizer={"lr": 1e-6})'
 SAMPLING_KEYS = ("batch.B_E", "batch.B_U", "batch.G", "batch.seed_E", "batch.seed_U", "batch.advantage",
                  "batch.adv_eps")  # describe sampling: refused when the batches are given
 
@@ -219,7 +220,9 @@ def _given_batches(x, cfg: EntprobeConfig) -> tuple[RolloutBatch, RolloutBatch]:
 def probe(model: torch.nn.Module, optimizer, tokenizer, task_or_batches, /, **overrides) -> dict:
     """Predict and measure the entropy change of ``optimizer``'s next step on ``model`` (the module
     docstring has the arguments). Returns the flat results dict the command line writes to
-    results.json. Raises ``ConfigError`` (a key and what to change) on bad overrides."""
+    results.json. Raises ``ConfigError`` (a key and what to change) on bad overrides, and the
+    command line's ``OptimizerStateError`` when the param groups are at lr 0 (a schedule's end) and
+    no ``optimizer={"lr": ...}`` says which step to probe."""
     batches = _is_batches(task_or_batches)
     cfg, has_run_dir = api_config(overrides, batches)
     given = _given_batches(task_or_batches, cfg) if batches else None
@@ -227,6 +230,7 @@ def probe(model: torch.nn.Module, optimizer, tokenizer, task_or_batches, /, **ov
         raise RuntimeError("entprobe.probe runs in one process; under torch.distributed use the command line "
                            "(launchers/torchrun.sh), whose ranks share the work")
     opt = unwrap_optimizer(optimizer)
+    live_lr(cfg, opt, fix=API_LR_FIX)  # before any pass: a step at lr 0 would probe nothing
     run_dir = Path(cfg.run_dir) if has_run_dir else None
     with contextlib.ExitStack() as stack:
         if run_dir is None:

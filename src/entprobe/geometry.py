@@ -10,7 +10,7 @@ from entprobe import paramvec as pv
 from entprobe import sharding
 from entprobe.config import ConfigError, EntprobeConfig
 from entprobe.models import DTYPES
-from entprobe.optim_state import StoredOptimizerState, load_optimizer
+from entprobe.optim_state import StoredOptimizerState, load_optimizer, positive_lr
 
 
 @dataclass
@@ -74,6 +74,17 @@ def _one_value(optimizer: torch.optim.Optimizer, key: str, fix: str):
     return values[0] if values else None
 
 
+def live_lr(cfg: EntprobeConfig, optimizer, fix: str | None = None) -> tuple[float, str]:
+    """The lr of the step to probe on an optimizer in memory, and where it came from:
+    ``optimizer.lr``, else the param groups' one lr, which must be positive: groups at lr 0 (what
+    a schedule leaves at its end) raise the command line's ``OptimizerStateError``
+    (``optim_state.positive_lr``; ``fix`` says what to do instead)."""
+    if cfg.optimizer.lr is not None:
+        return float(cfg.optimizer.lr), "optimizer.lr (config)"
+    lr = _one_value(unwrap_optimizer(optimizer), "lr", "set optimizer.lr (the lr of the step to probe)")
+    return positive_lr(float(lr), "the optimizer's param groups", fix=fix), "optimizer param_groups (in memory)"
+
+
 def live_geometry(cfg: EntprobeConfig, optimizer, names: list[str], params, buf_dev: torch.device
                   ) -> tuple[Geometry, dict]:
     """``build_geometry`` for an optimizer in memory: its own param groups, lr and Adam state are the
@@ -93,9 +104,8 @@ def live_geometry(cfg: EntprobeConfig, optimizer, names: list[str], params, buf_
     if extra:
         raise ConfigError(f"the optimizer holds {len(extra)} tensor(s) that are not trainable parameters of the "
                           "model (requires_grad=True): pass the model it trains")
-    lr = o.lr if o.lr is not None else _one_value(opt, "lr", "set optimizer.lr (the lr of the step to probe)")
-    meta = {"lr_source": "optimizer.lr (config)" if o.lr is not None else "optimizer param_groups (in memory)",
-            "optimizer_format": f"in memory ({type(opt).__name__})"}
+    lr, lr_source = live_lr(cfg, opt)
+    meta = {"lr_source": lr_source, "optimizer_format": f"in memory ({type(opt).__name__})"}
     if o.preconditioner.value != "adam":
         return Geometry(opt, float(lr), None), meta
     if not isinstance(opt, torch.optim.Adam):

@@ -110,15 +110,16 @@ def next_step_lr(opt_file: Path, folder: Path | None, stored_groups: list[dict],
     return positive_lr(lr, f"{opt_file} param_groups", last_step_lr), "optimizer.pt param_groups"
 
 
-def positive_lr(lr: float, src: str, last_step_lr: float | None = None) -> float:
+def positive_lr(lr: float, src: str, last_step_lr: float | None = None, fix: str | None = None) -> float:
     """``lr`` when it is a positive finite number. A next lr of 0 is the end of the schedule: an
-    error that says so and asks for ``optimizer.lr``."""
+    error that says so and asks for ``optimizer.lr`` (``fix``: what to do instead, e.g. how the
+    Python API takes it)."""
     if not (lr > 0 and lr == lr and lr != float("inf")):
         taken = last_step_lr
         before = f"; the last step was taken at lr {taken:g} (trainer_state.json)" if taken else ""
         raise OptimizerStateError(
             f"the schedule has ended: the next step's lr is {lr:g} ({src}){before}. A step at lr 0 "
-            f"changes nothing: {_SET_LR}, e.g. optimizer.lr={taken or 1e-6:g}")
+            f"changes nothing: {fix or f'{_SET_LR}, e.g. optimizer.lr={taken or 1e-6:g}'}")
     return lr
 
 

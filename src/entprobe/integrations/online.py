@@ -27,6 +27,7 @@ samples at the current parameters (the TRL callback passes the trainer's own gen
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,8 +38,9 @@ from entprobe import paramvec as pv
 from entprobe.api import api_config, left_as_it_was
 from entprobe.config import ConfigError, EntprobeConfig
 from entprobe.core import probe_context
-from entprobe.geometry import live_geometry, unwrap_optimizer
+from entprobe.geometry import live_geometry, live_lr, unwrap_optimizer
 from entprobe.importance_math import psis_backend
+from entprobe.optim_state import OptimizerStateError
 from entprobe.prompt_ids import prompt_kwargs
 from entprobe.rollout import RolloutBatch, draw_prompt_indices, sample_batch
 from entprobe.stages.ground_truth import eval_at_current, importance_estimates, true_change
@@ -96,7 +98,9 @@ class OnlineProbe:
     current parameters. ``overrides``: config keys (``online_config``); or ``config``, one
     ``online_config`` made already (composing one takes ~0.3 s: the TRL callback makes it when it
     is constructed, before training). ``history`` keeps every probe's full results (the logged
-    ones, per-phase wall and CPU times ``time/<phase>_s`` / ``cpu_time/<phase>_s``, and the rest)."""
+    ones, per-phase wall and CPU times ``time/<phase>_s`` / ``cpu_time/<phase>_s``, and the rest);
+    ``skipped`` the ``(step, reason)`` of each due step not probed (a step at lr 0, where a schedule
+    ends: warned, and training goes on)."""
 
     def __init__(self, model: torch.nn.Module, optimizer, tokenizer, held_out: Task | Callable[[int], RolloutBatch],
                  every: int = 10, fixed: Mapping[str, Any] | None = None, config: EntprobeConfig | None = None,
@@ -111,6 +115,7 @@ class OnlineProbe:
         self.held_out, self.every = held_out, every
         self.cfg = config if config is not None else online_config(overrides, fixed)
         self.history: list[dict] = []
+        self.skipped: list[tuple[int, str]] = []
         self._pending: _Pending | None = None
         psis_backend()  # its one-time import (~1 s) here, not inside the training loop's first probe
 
@@ -135,6 +140,12 @@ class OnlineProbe:
         if not self.due(step):
             return False
         cfg, model = self.cfg, self.model
+        try:  # the command line's check (geometry.live_lr), before E is sampled
+            live_lr(cfg, self.optimizer, fix=f"step {step} is not probed")
+        except OptimizerStateError as exc:
+            self.skipped.append((step, str(exc)))
+            warnings.warn(f"entprobe: {exc}", stacklevel=2)
+            return False
         t0, c0 = _now(), time.process_time()
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         no_grad = [n for n, p in trainable if p.grad is None]
