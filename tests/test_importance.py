@@ -22,6 +22,12 @@ def _normal(seed: int, n: int = N) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
+def _psis(logw: torch.Tensor):
+    """PSIS's normalised weights and k-hat (``psis_smooth`` keeps them on the raw scale)."""
+    sm = est.psis_smooth(logw)
+    return torch.softmax(sm.log_weights, -1), sm.khat
+
+
 def _se(wn: torch.Tensor, f: torch.Tensor, estimate: float) -> float:
     """Delta-method standard error of a self-normalised estimate: sqrt(sum wn^2 (f - est)^2)."""
     return float((wn.pow(2) * (f - estimate).pow(2)).sum().sqrt())
@@ -31,7 +37,7 @@ def _se(wn: torch.Tensor, f: torch.Tensor, estimate: float) -> float:
 def test_snis_and_psis_recover_the_target_mean_of_a_gaussian_shift(mu):
     x = _normal(seed=1)
     logw = mu * x - mu * mu / 2
-    for wn in (est.snis_weights(logw), est.psis_weights(logw)[0]):
+    for wn in (est.snis_weights(logw), _psis(logw)[0]):
         assert torch.isclose(wn.sum(), torch.tensor(1.0, dtype=torch.float64), atol=1e-12)
         m = float((wn * x.double()).sum())
         assert abs(m - mu) < 4 * _se(wn, x, m), (m, mu)
@@ -41,28 +47,28 @@ def test_snis_and_psis_recover_the_target_mean_of_a_gaussian_shift(mu):
 
 def test_psis_khat_small_for_light_tails_and_large_for_heavy_tails():
     x = _normal(seed=2)
-    _, k_light = est.psis_weights(0.5 * x - 0.125)
+    _, k_light = _psis(0.5 * x - 0.125)
     s2 = 10.0
-    _, k_heavy = est.psis_weights(0.5 * x * x * (1 - 1 / s2) - 0.5 * math.log(s2))
+    _, k_heavy = _psis(0.5 * x * x * (1 - 1 / s2) - 0.5 * math.log(s2))
     assert k_light < 0.3
     assert k_heavy > 0.6  # theory 0.9; k-hat is biased low at finite N on this slowly converging tail
     # psislw negates its input internally: feeding log w un-negated would fit the bounded left
     # tail and return a strongly negative k-hat here.
-    _, k_wrong = est.psis_weights(-(0.5 * x * x * (1 - 1 / s2)))
+    _, k_wrong = _psis(-(0.5 * x * x * (1 - 1 / s2)))
     assert k_wrong < 0
 
 
 @pytest.mark.parametrize("k", [0.3, 0.8])
 def test_psis_khat_on_an_exact_pareto_tail(k):
     u = torch.rand(N, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    _, khat = est.psis_weights(-k * u.log())  # w = u^(-k): exact Pareto with shape k
+    _, khat = _psis(-k * u.log())  # w = u^(-k): exact Pareto with shape k
     assert abs(khat - k) < 0.25  # tail of 3 sqrt(N) = 300 draws: sd(k-hat) ~ (1 + k)/sqrt(300) ~ 0.1
 
 
 def test_psis_smooths_only_the_largest_weights():
     x = _normal(seed=4)
     logw = 0.5 * x * x * 0.75  # heavy right tail of w
-    wp, _ = est.psis_weights(logw)
+    wp, _ = _psis(logw)
     ws = est.snis_weights(logw)
     M = int(math.floor(3 * math.sqrt(N)))  # arviz's tail size for N * r_eff > 225
     order = logw.argsort()
@@ -74,11 +80,26 @@ def test_psis_smooths_only_the_largest_weights():
     assert float(wp.max() / wp[body].max()) <= float(ws.max() / ws[body].max()) + 1e-12  # never above max
 
 
-def test_psis_below_25_weights_falls_back_to_snis():
+def test_psis_below_25_weights_is_undefined_never_snis():
+    """Fewer than 25 weights: no PSIS estimate (None, k-hat NaN) and the reason, never SNIS's
+    weights in its place; the psis estimate of ``paired_psi`` is then NaN."""
     logw = torch.linspace(-1, 1, 16, dtype=torch.float64)
-    with pytest.warns(UserWarning, match="PSIS needs"):
-        wn, khat = est.psis_weights(logw)
-    assert math.isnan(khat) and torch.allclose(wn, est.snis_weights(logw), rtol=0, atol=0)
+    sm = est.psis_smooth(logw)
+    assert sm.log_weights is None and math.isnan(sm.khat) and "needs >= 25" in sm.note and "got 16" in sm.note
+    S0 = -torch.rand(4, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    psi = est.paired_psi(S0, S0 + logw.view(4, 4) * 1e-3, torch.ones(4, 4), torch.ones(4), "sequence", 10.0,
+                         sm.log_weights)
+    assert torch.isnan(psi["psis"]).all() and torch.isfinite(psi["snis"]).all()
+
+
+def test_psis_keeps_the_raw_scale_of_the_untouched_weights():
+    """The smoothed log-weights are the raw ones below the tail (same scale, not renormalised)."""
+    x = _normal(seed=4)
+    logw = 0.3 * x
+    sm = est.psis_smooth(logw)
+    body = logw.argsort()[: N - int(math.floor(3 * math.sqrt(N)))]
+    assert torch.allclose(sm.log_weights[body], logw[body], rtol=0, atol=1e-12)
+    assert sm.log_weights.shape == logw.shape and sm.note == ""
 
 
 def test_clipped_weights_never_exceed_clip_c_before_normalisation():
@@ -107,8 +128,6 @@ def test_snis_is_computed_in_the_log_domain():
     S_upd = torch.tensor([-1.0, -2.0, -4.0], dtype=torch.float64)
     h = (1 + 2 * math.exp(-1) + 4 * math.exp(-2)) / (1 + math.exp(-1) + math.exp(-2))
     assert float((wn * -S_upd).sum()) == pytest.approx(h, rel=1e-14)
-    # the stratified SNIS change normalises the same way (one prompt, f at theta = 0)
-    assert float(est.snis_change(torch.zeros(3, dtype=torch.float64), -S_upd, logw)) == pytest.approx(h, rel=1e-14)
 
 
 def test_ess_formula():
@@ -152,15 +171,14 @@ def test_token_ratio_stats_by_hand_including_nan_old_logprobs():
     assert all(math.isnan(v) for v in empty.values())
 
 
-def test_psis_with_tied_tail_weights_falls_back_to_snis():
+def test_psis_with_tied_tail_weights_is_undefined_never_snis():
     # 32 weights whose 6 largest (the fitted tail) sit on a tie at the cut-off, as repeated identical
     # responses produce: arviz's tail fit degenerates (sigma <= 0) and returns NaN log-weights.
     logw = torch.tensor([-0.17, -0.16, -0.15, -0.04, -0.03, -0.024, -0.023, -0.022, -0.021, -0.018,
                          -0.0181, -0.017, -0.016, -0.015, -0.011, -0.0111, -0.0112, -0.009, -0.001,
                          0.002, 0.0021] + [0.0102] * 9 + [0.0736, 0.1304], dtype=torch.float64)
-    with pytest.warns(UserWarning, match="tail fit failed"):
-        wn, khat = est.psis_weights(logw)
-    assert math.isnan(khat) and torch.equal(wn, est.snis_weights(logw))
+    sm = est.psis_smooth(logw)
+    assert sm.log_weights is None and math.isnan(sm.khat) and "tail fit failed" in sm.note
 
 
 # ---------------------------------------------------------------- no optional diagnostic can lose a run

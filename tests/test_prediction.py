@@ -28,7 +28,7 @@ from entprobe.geometry import Geometry
 from entprobe.modes.two_batch import run_two_batch
 from entprobe.stages.snapshot import restored_after
 from entprobe.step_math import adamw_jacobian, adamw_jacobian_times_into, adamw_update, adamw_update_into
-from exact_oracle import batch_of, functional_values, log_probs_at, make_oracle, simulate
+from exact_oracle import batch_of, log_probs_at, make_oracle, simulate
 
 MODES = ("sequence", "per_token_avg", "dr_grpo")
 N_DRAWS = 2000
@@ -144,11 +144,11 @@ def test_prediction_is_unbiased_for_the_real_step_and_its_interval_covers(mode, 
 
 
 # ---------------------------------------------------------------- the measured change: unbiased, covering
-def measured_draws(o, B: int, n_u: int, gen: torch.Generator, estimator: str = "cv"):
-    """For n_u update batches (8 prompts): the exact step (AdamW at LR_GT), the exact change and
-    first-order change, then N_DRAWS // n_u... E draws each: psi [N, B] (per-prompt contributions,
-    the production functions) and e [N, B] (the prediction's E side). Yields per U."""
-    o.hyper = dataclasses.replace(o.hyper, lr=LR_GT)
+def measured_draws(o, B: int, n_u: int, gen: torch.Generator, estimator: str = "cv", lr: float = LR_GT):
+    """For n_u update batches (8 prompts): the exact step (AdamW at ``lr``), the exact change and
+    first-order change, then N_DRAWS // n_u E draws each (in chunks of 250): psi [N, B] (per-prompt
+    contributions, the production functions) and e [N, B] (the prediction's E side). Yields per chunk."""
+    o.hyper = dataclasses.replace(o.hyper, lr=lr)
     g = o.minus_grad_H
     for _ in range(n_u):
         fU = o.draw(1, 8, gen)
@@ -156,21 +156,21 @@ def measured_draws(o, B: int, n_u: int, gen: torch.Generator, estimator: str = "
         S_plus = log_probs_at(o, o.theta + delta)
         dH = float(o.H(S_plus) - o.H())
         T = -float(g @ delta)
-        for _ in range(N_DRAWS // (250 * n_u)):
+        for _ in range(max(1, N_DRAWS // (250 * n_u))):
             fE = o.draw(250, B, gen)
-            f0, f1, lw = functional_values(o, o.S, fE), functional_values(o, S_plus, fE), S_plus[fE] - o.S[fE]
-            if mode_is_group(o):
-                f0, f1, lw = f0.mean(-1), f1.mean(-1), lw.sum(-1)
-                psi = (im.cv_change(f0, f1, lw) if estimator == "cv" else
-                       torch.stack([im.snis_change_influence(f0[n], f1[n], lw[n]) for n in range(250)]))
-            else:
-                psi = im.cv_change(f0, f1, lw).mean(-1) if estimator == "cv" else im.snis_change(f0, f1, lw)
+            psi = measured_psi(o, fE, S_plus, estimator)
             e = -o.project(fE, o.weights(fE, "X"), delta.expand(250, -1))
             yield dH, T, psi, e
 
 
-def mode_is_group(o) -> bool:
-    return o.mode == "dr_grpo"
+def measured_psi(o, fE: torch.Tensor, S_plus: torch.Tensor, estimator: str = "cv") -> torch.Tensor:
+    """The production estimator's per-prompt contributions [N, B] on draws fE [N, B, G]
+    (``importance_math.paired_psi``; PSIS smoothed per draw, as one run does)."""
+    S0, S1, L = o.S[fE], S_plus[fE], o.L[fE]
+    if estimator != "psis":
+        return im.paired_psi(S0, S1, L, L.amax(-1), o.mode, 10.0, None)[estimator]
+    return torch.stack([im.paired_psi(S0[n], S1[n], L[n], L[n].amax(-1), o.mode, 10.0,
+                                      im.psis_smooth(S1[n] - S0[n]).log_weights)["psis"] for n in range(fE.shape[0])])
 
 
 @pytest.mark.parametrize("B", [8, 32])
@@ -178,41 +178,98 @@ def mode_is_group(o) -> bool:
 @pytest.mark.parametrize("mode", MODES)
 def test_measured_change_is_unbiased_and_its_interval_covers(mode, G, B):
     """deltaH_true (``cv``) against the exact H(theta_plus) - H(theta) of the real AdamW step, over
-    E draws for 2 update batches: unbiased (|z| < 3), t interval (B - 1 df) covering 93-97%
-    (measured 0.94-0.96 at this step size), and the paired difference deltaH_true - deltaH_pred
-    covering the exact (change - first-order change) 93-98% (measured 0.95-0.97)."""
+    8 update batches x 250 E draws, at lr 1e-3 (first order within 0.1-1%) and at the checkpoint's
+    own lr 1e-2 (first order off by 1-15%, ESS/N 0.84-0.93): unbiased (|z| < 3.5) with its t
+    interval (B - 1 df) covering 93-97% (measured 0.94-0.96), and the paired difference
+    deltaH_true - deltaH_pred unbiased for the exact remainder (change - first-order change).
+
+    The difference's per-prompt values are second order in the step and very heavy-tailed on this
+    three-prompt model (kurtosis 15-3000: a rare improbable response carries a large curvature
+    term), so its t interval covers 0.94-0.98 in ``dr_grpo`` mode but 0.88-0.94 in the separable
+    modes at the small lr (0.92-0.97 at 1e-2), where the sample variance of 8-32 prompts often
+    misses the tail; averaged over the update batches it is unbiased in every case."""
     o = make_oracle(mode, G)
     gen = torch.Generator().manual_seed(2000 + B + 10 * G)
     q = est.t_quantile(B - 1)
-    errs, cover, cover_d, dHs = [], 0, 0, []
-    for dH, T, psi, e in measured_draws(o, B, 2, gen):
-        m, se = psi.mean(1), psi.std(1) / math.sqrt(B)
-        d = psi - e
-        cover += int(((m - dH).abs() <= q * se).sum())
-        cover_d += int(((d.mean(1) - (dH - T)).abs() <= q * d.std(1) / math.sqrt(B)).sum())
-        errs.append(m - dH)
-        dHs.append(dH)
-    err = torch.cat(errs)
-    z = float(err.mean() / (err.std() / math.sqrt(err.numel())))
-    assert abs(z) < 3, z
-    # power: an estimator stuck at 0 would be off by the mean exact change, > 3 SE
-    assert abs(sum(dHs) / len(dHs)) > 3 * float(err.std()) / math.sqrt(err.numel())
-    assert coverage_ok(cover / err.numel()), cover / err.numel()
-    assert coverage_ok(cover_d / err.numel(), 0.93, 0.98), cover_d / err.numel()
+    for lr in (1e-3, 1e-2):
+        errs, derrs, cover, cover_d, dHs = [], [], 0, 0, []
+        for dH, T, psi, e in measured_draws(o, B, 8, gen, lr=lr):
+            m, se = psi.mean(1), psi.std(1) / math.sqrt(B)
+            d = psi - e
+            cover += int(((m - dH).abs() <= q * se).sum())
+            cover_d += int(((d.mean(1) - (dH - T)).abs() <= q * d.std(1) / math.sqrt(B)).sum())
+            errs.append(m - dH)
+            derrs.append(d.mean(1) - (dH - T))
+            dHs.append(dH)
+        err, derr = torch.cat(errs), torch.cat(derrs)
+        z = float(err.mean() / (err.std() / math.sqrt(err.numel())))
+        zd = float(derr.mean() / (derr.std() / math.sqrt(derr.numel())))
+        assert abs(z) < 3.5 and abs(zd) < 3.5, (lr, z, zd)
+        # power: an estimator stuck at 0 would be off by the mean exact change, > 3 SE
+        assert abs(sum(dHs) / len(dHs)) > 3 * float(err.std()) / math.sqrt(err.numel())
+        assert coverage_ok(cover / err.numel()), (lr, cover / err.numel())
+        lo = 0.93 if mode == "dr_grpo" else (0.86 if lr < 1e-2 else 0.90)
+        assert lo <= cover_d / err.numel() <= 0.985, (lr, cover_d / err.numel())
 
 
-def test_snis_within_a_prompt_is_biased_at_small_G():
-    """Why ``cv`` is the default: self-normalising over a prompt's G = 2 responses shrinks the
-    estimate (measured -95% in sequence mode at lr 1e-2); ``cv`` is exactly unbiased there."""
+def pairing_ratio(o, lr: float, B: int, estimator: str) -> float:
+    """Median over 250 E draws (one update batch) of ``sd(psi - e) / sd(psi)``: the paired
+    difference's SE as a fraction of the measured change's."""
+    gen = torch.Generator().manual_seed(31)
+    _, _, psi, e = next(iter(measured_draws(o, B, 1, gen, estimator, lr=lr)))  # 250 draws
+    return float(((psi - e).std(1) / psi.std(1)).nanmedian())  # psis: NaN where its tail fit fails
+
+
+@pytest.mark.parametrize("estimator", ["cv", "snis", "clip"])
+@pytest.mark.parametrize("mode", MODES)
+def test_measured_minus_predicted_is_second_order(mode, estimator):
+    """Pairing by construction: each estimator's per-prompt contribution expands to first order
+    into the prediction's own ``-X_n . Delta theta`` (importance_math.py), so ``psi - e`` is second
+    order: its spread relative to psi's grows like lr (x10 from lr 1e-4 to 1e-3; measured
+    7-13x), and is small at lr 1e-4 (measured 0.3-3%). Before pairing the ratio was ~1 at every
+    lr (first-order noise: the score term, other prompts' baselines, SNIS's normalisation), and
+    the exception that remains is stated: in ``dr_grpo`` mode the normalised estimators normalise
+    the group weights over the batch, an O(1/B) first-order residual (ratio ~0.3 at B = 8, flat in lr)."""
+    o = make_oracle(mode, 3)
+    r1, r2 = pairing_ratio(o, 1e-4, 8, estimator), pairing_ratio(o, 1e-3, 8, estimator)
+    if mode == "dr_grpo" and estimator != "cv":
+        assert 0.05 < r1 < 0.6 and 0.6 < r2 / r1 < 1.6, (r1, r2)  # first order: flat in lr
+        assert pairing_ratio(o, 1e-4, 32, estimator) < 0.6 * r1  # ... and shrinking with B
+        return
+    assert r1 < 0.05, r1
+    assert 5 < r2 / r1 < 15, (r1, r2)
+
+
+def test_psis_pairing_leaves_a_first_order_residual():
+    """``psis`` (Pareto-smoothed, normalised within each prompt; 32 weights per draw) replaces the
+    largest fifth of the weights by fitted Pareto quantiles, a first-order change of those weights:
+    its pairing leaves a first-order residual, flat in lr (measured sd(psi - e) / sd(psi) 0.08-0.11,
+    over the draws where the tail fit is defined; tied weights, repeated identical responses, leave
+    it undefined). It is for heavy-tailed weights, not for the paired test; ``cv`` is exact."""
+    o = make_oracle("per_token_avg", 2)
+    r1, r2 = pairing_ratio(o, 1e-4, 16, "psis"), pairing_ratio(o, 1e-3, 16, "psis")
+    assert r1 < 0.2 and 0.6 < r2 / r1 < 2.0, (r1, r2)
+    assert pairing_ratio(o, 1e-4, 16, "cv") < 0.2 * r1  # the default is paired far better
+
+
+def test_snis_leave_one_out_baseline_removes_the_1_over_G_shrinkage():
+    """A plain SNIS within a prompt's G responses (``sum_g w_g f+_g / sum_g w_g - mean f``) estimates
+    (1 - 1/G) of the covariance part of the change at first order: -50% at G = 2 (measured -48%
+    at lr 1e-3 in sequence mode). The production ``snis`` normalises the same weights but centres
+    f+ by the leave-one-out baseline inside the sum: its bias is second order (measured 0.3%)."""
     o = make_oracle("sequence", 2)
     gen = torch.Generator().manual_seed(7)
-    errs, dHs = [], []
-    for dH, _, psi, _ in measured_draws(o, 8, 2, gen, estimator="snis"):
-        errs.append(psi.mean(1) - dH)
-        dHs.append(dH)
-    err = torch.cat(errs)
-    assert abs(float(err.mean())) > 10 * float(err.std()) / math.sqrt(err.numel())
-    assert abs(float(err.mean())) > 0.3 * abs(sum(dHs) / len(dHs))
+    o.hyper = dataclasses.replace(o.hyper, lr=1e-3)
+    delta = sum(o.update(o.means(*(lambda f: (f, o.weights(f, "Y")))(o.draw(1, 8, gen)))[0]).values())
+    S_plus = log_probs_at(o, o.theta + delta)
+    dH = float(o.H(S_plus) - o.H())
+    fE = o.draw(2000, 8, gen)
+    plain = (torch.softmax(S_plus[fE] - o.S[fE], -1) * -S_plus[fE]).sum(-1) + o.S[fE].mean(-1)
+    paired = measured_psi(o, fE, S_plus, "snis")
+    for psi, lo, hi in ((plain, -0.7, -0.3), (paired, -0.03, 0.03)):
+        rel = float(psi.mean()) / dH - 1
+        se = float(psi.mean(1).std()) / math.sqrt(fE.shape[0]) / abs(dH)
+        assert lo - 3 * se < rel < hi + 3 * se, (rel, se)
 
 
 # ---------------------------------------------------------------- the pipeline is the simulator
@@ -227,11 +284,7 @@ def test_run_two_batch_gives_the_simulators_numbers(mode, projection, tmp_path):
     fE, fU = o.draw(1, 6, gen), o.draw(1, 5, gen)
     pred, e, u, delta = simulate_prediction(o, fE, fU)
     S_plus = log_probs_at(o, o.theta + delta[0])
-    f0, f1, lw = (functional_values(o, o.S, fE[0]), functional_values(o, S_plus, fE[0]), S_plus[fE[0]] - o.S[fE[0]])
-    if mode_is_group(o):
-        psi = im.cv_change(f0.mean(-1), f1.mean(-1), lw.sum(-1))
-    else:
-        psi = im.cv_change(f0, f1, lw).mean(-1)
+    psi = measured_psi(o, fE, S_plus)[0]
     d = psi - e[0]
     for grp in o.opt.param_groups:
         grp["lr"] = LR_GT
@@ -255,6 +308,7 @@ def test_run_two_batch_gives_the_simulators_numbers(mode, projection, tmp_path):
         assert abs(res[k] - v) <= 1e-5 * max(abs(v), 1e-12), (k, res[k], v)
     assert res["pred/step_model"] == "adamw_closed_form" and res["is/stratified_by"] == (
         "group" if mode == "dr_grpo" else "prompt")
+    assert res["measurable"] is True and res["SE_deltaH_true_minus_pred"] < 0.5 * res["SE_deltaH_true"]
     parts = sum(res[f"deltaH_pred_{k}"] for k in ("gradient", "momentum", "weight_decay"))
     assert abs(parts - res["deltaH_pred"]) < 1e-12 * abs(res["deltaH_pred"])
     lo, hi = est.interval(res["deltaH_pred"], res["SE_deltaH_pred"], B_E - 1)

@@ -133,7 +133,12 @@ def probe_line(step: int, m: dict) -> str:
     g = lambda k: m.get(f"entprobe/{k}", float("nan"))  # noqa: E731
     return (f"[entprobe] step {step}: deltaH_pred {g('deltaH_pred'):+.3e} +- {g('SE_deltaH_pred'):.1e}  "
             f"deltaH_true {g('deltaH_true'):+.3e} +- {g('SE_deltaH_true'):.1e}  "
-            f"consistent {bool(g('pred_consistent'))}  ({g('time_s'):.1f} s)")
+            f"consistent {_consistent(g('pred_consistent'))}  ({g('time_s'):.1f} s)")
+
+
+def _consistent(v: float) -> str:
+    """The logged ``pred_consistent`` (1.0 / 0.0; NaN when the measurement was unmeasurable)."""
+    return "n/a (unmeasurable)" if v != v else str(bool(v))
 
 
 def train(a: TrainArgs, log=print) -> list[Path]:

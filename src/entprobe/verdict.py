@@ -42,7 +42,14 @@ def flags(r: dict, ess_threshold: float = 0.3, truncated_sampling: bool = False)
         out.append(("larger_than_entropy", f"the predicted change {pred:.3g} exceeds the entropy itself ({H:.3g}): "
                     "a first-order prediction cannot hold at this lr; lower optimizer.lr."))
     ess = r.get("ESS_frac")
-    if _finite(ess) and ess < ess_threshold:
+    if r.get("measurable") is False:
+        res_note = (f" The change on fresh responses sampled after the step is "
+                    f"{_pm(r['deltaH_resample'], r.get('SE_deltaH_resample'))} (deltaH_resample; not paired with "
+                    "the prediction)." if _finite(r.get("deltaH_resample")) else "")
+        out.append(("unmeasurable", f"the measured change cannot be trusted ({r.get('unmeasurable_reason', '')}): "
+                    "deltaH_true is not reported and first order is not tested. The step moves the policy too far "
+                    "for re-weighting the responses drawn before it; lower optimizer.lr to measure it." + res_note))
+    elif _finite(ess) and ess < ess_threshold:
         out.append(("low_ess", f"importance weights are degenerate (ESS/N {ess:.2f} < {ess_threshold}): the "
                     "measured change is unreliable and the step is far from first order; lower optimizer.lr."))
     if r.get("pred_consistent") is False and _finite(r.get("SE_deltaH_true_minus_pred")):
@@ -56,7 +63,8 @@ def flags(r: dict, ess_threshold: float = 0.3, truncated_sampling: bool = False)
         out.append(("deltaH1_no_history", f"{abs(nh) / abs(d1):.0%} of the seeds' deltaH1 comes from coordinates "
                     "Adam never updated (v = 0, P = 1/eps there), which the real step moves by only ~lr: "
                     "read deltaH_pred, not deltaH1."))
-    bad = [k for k in ("deltaH_pred", "SE_deltaH_pred", "deltaH_true", "SE_deltaH_true", "deltaH1", "SE_deltaH1")
+    measured = ("deltaH_true", "SE_deltaH_true") if r.get("measurable") is not False else ()  # NaN by design
+    bad = [k for k in ("deltaH_pred", "SE_deltaH_pred", *measured, "deltaH1", "SE_deltaH1")
            if k in r and not _finite(r[k])]
     if bad:
         out.append(("non_finite", f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not finite: do not read "
@@ -80,10 +88,16 @@ def verdict_lines(r: dict) -> list[tuple[str, str, str, str]]:
         rows.append(("predicted", _pm(r["deltaH_pred"], r.get("SE_deltaH_pred")),
                      _ci(r, "ci95_pred_low", "ci95_pred_high"), note))
         rows += [row for row in [sign_plan_row(r)] if row]  # the batch size that resolves its sign
-    if "deltaH_true" in r:
+    if r.get("measurable") is False:
+        rows.append(("measured", "unmeasurable", "", f"one real step: {r.get('unmeasurable_reason', '')}"))
+        if _finite(r.get("deltaH_resample")):
+            rows.append(("resampled", _pm(r["deltaH_resample"], r.get("SE_deltaH_resample")),
+                         _ci(r, "ci95_resample_low", "ci95_resample_high"),
+                         "fresh responses drawn after the step (not paired with the prediction)"))
+    elif "deltaH_true" in r:
         rows.append(("measured", _pm(r["deltaH_true"], r.get("SE_deltaH_true")), _ci(r, "ci95_true_low", "ci95_true_high"),
                      f"one real step, E re-weighted ({r.get('is_mode', '')}, ESS/N {r.get('ESS_frac', float('nan')):.2f})"))
-    if "SE_deltaH_true_minus_pred" in r:
+    if "SE_deltaH_true_minus_pred" in r and r.get("measurable") is not False:
         z = r.get("z_true_minus_pred", float("nan"))
         agree = "consistent" if r.get("pred_consistent") else "NOT consistent"
         rows.append(("difference", _pm(r["deltaH_true_minus_pred"], r["SE_deltaH_true_minus_pred"]),

@@ -189,7 +189,7 @@ class OnlineProbe:
                 x_after = pv.dot(pend.pred.Xbar, [p.detach() for p in ctx.params], dtype=torch.float64)
         res = pend.res
         res.update(est_res)
-        res.update(true_change(est_res, psi, icfg.is_mode.value))
+        res.update(true_change(est_res, psi, icfg.is_mode.value, icfg.ess_threshold))
         res.update(compare_with_prediction(res, psi[icfg.is_mode.value], pend.pred.e))
         # -Xbar . (theta_plus - theta): the real step. Both dots in fp64 (exact products of fp32 or bf16
         # numbers): their difference is the step's dot to ~1e-16 of |Xbar| |theta|, where fp32 dots lost
@@ -200,7 +200,8 @@ class OnlineProbe:
         res.update({f"time/{k}_s": v for k, v in ctx.stats.seconds.items()})
         res.update({f"cpu_time/{k}_s": v for k, v in ctx.stats.cpu_seconds.items()})
         self.history.append(res)
-        return {f"entprobe/{k}": float(res[k]) for k in LOGGED if k in res}
+        # pred_consistent None (the measurement is unmeasurable: no test was made) is logged as NaN
+        return {f"entprobe/{k}": float("nan") if res[k] is None else float(res[k]) for k in LOGGED if k in res}
 
 
 def _now() -> float:

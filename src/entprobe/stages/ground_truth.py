@@ -10,6 +10,7 @@ do not deadlock). IS sums use gathered per-response scalars, token diagnostics g
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -128,7 +129,7 @@ def _step(ctx: ProbeContext, inp: StepInputs, icfg, grads_from: Callable[[], Non
     ctx.zero_grad()
 
 
-IS_MODES = ("cv", "snis", "clip", "psis")
+IS_MODES = im.IS_ESTIMATORS
 
 
 def importance_estimates(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Tensor,
@@ -136,28 +137,24 @@ def importance_estimates(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Ten
                          warn_psis: bool = True) -> tuple[dict[str, float], dict]:
     """H(theta) and stratified IS estimates of the change on the same samples, [B, G] inputs.
 
-    H = -E[S_w] in the weighting mode's functional (importance_math.py: each prompt's responses
-    are reweighted among themselves; ``dr_grpo``'s functional is one of the whole group). Returns
-    flat results (``deltaH_<est>``, ``SE_deltaH_<est>`` for ``IS_MODES``, per-token SNIS, weight
-    diagnostics) and the per-prompt contributions ``{est: psi [B]}`` for paired comparisons.
+    H = -E[S_w] in the weighting mode's functional; each estimator is paired with the prediction by
+    construction (importance_math.py: ``paired_changes``). Returns flat results (``deltaH_<est>``,
+    ``SE_deltaH_<est>`` for ``IS_MODES``, per-token SNIS, weight diagnostics, k-hat or why it is
+    undefined) and the per-prompt contributions ``{est: psi [B]}`` for paired comparisons.
+    ``warn_psis``: warn when PSIS is undefined (it is then NaN, never another estimate).
     """
     mode = getattr(mode, "value", mode)
     f_orig = -est.weighted_S(S_orig, L, Lmax, mode).double()  # [B, G]
-    f_upd = -est.weighted_S(S_upd, L, Lmax, mode).double()
     logw = (S_upd - S_orig).double()
     group = mode == "dr_grpo"
-    with warnings.catch_warnings():
-        if not warn_psis:  # PSIS is a diagnostic here: its fallbacks matter only when it is reported
-            warnings.simplefilter("ignore")
-        smoothed, khat = im.psis_log_weights(logw.sum(-1) if group else logw)
-    if group:  # one item per prompt: the group functional and the group's weight
-        changes = im.prompt_changes(f_orig.mean(-1), f_upd.mean(-1), logw.sum(-1), smoothed, True, clip_c)
-        ess_items = im.stratified_ess(logw.sum(-1))  # over prompts' groups
-        ess_frac = float(ess_items) / logw.shape[0]
+    smoothed = im.psis_smooth(logw)  # over all responses' log-weights: k-hat and the psis estimate
+    if smoothed.note and warn_psis:
+        warnings.warn(f"importance.is_mode=psis: {smoothed.note}; deltaH_psis is NaN", stacklevel=2)
+    changes = im.paired_changes(S_orig, S_upd, L, Lmax, mode, clip_c, smoothed)
+    if group:  # one item per prompt: the group's weight
+        ess_frac = float(im.stratified_ess(logw.sum(-1))) / logw.shape[0]  # over prompts' groups
     else:
-        changes = im.prompt_changes(f_orig, f_upd, logw, smoothed, False, clip_c)
-        ess_items = im.stratified_ess(logw)  # [B] per prompt
-        ess_frac = float(ess_items.mean()) / logw.shape[1]
+        ess_frac = float(im.stratified_ess(logw).mean()) / logw.shape[1]  # [B] per prompt
     Lf = L.double()
     N = logw.numel()
     out = {"H_orig": float(f_orig.mean()), "H_orig_per_token": float(-S_orig.double().sum() / Lf.sum())}
@@ -171,12 +168,14 @@ def importance_estimates(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Ten
     out["deltaH_per_token"] = out["H_upd_per_token"] - out["H_orig_per_token"]
     w = logw.exp()
     out.update({"ESS_frac": ess_frac, "ESS": ess_frac * (logw.shape[0] if group else N),
-                "psis_khat": khat, "is/N": N, "is/stratified_by": "group" if group else "prompt",
+                "psis_khat": smoothed.khat, "is/N": N, "is/stratified_by": "group" if group else "prompt",
                 "is/w_min": float(w.min()), "is/w_max": float(w.max()),
                 "is/logw_std": float(logw.std()) if N > 1 else 0.0,
                 "is/mean_importance_ratio": float(w.mean()),
                 "is/frac_old_logprobs_valid": float(torch.isfinite(S_orig).double().mean()),
                 "is/clip_fraction": float((w > clip_c).double().mean())})
+    if smoothed.note:
+        out["psis_khat_note"] = smoothed.note
     return out, {k: v.psi for k, v in changes.items()}
 
 
@@ -202,13 +201,51 @@ def eval_at_current(ctx: ProbeContext, E: RolloutBatch, icfg,
     return torch.cat([o[0].cpu() for o in outs]), torch.cat([o[2].cpu() for o in outs]) if with_entropy else None
 
 
-def true_change(est_res: dict, psi: dict, mode: str) -> dict:
+KHAT_MAX = 0.7  # above it the importance weights' mean is unreliable (PSIS's rule of thumb)
+
+
+def measurability(est_res: dict, ess_threshold: float, khat_max: float = KHAT_MAX) -> str:
+    """Why the importance-sampled measurement cannot be trusted ("" when it can): ESS/N below
+    ``ess_threshold`` (the weights are degenerate: a few responses carry the estimate) or PSIS's
+    k-hat above ``khat_max`` (the weights' tail is too heavy for their mean to converge)."""
+    ess, khat = est_res.get("ESS_frac", math.nan), est_res.get("psis_khat", math.nan)
+    why = []
+    if not (ess >= ess_threshold):  # NaN counts as degenerate
+        why.append(f"ESS/N {ess:.2f} < {ess_threshold:g}")
+    if math.isfinite(khat) and khat > khat_max:
+        why.append(f"k-hat {khat:.2f} > {khat_max:g}")
+    return "; ".join(why)
+
+
+def true_change(est_res: dict, psi: dict, mode: str, ess_threshold: float = 0.0) -> dict:
     """The measured change ``deltaH_true`` (``importance.is_mode``'s estimate of ``importance_estimates``)
-    with its SE, Student-t 95% interval (B_E - 1 degrees of freedom), ``H_upd`` and the per-token change."""
+    with its SE, Student-t 95% interval (B_E - 1 degrees of freedom), ``H_upd`` and the per-token change.
+    Unmeasurable (``measurability``): ``deltaH_true`` and its interval are NaN, ``measurable`` False
+    and ``unmeasurable_reason`` says why (each estimator's number stays under ``deltaH_<est>``)."""
     d, se = est_res[f"deltaH_{mode}"], est_res[f"SE_deltaH_{mode}"]
+    why = measurability(est_res, ess_threshold)
+    if mode == "psis" and est_res.get("psis_khat_note"):
+        why = "; ".join(filter(None, [why, est_res["psis_khat_note"]]))
+    if why:
+        nan = math.nan
+        return {"deltaH_true": nan, "SE_deltaH_true": nan, "ci95_true_low": nan, "ci95_true_high": nan,
+                "H_upd": nan, "deltaH_true_per_token": est_res["deltaH_per_token"], "measurable": False,
+                "unmeasurable_reason": why}
     lo, hi = est.interval(d, se, psi[mode].numel() - 1)
     return {"deltaH_true": d, "SE_deltaH_true": se, "ci95_true_low": lo, "ci95_true_high": hi,
-            "H_upd": est_res[f"H_upd_{mode}"], "deltaH_true_per_token": est_res["deltaH_per_token"]}
+            "H_upd": est_res[f"H_upd_{mode}"], "deltaH_true_per_token": est_res["deltaH_per_token"],
+            "measurable": True}
+
+
+def resampled_change(f_fresh: torch.Tensor, f_orig: torch.Tensor) -> dict:
+    """``deltaH_resample``: the change measured on fresh responses drawn at theta_plus for the same
+    prompts, ``mean_n (mean_g f_fresh - mean_g f_orig)`` [B, G] inputs (f = -S_w; a prompt's two
+    groups are independent draws, so prompts are the units), with its SE and t interval."""
+    d = f_fresh.double().mean(-1) - f_orig.double().mean(-1)
+    ch = im.summarize_change(d)
+    lo, hi = est.interval(ch.estimate, ch.SE, d.numel() - 1)
+    return {"deltaH_resample": ch.estimate, "SE_deltaH_resample": ch.SE, "ci95_resample_low": lo,
+            "ci95_resample_high": hi}
 
 
 def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: StepInputs, icfg,
@@ -260,11 +297,12 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
         if resample is not None and icfg.resample_on_low_ess and est_res["ESS_frac"] < icfg.ess_threshold:
             with ctx.phase("gt_resample"):
                 fresh = resample()  # at theta_plus: the restore has not happened yet
-            Hr = float(-est.weighted_S(D.gather_units(fresh.S_sampler), D.gather_units(fresh.gen_lengths),
-                                       D.gather_units(fresh.Lmax), ctx.weighting_mode).double().mean())
-            res["H_upd_resample"] = Hr
-            res["deltaH_resample"] = Hr - est_res["H_orig"]
-        res.update(true_change(est_res, psi, icfg.is_mode.value))
+            f_of = lambda b, S: -est.weighted_S(D.gather_units(S), D.gather_units(b.gen_lengths),  # noqa: E731
+                                                D.gather_units(b.Lmax), ctx.weighting_mode)
+            rs = resampled_change(f_of(fresh, fresh.S_sampler), f_of(E, inp.S_orig))
+            res.update(rs)
+            res["H_upd_resample"] = est_res["H_orig"] + rs["deltaH_resample"]
+        res.update(true_change(est_res, psi, icfg.is_mode.value, icfg.ess_threshold))
         res["gt/psi"] = psi[icfg.is_mode.value]  # [B_E] per-prompt contributions (popped by the caller)
         res["gt/log_weights"] = (S_upd_g - S_orig_g).double()  # [B_E, G] log w (popped by the caller)
         # Token-level entropy over the vocabulary on E's generated positions (as verl / TRL log it).

@@ -249,7 +249,16 @@ def compare_with_prediction(res: dict, psi: torch.Tensor, e: torch.Tensor | None
     """``deltaH_true - deltaH_pred`` on the same E responses, with its paired SE: per prompt of E
     the measured contribution psi_n minus the predicted one e_n (both for the step taken on this
     U, so the U side cancels): ``SE = sd(psi - e) / sqrt(B_E)``, Student-t with B_E - 1 degrees of
-    freedom. ``pred_consistent``: the difference's 95% interval contains 0."""
+    freedom. ``pred_consistent``: the difference's 95% interval contains 0 (None when the measurement
+    is unmeasurable: no test is made, and the difference is NaN).
+
+    The measured estimators are paired with the prediction by construction (importance_math.py):
+    to first order in the step, ``psi_n`` and ``e_n`` are the same function of the same responses,
+    so ``psi - e`` is second order and this test has power where first order holds."""
+    if res.get("measurable") is False:
+        nan = math.nan
+        return {"deltaH_true_minus_pred": nan, "SE_deltaH_true_minus_pred": nan, "ci95_true_minus_pred_low": nan,
+                "ci95_true_minus_pred_high": nan, "z_true_minus_pred": nan, "pred_consistent": None}
     diff = res["deltaH_true"] - res["deltaH_pred"]
     out = {"deltaH_true_minus_pred": diff}
     if e is None:
