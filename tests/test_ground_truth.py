@@ -125,7 +125,9 @@ def test_snis_delta_h_true_matches_exact_change_over_E_draws(world):
         rows.append([r["deltaH_cv"], r["deltaH_snis"], r["deltaH_psis"], r["deltaH_resample"], r["deltaH1_step"],
                      r["SE_deltaH_cv"]])
         thetas.append(hook.theta)
-        assert r["deltaH_true"] == r["deltaH_cv"] and r["SE_deltaH_true"] == r["SE_deltaH_cv"]
+        # ess_threshold 1 forces the resample, and calls the re-weighted measurement unmeasurable
+        assert r["measurable"] is False and math.isnan(r["deltaH_true"]) and "ESS/N" in r["unmeasurable_reason"]
+        assert math.isfinite(r["SE_deltaH_resample"]) and r["ci95_resample_low"] < r["deltaH_resample"]
         assert 0 < r["ESS_frac"] <= 1
     assert all(torch.equal(t, thetas[0]) for t in thetas)  # the same theta_plus every draw
     exact = hook.H - H0  # measured: +0.0499 (LoRA -0.0076)
@@ -136,9 +138,12 @@ def test_snis_delta_h_true_matches_exact_change_over_E_draws(world):
                                         ("deltaH1_step", first_order)]):
         if name in ("snis", "psis") and w.variant == "lora":
             continue  # biased at small G (test_prediction.py): measured z +4.3 here, -2.9 on the full model
-        if name == "psis":  # PSIS degenerates on tied weights for some draws (k-hat nan, = SNIS)
-            assert torch.isfinite(v[:, j]).all()
-        assert abs(float(mean[j]) - target) < 4 * float(se[j]), (name, float(mean[j]), target, float(se[j]))
+        col = v[:, j]
+        if name == "psis":  # PSIS is undefined on tied weights for some draws: NaN, never SNIS's number
+            col = col[torch.isfinite(col)]
+            assert col.numel() >= R // 3, col.numel()
+        m, s_ = float(col.mean()), float(col.std()) / math.sqrt(col.numel())
+        assert abs(m - target) < 4 * s_, (name, m, target, s_)
     assert abs(exact) > 6 * float(se[0])  # power: a zero estimate would fail (measured ~9 SE, LoRA 9.8)
     # the reported SE (prompts as units) matches the spread over draws
     assert 0.6 < float((v[:, 5] ** 2).mean() / v[:, 0].var()) < 1.6

