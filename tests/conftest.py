@@ -29,6 +29,20 @@ SHRINK = ("batch.B_E=4", "batch.B_U=4", "batch.G=4", "logging.wandb.mode=disable
           "logging.progress=false", "logging.verdict=false", "logging.report=false", "model.device=cpu")
 
 
+# Committed draws (tests/data): a copy of the default checkpoint (``python -m entprobe.train
+# --build-default --out tests/data/default_model``) and batches it sampled (``batch.save``). A test
+# that asserts on *which* responses were drawn loads these: the sampler's draws may differ on another
+# machine (another CPU's kernels round differently, and one flipped token changes a response), the
+# committed ones do not. Regenerate a batch folder with the run that wrote it (see its test).
+DATA = Path(__file__).parent / "data"
+DEFAULT_MODEL = ("model=hf", f"model.path='{DATA / 'default_model'}'")
+
+
+def committed_batches(name: str) -> tuple[str, ...]:
+    """Overrides that run on the committed model and its saved batches ``tests/data/batches/<name>``."""
+    return (*DEFAULT_MODEL, f"batch.load='{DATA / 'batches' / name}'")
+
+
 def compose_cfg(tmp_path: str | Path, *overrides: str, return_hydra_config: bool = False) -> DictConfig:
     """The root config composed from the package's conf/ with SHRINK, run_dir=tmp_path, then ``overrides``
     (``return_hydra_config``: keep the ``hydra`` node, e.g. to read ``hydra.launcher``)."""

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import committed_batches
 from entprobe.report import console_table
 
 
@@ -38,13 +39,19 @@ def test_readme_main_command_verdict_report_and_wandb(tmp_path, capsys):
         line = next(x for x in head.splitlines() if what in x)
         assert f"{res[key]:+.4g} ± {res['SE_' + key]:.2g}" in line, (line, res[key])
     assert ("NOT consistent" in head) == (not res["pred_consistent"]) and "entropy change of the next step" in head
-    # The default step is noise-dominated at B_E = 8 (SE 0.045 against a prediction of -0.017): flagged.
-    assert res["SE_deltaH_pred"] > abs(res["deltaH_pred"]) and res["flags"].split(",") == ["noise_dominated"]
-    assert "! noise_dominated: the prediction is within its SE of 0" in head and "raise batch.B_E" in head
+    # Which flags fire depends on the responses drawn, which may differ on another machine (the
+    # README's example numbers come from committed batches: tests/test_readme_example.py; each flag
+    # on hand-made results: test_verdict_flags_say_what_to_change). Here: the flags agree with the
+    # numbers, and each is printed under the verdict and written to report.md.
+    flagged = [f for f in res["flags"].split(",") if f]
+    assert ("noise_dominated" in flagged) == (res["SE_deltaH_pred"] > abs(res["deltaH_pred"]))
+    report = (run_dir / "report.md").read_text()
+    for f in flagged:
+        assert f"! {f}: " in head and f"**{f}**" in report, f
     assert "│ attr/" not in out  # the full table only with logging.console_table=true
 
     # report.md and its plots beside results.json
-    assert "**noise_dominated**" in (run_dir / "report.md").read_text()
+    assert "## Verdict" in report
     pngs = {p.name for p in run_dir.glob("*.png")}
     assert pngs == {"attribution.png", "importance_weights.png", "projections.png"}
 
@@ -65,9 +72,14 @@ def test_readme_main_command_verdict_report_and_wandb(tmp_path, capsys):
 
 
 def test_zero_reward_variance_in_u_is_flagged(tmp_path):
-    """The main command with U sampled cold (temperature 0.05, seed 4): every group of U has equal
-    rewards, the update's gradient is zero, and the verdict says so and why. Logged to results.csv."""
-    proc, run_dir = _main(tmp_path, "sampling.temperature=0.05", "batch.seed_U=4", "logging.logger=csv")
+    """The main command on U sampled cold (temperature 0.05, seed 4): every group of U has equal
+    rewards, the update's gradient is zero, and the verdict says so and why. Logged to results.csv.
+    The batches are committed (which responses a cold draw gives depends on the checkpoint, which
+    another machine may train differently); regenerate: python -m entprobe.main model=hf
+    model.path=tests/data/default_model sampling.temperature=0.05 batch.seed_U=4
+    batch.save=tests/data/batches/cold"""
+    proc, run_dir = _main(tmp_path, "sampling.temperature=0.05", "batch.seed_U=4", "logging.logger=csv",
+                          *committed_batches("cold"))
     res = json.loads((run_dir / "results.json").read_text())
     assert res["batch_U/frac_zero_var_groups"] == 1.0 and "empty_gradient" in res["flags"].split(",")
     assert res["deltaH1"] == 0.0 and res["deltaH_pred_gradient"] == 0.0

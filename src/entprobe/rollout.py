@@ -142,14 +142,65 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for int64 ``0 <= x < 2**32``, in halves so no product leaves int64."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's finaliser (a bijection of 32-bit words with full avalanche), in int64."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def row_keys(seed: int, prompt_pos: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
+    """The 32-bit key [N] of each row's stream: a hash of (seed, the prompt's position in the
+    batch, the response's index in its group). Integer arithmetic only: the same on every machine."""
+    seed = int(seed) % (1 << 64)
+    h = _mix32(torch.full_like(prompt_pos, seed & _M32) ^ 0x2545F491)
+    for word in (torch.full_like(prompt_pos, seed >> 32), prompt_pos, response):
+        h = _mix32((h + 0x9E3779B9) & _M32 ^ (word & _M32))
+    return h
+
+
+def keyed_uniforms(keys: torch.Tensor, step: int) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row for draw ``step``: 53 bits from two hashes of
+    (row key, step, word). Row r's value depends on its key and the step only (counter-based)."""
+    s = _mix32(keys ^ _mix32(torch.full_like(keys, (int(step) * 2 + 1) & _M32)))
+    hi, lo = _mix32(s ^ 0x68E31DA4), _mix32(s ^ 0xB5297A4D)
+    return ((hi >> 5) * 67108864 + (lo >> 6)).double() / 9007199254740992.0  # (27 bits * 2^26 + 26) / 2^53
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token [N] drawn from each row of ``probs`` [N, V] (unnormalised, >= 0) by its uniform ``u``
+    [N]: the first index whose float64 cumulative sum exceeds ``u * total``. A zero-probability
+    entry never is that index (its cumulative sum equals the one before it)."""
+    cdf = probs.double().cumsum(-1)
+    target = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
 @torch.no_grad()
 def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eos_id: int,
              pad_id: int, temperature: float, top_k: int, top_p: float,
-             generator: torch.Generator, device) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
+             seed: int, device, first_prompt: int = 0) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
     """Sample G responses per prompt with a KV cache; returns per-row prompt ids, response ids,
-    and per-token ``log_softmax(logits / temperature)`` of each sampled token (rows = prompt-major)."""
+    and per-token ``log_softmax(logits / temperature)`` of each sampled token (rows = prompt-major).
+
+    Each row draws from its own stream (``row_keys``: seed, prompt position ``first_prompt + i``
+    in the whole batch, response index): token t of a row is the inverse-CDF pick of the row's
+    t-th uniform on its (filtered) probabilities. A token that flips in one response (an ulp of a
+    logit on another machine) changes that response only; B prompts are a prefix of 2B."""
     rows = [p for p in prompt_ids for _ in range(G)]
     N, P = len(rows), max(len(p) for p in rows)
+    r = torch.arange(N)
+    keys = row_keys(seed, first_prompt + r // G, r % G)
     ids = torch.full((N, P), pad_id, dtype=torch.long)
     mask = torch.zeros((N, P), dtype=torch.long)
     for i, p in enumerate(rows):
@@ -161,10 +212,10 @@ def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eo
     past, logits = out.past_key_values, out.logits[:, -1].float()
     done = torch.zeros(N, dtype=torch.bool, device=device)
     toks, lps = [], []
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         logp = (logits / temperature).log_softmax(-1)
         probs = filter_logits(logp, top_k, top_p).softmax(-1)
-        nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
+        nxt = inverse_cdf(probs, keyed_uniforms(keys, step))
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         toks.append(torch.where(done, -1, nxt))
         lps.append(logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1))
@@ -209,7 +260,9 @@ def sample_batch(model, tokenizer, task, prompt_index: torch.Tensor, G: int, sam
                  advantage: str, adv_eps: float, chat_template: str = "auto",
                  system_prompt: str | None = None, progress=None, style: str = "entprobe",
                  template_kwargs: dict | None = None) -> RolloutBatch:
-    """Sample G responses for each prompt in ``prompt_index`` (reproducible from ``seed``), the
+    """Sample G responses for each prompt in ``prompt_index`` (reproducible from ``seed``; each
+    response from its own stream keyed by its prompt's position in ``prompt_index``, see
+    ``generate``: the first k prompts draw the same responses whatever follows them), the
     prompts tokenized under the convention ``style`` (``prompt_ids``), the rewards the task's
     (``tasks.score_rows``: its reward functions called once on the whole batch)."""
     if sampling.top_k or sampling.top_p < 1.0:
@@ -219,7 +272,6 @@ def sample_batch(model, tokenizer, task, prompt_index: torch.Tensor, G: int, sam
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    gen = torch.Generator().manual_seed(int(seed))
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     pad = eos if pad is None else pad
     all_p, all_r, all_l = [], [], []
@@ -230,7 +282,7 @@ def sample_batch(model, tokenizer, task, prompt_index: torch.Tensor, G: int, sam
         ids = encode_prompts(tokenizer, texts, str(getattr(chat_template, "value", chat_template)), system_prompt,
                              style, template_kwargs)
         p, r, l = generate(model, ids, G, sampling.max_new_tokens, eos, pad, sampling.temperature,
-                           sampling.top_k, sampling.top_p, gen, device)
+                           sampling.top_k, sampling.top_p, seed, device, first_prompt=s)
         all_p += p; all_r += r; all_l += l
         if progress is not None:
             progress(len(texts))

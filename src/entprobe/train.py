@@ -30,7 +30,8 @@ from entprobe.objectives import unit_weights
 from entprobe.rollout import RolloutBatch, draw_prompt_indices, encode_prompts, sample_batch
 from entprobe.tasks.arithmetic import ArithmeticTask
 
-RECIPE_VERSION = 1
+# 2: rollouts drawn by the keyed sampler (rollout.generate), one stream per response
+RECIPE_VERSION = 2
 RECIPE = dict(num_prompts=512, max_operand=9, sft_steps=120, sft_batch=64, sft_lr=3e-3,
               rl_steps=24, rl_batch=16, G=4, rl_lr=1e-3, weight_decay=0.01, max_new_tokens=4)
 LOSSES = ("dr_grpo", "grpo")
