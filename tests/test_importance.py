@@ -199,7 +199,9 @@ def _repeat_first_response(batch):
 def test_tied_weights_and_an_empty_update_run_to_the_end(tmp_path, is_mode):
     """E with every response repeated (tied importance weights: arviz's tail fit fails) and U whose
     groups all have equal rewards (a zero gradient: the step is momentum and decay only). The run
-    writes results.json; PSIS falls back with a warning and k-hat nan; nothing else is lost."""
+    writes results.json; PSIS is undefined (k-hat nan, the reason in psis_khat_note): reported as
+    the measured change it makes the run unmeasurable, with a warning, never SNIS's number in its
+    place; as a side diagnostic it is NaN quietly. Nothing else is lost."""
     import json
 
     from conftest import compose_cfg
@@ -207,18 +209,24 @@ def test_tied_weights_and_an_empty_update_run_to_the_end(tmp_path, is_mode):
     from entprobe.rollout import RolloutBatch
 
     saved, tied = tmp_path / "saved", tmp_path / "tied"
-    run(compose_cfg(tmp_path / "first", f"batch.save='{saved}'", "importance.enabled=false"))
+    # B_E 8, G 4: 32 weights, enough for PSIS's tail fit, which the ties then break
+    run(compose_cfg(tmp_path / "first", f"batch.save='{saved}'", "importance.enabled=false", "batch.B_E=8"))
     E, U = RolloutBatch.load(saved / "E.pt"), RolloutBatch.load(saved / "U.pt")
     _repeat_first_response(E).save(tied / "E.pt")
     _repeat_first_response(U).save(tied / "U.pt")
     out = tmp_path / "run"
     import contextlib
-    # PSIS's fallback warns when PSIS is the reported estimate; as a side diagnostic it stays quiet
+    # PSIS undefined warns when PSIS is the reported estimate; as a side diagnostic it stays quiet
     with pytest.warns(UserWarning, match="PSIS") if is_mode == "psis" else contextlib.nullcontext():
-        res = run(compose_cfg(out, f"batch.load='{tied}'", f"importance.is_mode={is_mode}"))
+        res = run(compose_cfg(out, f"batch.load='{tied}'", f"importance.is_mode={is_mode}", "batch.B_E=8"))
     written = json.loads((out / "results.json").read_text())
-    assert written["deltaH_true"] == pytest.approx(res["deltaH_true"])
-    assert math.isnan(res["psis_khat"]) and math.isfinite(res["deltaH_psis"])
+    assert math.isnan(res["psis_khat"]) and math.isnan(res["deltaH_psis"]) and "tail fit" in res["psis_khat_note"]
+    if is_mode == "psis":
+        assert res["measurable"] is False and "tail fit failed" in res["unmeasurable_reason"]
+        assert math.isnan(written["deltaH_true"]) and written["pred_consistent"] is None
+        assert "unmeasurable" in res["flags"].split(",") and "non_finite" not in res["flags"].split(",")
+    else:
+        assert written["deltaH_true"] == pytest.approx(res["deltaH_true"]) and res["measurable"] is True
     assert res["batch_U/frac_zero_var_groups"] == 1.0 and res["bars_dot"] == 0.0  # Ybar = 0
     # the step is momentum + decay only, and the prediction says so: its gradient part is exactly 0
     # (Ybar = 0) and the prediction is the sum of the other two. Not asserted: deltaH_pred != 0.
@@ -227,8 +235,8 @@ def test_tied_weights_and_an_empty_update_run_to_the_end(tmp_path, is_mode):
     # machines and draws and not on others.
     assert res["deltaH_pred_gradient"] == 0.0
     assert res["deltaH_pred"] == res["deltaH_pred_momentum"] + res["deltaH_pred_weight_decay"]
-    for k in ("deltaH_true", "SE_deltaH_true", "deltaH_pred", "SE_deltaH_pred", "deltaH_true_minus_pred",
-              "ESS_frac"):
+    measured = ("deltaH_true", "SE_deltaH_true", "deltaH_true_minus_pred") if is_mode == "cv" else ()
+    for k in ("deltaH_pred", "SE_deltaH_pred", "ESS_frac", *measured):
         assert math.isfinite(res[k]), k
     assert 0 < res["ESS_frac"] <= 1 and res["is/stratified_by"] == "group"  # dr_grpo: one item per prompt
     assert "empty_gradient" in res["flags"].split(",")  # and the verdict says why

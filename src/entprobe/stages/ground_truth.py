@@ -149,7 +149,8 @@ def importance_estimates(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Ten
     group = mode == "dr_grpo"
     smoothed = im.psis_smooth(logw)  # over all responses' log-weights: k-hat and the psis estimate
     if smoothed.note and warn_psis:
-        warnings.warn(f"importance.is_mode=psis: {smoothed.note}; deltaH_psis is NaN", stacklevel=2)
+        warnings.warn(f"importance.is_mode=psis: PSIS is undefined here ({smoothed.note}); deltaH_psis is NaN "
+                      "and the measurement unmeasurable: use importance.is_mode=cv", stacklevel=2)
     changes = im.paired_changes(S_orig, S_upd, L, Lmax, mode, clip_c, smoothed)
     if group:  # one item per prompt: the group's weight
         ess_frac = float(im.stratified_ess(logw.sum(-1))) / logw.shape[0]  # over prompts' groups
