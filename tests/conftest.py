@@ -68,3 +68,22 @@ def entprobe_cache(tmp_path_factory) -> Path:
 def cfg(tmp_path) -> DictConfig:
     """The shrunk default config writing into this test's tmp_path."""
     return compose_cfg(tmp_path)
+
+
+U32 = 2.0 ** -24  # fp32 unit roundoff
+
+
+def rel_diff(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b), 1e-300)
+
+
+def fp32_dot_tol(res: dict) -> float:
+    """Relative error bound of ``deltaH1 = -lr Xbar . P Ybar`` between two fp32 computations that
+    sum the same units in other orders (sharded: units taken in turn over the ranks, each rank's
+    dot summed with the other's). Xbar (B_E units) and P Ybar (B_U units) each carry a relative
+    error of at most (B - 1) u per coordinate (recursive summation, the units' coordinates taken as
+    not cancelling), the dot about u more per term, so ``|err| <= (B_E + B_U) u sum_i |x_i y_i|``,
+    and ``sum_i |x_i y_i| <= |x| |y| = |x . y| / |cos(x, y)|`` (Cauchy-Schwarz): relative
+    ``(B_E + B_U) u / |cos|``, with cos that of the run itself (on the committed batches
+    cos = 0.0069: 7e-5; a lost or doubled unit moves deltaH1 by O(1))."""
+    return (res["B_E"] + res["B_U"]) * U32 / abs(res["cos_Xbar_PYbar"])

@@ -13,6 +13,8 @@ probability of every response.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import contextlib
 import itertools
 from dataclasses import dataclass, field
@@ -47,6 +49,7 @@ class ExactSetup:
     tokenizer: object
     task: ExactTask
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=MAX_NEW))
+    key: str = ""  # which committed training batches build its AdamW state (``adamw_with_state``)
 
     @property
     def names(self):
@@ -123,6 +126,8 @@ class ExactSetup:
         return torch.stack(Js).mean()
 
 
+TRAINING_DATA = Path(__file__).resolve().parent / "data" / "exact_training"
+
 # The LoRA variant's adapter, rank 2: peft's default Llama targets (q_proj, v_proj) and the head.
 LORA_TARGETS = ["q_proj", "v_proj", "lm_head"]
 
@@ -144,17 +149,35 @@ def make_setup(seed: int = 0, hidden: int = 16, lora: bool = False) -> ExactSetu
                                                      target_modules=LORA_TARGETS))
     model.double()
     model.train()
-    return ExactSetup(model, tok, ExactTask())
+    return ExactSetup(model, tok, ExactTask(), key=f"seed{seed}{'-lora' if lora else ''}" if hidden == 16 else "")
+
+
+def fixed_batch(setup: ExactSetup, B: int, G: int, seed: int) -> RolloutBatch:
+    """``setup.sample(B, G, seed)`` as the exact tests were calibrated on it: the committed draw
+    (tests/data/exact_training/<key>-U<B>x<G>-s<seed>.pt) where there is one, else sampled now."""
+    path = TRAINING_DATA / f"{setup.key}-U{B}x{G}-s{seed}.pt"
+    if setup.key and path.is_file():
+        return RolloutBatch(**torch.load(path, weights_only=True))
+    return setup.sample(B, G, seed)
 
 
 def adamw_with_state(setup: ExactSetup, steps: int = 20, lr: float = 1e-2, weight_decay: float = 0.1,
                      seed: int = 100) -> torch.optim.AdamW:
-    """An AdamW whose state comes from real DR-GRPO steps (momentum, second moments, step count)."""
+    """An AdamW whose state comes from real DR-GRPO steps (momentum, second moments, step count).
+
+    With the defaults, each step's batch is the committed one (tests/data/exact_training/<key>.pt,
+    drawn by the sampler the exact tests were calibrated with): the state is the same on every
+    machine and under any sampler, and the documented coverages refer to it. Otherwise (or for a
+    setup without a key) the batches are sampled on-policy as the state is built."""
     from entprobe.estimators import y_loss
 
+    recorded = TRAINING_DATA / f"{setup.key}.pt"
+    replay = None
+    if setup.key and (steps, lr, weight_decay, seed) == (20, 1e-2, 0.1, 100) and recorded.is_file():
+        replay = [RolloutBatch(**b) for b in torch.load(recorded, weights_only=True)]
     opt = torch.optim.AdamW(setup.params, lr=lr, weight_decay=weight_decay)
     for s in range(steps):
-        U = setup.sample(4, 4, seed + s)
+        U = replay[s] if replay is not None else setup.sample(4, 4, seed + s)
         ids, att, rm = U.flat("cpu")
         S = token_logprobs(setup.model, ids, att, rm).logp.sum(-1).view(U.B, U.G)
         loss = -y_loss(S, U.advantages.double(), U.Lmax) / U.B

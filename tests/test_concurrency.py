@@ -34,7 +34,7 @@ class Holder:
     def _hold(self, path):
         with file_lock(path, timeout_s=10, what="test holder"):
             self._held.set()
-            self._go.wait(30)
+            self._go.wait(600)  # released by the test (a run may first build the default checkpoint)
 
     def release(self):
         self._go.set()
@@ -126,11 +126,22 @@ def test_two_runs_saving_to_one_folder_leave_one_runs_complete_pair(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == [".lock", "E.pt", "U.pt", "batches.json"]
 
 
-def test_a_run_waits_for_a_held_save_folder_then_writes(tmp_path, capsys):
+def test_a_run_waits_for_a_held_save_folder_then_writes(tmp_path, capsys, monkeypatch):
+    """The holder lets go once the run is waiting (its first poll), however long the run took to
+    get there (building the default checkpoint, a loaded machine): no race on a timer."""
+    import types
+
+    import entprobe.locks as locks
     folder = tmp_path / "b"
     holder = Holder(folder / ".lock")
     cfg = compose_cfg(tmp_path / "run", f"batch.save='{folder}'", *QUICK)
-    threading.Timer(1.0, holder.release).start()
+
+    def release_then_sleep(s):
+        holder.release()
+        time.sleep(s)
+    clock = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
+    clock.sleep = release_then_sleep
+    monkeypatch.setattr(locks, "time", clock)
     run(cfg)
     assert "waiting for the lock" in capsys.readouterr().err
     assert RolloutBatch.load(folder / "U.pt").B == 4

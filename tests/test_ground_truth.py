@@ -26,7 +26,7 @@ from entprobe.stages.context import ProbeContext
 from entprobe.stages.ground_truth import StepInputs, run_ground_truth
 from entprobe.stages.snapshot import restored_after, state_fingerprint
 from ddp_launch import launch
-from exact_model import adamw_with_state, make_setup
+from exact_model import adamw_with_state, fixed_batch, make_setup
 
 G = 4
 ICFG = ImportanceConfig(importance_microbatch_size=64, split_step=False, resample_on_low_ess=False)
@@ -52,7 +52,7 @@ def make_world(variant: str = "full") -> World:
     setup = make_setup(lora=variant == "lora")
     opt = adamw_with_state(setup)  # 20 real AdamW DR-GRPO steps, weight decay 0.1
     ctx = setup.ctx("sequence", mb_size=64)
-    U = setup.sample(8, G, seed=500)  # the fixed update batch
+    U = fixed_batch(setup, 8, G, seed=500)  # the fixed update batch (committed: the same on every machine)
     accY = accumulate(ctx, U, y_loss_of(ctx), "Y over U")
     st = [opt.state[p] for p in setup.params]
     P = pv.adam_preconditioner([s["exp_avg_sq"] for s in st], int(st[0]["step"]), 0.999, 1e-8,

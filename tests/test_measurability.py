@@ -52,9 +52,14 @@ def test_small_steps_are_measurable_and_k_hat_is_reported_or_explained():
     assert out["measurable"] is False and "needs >= 25" in out["unmeasurable_reason"]
 
 
-def test_heavy_tails_alone_make_it_unmeasurable():
-    assert measurability({"ESS_frac": 0.9, "psis_khat": 0.85}, 0.3) == "k-hat 0.85 > 0.7"
-    assert measurability({"ESS_frac": 0.9, "psis_khat": math.nan}, 0.3) == ""
+def test_heavy_tails_alone_make_it_unmeasurable_where_the_weights_spread():
+    """k-hat counts where the largest weight is over twice the mean: a tail shape fitted to
+    weights all within 1e-4 of 1 (a small step) says nothing about the estimate."""
+    spread = {"is/w_max": 3.0, "is/mean_importance_ratio": 1.0}
+    assert measurability({"ESS_frac": 0.9, "psis_khat": 0.85, **spread}, 0.3) == "k-hat 0.85 > 0.7"
+    tiny = {"is/w_max": 1.0001, "is/mean_importance_ratio": 1.0}
+    assert measurability({"ESS_frac": 0.9999, "psis_khat": 0.85, **tiny}, 0.3) == ""
+    assert measurability({"ESS_frac": 0.9, "psis_khat": math.nan, **spread}, 0.3) == ""
     assert measurability({"ESS_frac": math.nan}, 0.3).startswith("ESS/N nan")
 
 

@@ -208,12 +208,17 @@ KHAT_MAX = 0.7  # above it the importance weights' mean is unreliable (PSIS's ru
 def measurability(est_res: dict, ess_threshold: float, khat_max: float = KHAT_MAX) -> str:
     """Why the importance-sampled measurement cannot be trusted ("" when it can): ESS/N below
     ``ess_threshold`` (the weights are degenerate: a few responses carry the estimate) or PSIS's
-    k-hat above ``khat_max`` (the weights' tail is too heavy for their mean to converge)."""
+    k-hat above ``khat_max`` (the weights' tail is too heavy for their mean to converge) where the
+    largest weight is more than twice the mean. k-hat is the shape of the tail, blind to its size:
+    on a small step every weight is within ~1e-4 of 1 and no tail can carry the estimate, whatever
+    shape a fit to 5-20 of them finds (measured: k-hat > 0.7 in 4 of 40 draws of the built-in
+    model at lr 1e-5 with ESS/N 0.9999)."""
     ess, khat = est_res.get("ESS_frac", math.nan), est_res.get("psis_khat", math.nan)
+    spread = est_res.get("is/w_max", math.nan) / est_res.get("is/mean_importance_ratio", math.nan)
     why = []
     if not (ess >= ess_threshold):  # NaN counts as degenerate
         why.append(f"ESS/N {ess:.2f} < {ess_threshold:g}")
-    if math.isfinite(khat) and khat > khat_max:
+    if math.isfinite(khat) and khat > khat_max and not spread <= 2.0:
         why.append(f"k-hat {khat:.2f} > {khat_max:g}")
     return "; ".join(why)
 
