@@ -248,7 +248,9 @@ def summarise(rows: list[dict]) -> list[dict]:
              if r["SE_deltaH_true_minus_pred"] > 0]
         out.append({
             "checkpoint": ck, "lr": lr, "runs": len(rs), "errors": len(rs) - len(ok), "measurable": n,
-            "unmeasurable": len(ok) - n, "holds0": p, "SE_holds0": math.sqrt(p * (1 - p) / n) if n else NAN,
+            "unmeasurable": len(ok) - n,
+            "unmeasurable_khat": sum("k-hat" in str(r["unmeasurable_reason"]) for r in ok if not is_measurable(r)),
+            "unmeasurable_ess": sum("ESS" in str(r["unmeasurable_reason"]) for r in ok if not is_measurable(r)), "holds0": p, "SE_holds0": math.sqrt(p * (1 - p) / n) if n else NAN,
             "rejections": n - k, "p_excess_rejections": binom_sf(n - k, n, 0.05) if n else NAN,
             "n_ess_ge_0.9": sum(r["ESS_frac"] >= 0.9 for r in m),
             "holds0_ess_ge_0.9": (sum(r["ci95_true_minus_pred_low"] <= 0 <= r["ci95_true_minus_pred_high"]
@@ -303,17 +305,20 @@ def write_md(summary: list[dict], path: Path, header: str) -> None:
              "(± binomial SE; p = P(this many rejections or more | 5%)); sign = agreement of predicted and measured "
              "among draws where both exceed their SE (resolved) / among all; measured/predicted = ratio of the "
              "means over draws [95% bootstrap over draws]; SE ratio = median SE_deltaH_true_minus_pred / SE_deltaH_true; "
-             "sd z = spread of (measured - predicted) / its SE over draws (1 if calibrated).", "",
+             "sd z = spread of (measured - predicted) / its SE over draws (1 if calibrated); unmeasurable = draws the "
+             "probe declined to measure (k-hat > 0.7, ESS/N < 0.3).", "",
              "| checkpoint | lr | measurable / draws | holds 0 ± SE | rejections (p) | sign: resolved / all | "
-             "mean predicted | mean measured | measured/predicted [95%] | SE ratio | sd z | median ESS/N | U zero-var groups |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "mean predicted | mean measured | measured/predicted [95%] | SE ratio | sd z | median ESS/N | "
+             "unmeasurable (k-hat, ESS) | U zero-var groups |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
         lines.append(
             f"| {s['checkpoint']} | {s['lr']:g} | {s['measurable']} / {s['runs']} | "
             f"{fmt(s['holds0'], 2)} ± {fmt(s['SE_holds0'], 2)} | {s['rejections']} ({fmt(s['p_excess_rejections'], 2)}) | "
             f"{s['sign_resolved_agree']}/{s['sign_resolved_n']} / {s['sign_all_agree']}/{s['measurable']} | "
-            f"{fmt(s['mean_pred'])} | {fmt(s['mean_true'])} | {fmt(s['ratio'])} [{fmt(s['ratio_lo'])}, {fmt(s['ratio_hi'])}] | "
-            f"{fmt(s['median_se_ratio'], 2)} | {fmt(s['sd_z'], 2)} | {fmt(s['median_ESS_frac'])} | "
+            f"{fmt(s['mean_pred'])} | {fmt(s['mean_true'])} | {fmt(s['ratio'], 4)} [{fmt(s['ratio_lo'], 4)}, "
+            f"{fmt(s['ratio_hi'], 4)}] | {fmt(s['median_se_ratio'], 2)} | {fmt(s['sd_z'], 2)} | {fmt(s['median_ESS_frac'])} | "
+            f"{s['unmeasurable']} ({s['unmeasurable_khat']}, {s['unmeasurable_ess']}) | "
             f"{fmt(s['median_U_zero_var'], 2)} |")
     lines += ["", "Where first order stops holding (lowest lr with rejections clearly above 5%, binomial p < 0.05, "
               "or measured/predicted's interval excluding 1):", ""]
