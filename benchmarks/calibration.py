@@ -36,7 +36,8 @@ fp32; the checkpoints from ``benchmarks/smollm2_checkpoint.py``, see the doc):
 
 Smallest run (the built-in model only, ~30 s; tests/test_calibration_cmd.py):
 
-    .venv/bin/python benchmarks/calibration.py --builtin --draws 2 --builtin-lrs 1e-3,1e-2 --B-E 4 --B-U 4 --out /tmp/calib_small
+    .venv/bin/python benchmarks/calibration.py --builtin --draws 2 --builtin-lrs 1e-3,1e-2 --B-E 4 --B-U 4 \\
+        --out /tmp/calib_small
 
 Overrides after ``--`` apply to the ``--ckpt`` / ``--ckpt-grpo`` checkpoints (not to the built-in
 model, whose task and tokenizer differ).
@@ -239,8 +240,10 @@ def summarise(rows: list[dict]) -> list[dict]:
         m = [r for r in ok if is_measurable(r)]
         n = len(m)
         k = sum(r["ci95_true_minus_pred_low"] <= 0 <= r["ci95_true_minus_pred_high"] for r in m)
+        hi_ess = [r for r in m if r["ESS_frac"] >= 0.9]
         p = k / n if n else NAN
-        res = [r for r in m if abs(r["deltaH_pred"]) > r["SE_deltaH_pred"] and abs(r["deltaH_true"]) > r["SE_deltaH_true"]]
+        res = [r for r in m if abs(r["deltaH_pred"]) > r["SE_deltaH_pred"]
+               and abs(r["deltaH_true"]) > r["SE_deltaH_true"]]  # both resolved beyond 1 SE
         agree_res = sum((r["deltaH_pred"] > 0) == (r["deltaH_true"] > 0) for r in res)
         agree_all = sum((r["deltaH_pred"] > 0) == (r["deltaH_true"] > 0) for r in m)
         R, Rse, Rlo, Rhi = ratio_of_means([r["deltaH_true"] for r in m], [r["deltaH_pred"] for r in m])
@@ -250,12 +253,12 @@ def summarise(rows: list[dict]) -> list[dict]:
             "checkpoint": ck, "lr": lr, "runs": len(rs), "errors": len(rs) - len(ok), "measurable": n,
             "unmeasurable": len(ok) - n,
             "unmeasurable_khat": sum("k-hat" in str(r["unmeasurable_reason"]) for r in ok if not is_measurable(r)),
-            "unmeasurable_ess": sum("ESS" in str(r["unmeasurable_reason"]) for r in ok if not is_measurable(r)), "holds0": p, "SE_holds0": math.sqrt(p * (1 - p) / n) if n else NAN,
+            "unmeasurable_ess": sum("ESS" in str(r["unmeasurable_reason"]) for r in ok if not is_measurable(r)),
+            "holds0": p, "SE_holds0": math.sqrt(p * (1 - p) / n) if n else NAN,
             "rejections": n - k, "p_excess_rejections": binom_sf(n - k, n, 0.05) if n else NAN,
-            "n_ess_ge_0.9": sum(r["ESS_frac"] >= 0.9 for r in m),
-            "holds0_ess_ge_0.9": (sum(r["ci95_true_minus_pred_low"] <= 0 <= r["ci95_true_minus_pred_high"]
-                                      for r in m if r["ESS_frac"] >= 0.9)
-                                  / max(sum(r["ESS_frac"] >= 0.9 for r in m), 1)) if any(r["ESS_frac"] >= 0.9 for r in m) else NAN,
+            "n_ess_ge_0.9": len(hi_ess), "holds0_ess_ge_0.9": (sum(
+                r["ci95_true_minus_pred_low"] <= 0 <= r["ci95_true_minus_pred_high"] for r in hi_ess) / len(hi_ess)
+                if hi_ess else NAN),
             "sign_resolved_n": len(res), "sign_resolved_agree": agree_res, "sign_all_agree": agree_all,
             "ratio": R, "SE_ratio": Rse, "ratio_lo": Rlo, "ratio_hi": Rhi,
             "sd_z": statistics.stdev(z) if len(z) > 1 else NAN,
@@ -304,7 +307,8 @@ def write_md(summary: list[dict], path: Path, header: str) -> None:
              "holds 0 = fraction of measurable draws whose paired 95% interval of deltaH_true - deltaH_pred holds 0 "
              "(± binomial SE; p = P(this many rejections or more | 5%)); sign = agreement of predicted and measured "
              "among draws where both exceed their SE (resolved) / among all; measured/predicted = ratio of the "
-             "means over draws [95% bootstrap over draws]; SE ratio = median SE_deltaH_true_minus_pred / SE_deltaH_true; "
+             "means over draws [95% bootstrap over draws]; "
+             "SE ratio = median SE_deltaH_true_minus_pred / SE_deltaH_true; "
              "sd z = spread of (measured - predicted) / its SE over draws (1 if calibrated); unmeasurable = draws the "
              "probe declined to measure (k-hat > 0.7, ESS/N < 0.3).", "",
              "| checkpoint | lr | measurable / draws | holds 0 ± SE | rejections (p) | sign: resolved / all | "
@@ -314,10 +318,12 @@ def write_md(summary: list[dict], path: Path, header: str) -> None:
     for s in summary:
         lines.append(
             f"| {s['checkpoint']} | {s['lr']:g} | {s['measurable']} / {s['runs']} | "
-            f"{fmt(s['holds0'], 2)} ± {fmt(s['SE_holds0'], 2)} | {s['rejections']} ({fmt(s['p_excess_rejections'], 2)}) | "
+            f"{fmt(s['holds0'], 2)} ± {fmt(s['SE_holds0'], 2)} | "
+            f"{s['rejections']} ({fmt(s['p_excess_rejections'], 2)}) | "
             f"{s['sign_resolved_agree']}/{s['sign_resolved_n']} / {s['sign_all_agree']}/{s['measurable']} | "
             f"{fmt(s['mean_pred'])} | {fmt(s['mean_true'])} | {fmt(s['ratio'], 4)} [{fmt(s['ratio_lo'], 4)}, "
-            f"{fmt(s['ratio_hi'], 4)}] | {fmt(s['median_se_ratio'], 2)} | {fmt(s['sd_z'], 2)} | {fmt(s['median_ESS_frac'])} | "
+            f"{fmt(s['ratio_hi'], 4)}] | {fmt(s['median_se_ratio'], 2)} | {fmt(s['sd_z'], 2)} | "
+            f"{fmt(s['median_ESS_frac'])} | "
             f"{s['unmeasurable']} ({s['unmeasurable_khat']}, {s['unmeasurable_ess']}) | "
             f"{fmt(s['median_U_zero_var'], 2)} |")
     lines += ["", "Where first order stops holding (lowest lr with rejections clearly above 5%, binomial p < 0.05, "
