@@ -27,12 +27,15 @@ Writes ``<out>/calibration_runs.csv`` (one row per run), ``<out>/calibration.csv
 (checkpoint, lr)) and ``<out>/calibration.md`` (the table docs/calibration.md shows). Exit status 0
 whatever the numbers (a measurement, not a test); a failing run is recorded and the rest go on.
 
-The command behind docs/calibration.md (from the repository root; ~70 min on 2 shared CPU cores,
-fp32; the checkpoints from ``benchmarks/smollm2_checkpoint.py``, see the doc):
+The command behind docs/calibration.md (from the repository root, after building the two checkpoints
+with ``benchmarks/smollm2_checkpoint.py`` as the doc shows; RUNTIME on 2 CPU cores shared with other
+jobs, torch CPU fp32, ``OMP_NUM_THREADS=1``: with 2 threads on loaded cores a SmolLM2 draw ran 4-5x
+slower):
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/calibration.py --builtin \\
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/calibration.py --builtin --builtin-draws 40 \\
         --ckpt smollm2_dr_grpo=/tmp/calib/smollm2_dr_grpo --ckpt-grpo smollm2_grpo=/tmp/calib/smollm2_grpo \\
-        --draws 10 --out /tmp/calib/bench -- task.reward=last_number 'task.system_prompt="Answer with just the number."'
+        --lrs 1e-6,1e-5,3e-5 --draws 10 --out /tmp/calib/bench -- importance.resample_on_low_ess=false \\
+        task.tokenize=entprobe task.reward=last_number 'task.system_prompt="Answer with just the number."'
 
 Smallest run (the built-in model only, ~30 s; tests/test_calibration_cmd.py):
 
@@ -57,7 +60,7 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-HF_LRS = "1e-6,1e-5,3e-5,1e-4"
+HF_LRS = "1e-6,1e-5,3e-5"
 BUILTIN_LRS = "1e-5,1e-4,3e-4,1e-3,1e-2"
 KEYS = ["deltaH_pred", "SE_deltaH_pred", "deltaH_true", "SE_deltaH_true", "deltaH_true_minus_pred",
         "SE_deltaH_true_minus_pred", "ci95_true_minus_pred_low", "ci95_true_minus_pred_high", "ESS_frac",
