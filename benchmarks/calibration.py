@@ -15,7 +15,9 @@ Per (checkpoint, lr) it reports, over the draws whose measurement is trusted (``
 - sign agreement of ``deltaH_pred`` and ``deltaH_true``: among draws where both exceed their own SE
   in size ("resolved"), and among all measurable draws;
 - ``measured/predicted``: ``mean(deltaH_true) / mean(deltaH_pred)`` over draws, with a 95%
-  percentile bootstrap over draws (2000 resamples, seeded) and the delta-method SE;
+  percentile bootstrap over draws (2000 resamples, seeded) and the delta-method SE; and the
+  least-squares slope of measured on predicted through 0 with its bootstrap interval (better
+  conditioned when the draws' predictions scatter around 0);
 - the median of ``SE_deltaH_true_minus_pred / SE_deltaH_true`` (how much the pairing sharpens the
   test), the median ESS/N, the count of unmeasurable draws, the median fraction of U's groups
   without reward variance;
@@ -226,6 +228,26 @@ def ratio_of_means(t: list[float], p: list[float], reps: int = 2000) -> tuple[fl
     return R, se, lo, hi
 
 
+def slope(t: list[float], p: list[float], reps: int = 2000) -> tuple[float, float, float]:
+    """Least-squares slope of measured on predicted through the origin, sum(t p) / sum(p^2), and a 95%
+    percentile bootstrap interval over draws. With U fixed, the predictions of different E draws
+    scatter around a mean that can be near 0 (then the ratio of means is ill-conditioned); the slope
+    weights each draw by its own prediction."""
+    n = len(t)
+    if n < 2 or not any(p):
+        return NAN, NAN, NAN
+    b = sum(x * y for x, y in zip(t, p)) / sum(y * y for y in p)
+    rng = random.Random(1)
+    boot = []
+    for _ in range(reps):
+        idx = [rng.randrange(n) for _ in range(n)]
+        den = sum(p[i] ** 2 for i in idx)
+        if den > 0:
+            boot.append(sum(t[i] * p[i] for i in idx) / den)
+    boot.sort()
+    return b, boot[int(0.025 * (len(boot) - 1))], boot[int(0.975 * (len(boot) - 1))]
+
+
 def median(xs: list[float]) -> float:
     xs = [x for x in xs if math.isfinite(x)]
     return statistics.median(xs) if xs else NAN
@@ -250,6 +272,7 @@ def summarise(rows: list[dict]) -> list[dict]:
         agree_res = sum((r["deltaH_pred"] > 0) == (r["deltaH_true"] > 0) for r in res)
         agree_all = sum((r["deltaH_pred"] > 0) == (r["deltaH_true"] > 0) for r in m)
         R, Rse, Rlo, Rhi = ratio_of_means([r["deltaH_true"] for r in m], [r["deltaH_pred"] for r in m])
+        b, blo, bhi = slope([r["deltaH_true"] for r in m], [r["deltaH_pred"] for r in m])
         z = [r["deltaH_true_minus_pred"] / r["SE_deltaH_true_minus_pred"] for r in m
              if r["SE_deltaH_true_minus_pred"] > 0]
         out.append({
@@ -263,7 +286,7 @@ def summarise(rows: list[dict]) -> list[dict]:
                 r["ci95_true_minus_pred_low"] <= 0 <= r["ci95_true_minus_pred_high"] for r in hi_ess) / len(hi_ess)
                 if hi_ess else NAN),
             "sign_resolved_n": len(res), "sign_resolved_agree": agree_res, "sign_all_agree": agree_all,
-            "ratio": R, "SE_ratio": Rse, "ratio_lo": Rlo, "ratio_hi": Rhi,
+            "ratio": R, "SE_ratio": Rse, "ratio_lo": Rlo, "ratio_hi": Rhi, "slope": b, "slope_lo": blo, "slope_hi": bhi,
             "sd_z": statistics.stdev(z) if len(z) > 1 else NAN,
             "median_se_ratio": median([r["SE_deltaH_true_minus_pred"] / r["SE_deltaH_true"] for r in m
                                        if r["SE_deltaH_true"] > 0]),
@@ -288,6 +311,8 @@ def breakdown(summary: list[dict]) -> dict[str, str]:
             why.append(f"{s['rejections']}/{s['measurable']} rejected (binomial p {s['p_excess_rejections']:.2g})")
         if math.isfinite(s["ratio_lo"]) and not (s["ratio_lo"] <= 1 <= s["ratio_hi"]):
             why.append(f"measured/predicted {fmt(s['ratio'])} [{fmt(s['ratio_lo'])}, {fmt(s['ratio_hi'])}]")
+        if math.isfinite(s["slope_lo"]) and not (s["slope_lo"] <= 1 <= s["slope_hi"]):
+            why.append(f"slope {fmt(s['slope'])} [{fmt(s['slope_lo'])}, {fmt(s['slope_hi'])}]")
         if s["measurable"] == 0 and s["unmeasurable"]:
             why.append("every draw unmeasurable")
         if why:
@@ -310,14 +335,16 @@ def write_md(summary: list[dict], path: Path, header: str) -> None:
              "holds 0 = fraction of measurable draws whose paired 95% interval of deltaH_true - deltaH_pred holds 0 "
              "(± binomial SE; p = P(this many rejections or more | 5%)); sign = agreement of predicted and measured "
              "among draws where both exceed their SE (resolved) / among all; measured/predicted = ratio of the "
-             "means over draws [95% bootstrap over draws]; "
+             "means over draws [95% bootstrap over draws]; slope = least-squares slope of measured on predicted "
+             "through 0 over draws [95% bootstrap]; "
              "SE ratio = median SE_deltaH_true_minus_pred / SE_deltaH_true; "
              "sd z = spread of (measured - predicted) / its SE over draws (1 if calibrated); unmeasurable = draws the "
              "probe declined to measure (k-hat > 0.7, ESS/N < 0.3).", "",
              "| checkpoint | lr | measurable / draws | holds 0 ± SE | rejections (p) | sign: resolved / all | "
-             "mean predicted | mean measured | measured/predicted [95%] | SE ratio | sd z | median ESS/N | "
+             "mean predicted | mean measured | measured/predicted [95%] | slope [95%] | SE ratio | sd z | "
+             "median ESS/N | "
              "unmeasurable (k-hat, ESS) | U zero-var groups |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
         lines.append(
             f"| {s['checkpoint']} | {s['lr']:g} | {s['measurable']} / {s['runs']} | "
@@ -325,12 +352,13 @@ def write_md(summary: list[dict], path: Path, header: str) -> None:
             f"{s['rejections']} ({fmt(s['p_excess_rejections'], 2)}) | "
             f"{s['sign_resolved_agree']}/{s['sign_resolved_n']} / {s['sign_all_agree']}/{s['measurable']} | "
             f"{fmt(s['mean_pred'])} | {fmt(s['mean_true'])} | {fmt(s['ratio'], 4)} [{fmt(s['ratio_lo'], 4)}, "
-            f"{fmt(s['ratio_hi'], 4)}] | {fmt(s['median_se_ratio'], 2)} | {fmt(s['sd_z'], 2)} | "
+            f"{fmt(s['ratio_hi'], 4)}] | {fmt(s['slope'], 4)} [{fmt(s['slope_lo'], 4)}, {fmt(s['slope_hi'], 4)}] | "
+            f"{fmt(s['median_se_ratio'], 2)} | {fmt(s['sd_z'], 2)} | "
             f"{fmt(s['median_ESS_frac'])} | "
             f"{s['unmeasurable']} ({s['unmeasurable_khat']}, {s['unmeasurable_ess']}) | "
             f"{fmt(s['median_U_zero_var'], 2)} |")
     lines += ["", "Where first order stops holding (lowest lr with rejections clearly above 5%, binomial p < 0.05, "
-              "or measured/predicted's interval excluding 1):", ""]
+              "or the interval of measured/predicted or of the slope excluding 1):", ""]
     lines += [f"- {ck}: {why}" for ck, why in breakdown(summary).items()]
     path.write_text("\n".join(lines) + "\n")
 
