@@ -30,9 +30,9 @@ Writes ``<out>/calibration_runs.csv`` (one row per run), ``<out>/calibration.csv
 whatever the numbers (a measurement, not a test); a failing run is recorded and the rest go on.
 
 The command behind docs/calibration.md (from the repository root, after building the two checkpoints
-with ``benchmarks/smollm2_checkpoint.py`` as the doc shows; RUNTIME on 2 CPU cores shared with other
-jobs, torch CPU fp32, ``OMP_NUM_THREADS=1``: with 2 threads on loaded cores a SmolLM2 draw ran 4-5x
-slower):
+with ``benchmarks/smollm2_checkpoint.py`` as the doc shows; runtime on 2 CPU cores shared with other
+jobs, torch CPU fp32, ``OMP_NUM_THREADS=1``, ~30 min; with 2 threads on loaded cores a SmolLM2
+draw ran 5-6x slower):
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/calibration.py --builtin --builtin-draws 40 \\
         --ckpt smollm2_dr_grpo=/tmp/calib/smollm2_dr_grpo --ckpt-grpo smollm2_grpo=/tmp/calib/smollm2_grpo \\
@@ -339,7 +339,7 @@ def write_md(summary: list[dict], path: Path, header: str) -> None:
              "through 0 over draws [95% bootstrap]; "
              "SE ratio = median SE_deltaH_true_minus_pred / SE_deltaH_true; "
              "sd z = spread of (measured - predicted) / its SE over draws (1 if calibrated); unmeasurable = draws the "
-             "probe declined to measure (k-hat > 0.7, ESS/N < 0.3).", "",
+             "probe declined to measure, by reason (k-hat > 0.7, ESS/N < 0.3; a draw can have both).", "",
              "| checkpoint | lr | measurable / draws | holds 0 ± SE | rejections (p) | sign: resolved / all | "
              "mean predicted | mean measured | measured/predicted [95%] | slope [95%] | SE ratio | sd z | "
              "median ESS/N | "
