@@ -152,10 +152,11 @@ def make_setup(seed: int = 0, hidden: int = 16, lora: bool = False) -> ExactSetu
     return ExactSetup(model, tok, ExactTask(), key=f"seed{seed}{'-lora' if lora else ''}" if hidden == 16 else "")
 
 
-def fixed_batch(setup: ExactSetup, B: int, G: int, seed: int) -> RolloutBatch:
+def fixed_batch(setup: ExactSetup, B: int, G: int, seed: int, state: str = "") -> RolloutBatch:
     """``setup.sample(B, G, seed)`` as the exact tests were calibrated on it: the committed draw
-    (tests/data/exact_training/<key>-U<B>x<G>-s<seed>.pt) where there is one, else sampled now."""
-    path = TRAINING_DATA / f"{setup.key}-U{B}x{G}-s{seed}.pt"
+    (tests/data/exact_training/<key>[-<state>]-U<B>x<G>-s<seed>.pt; ``state`` "untrained" for a
+    setup without ``adamw_with_state``) where there is one, else sampled now."""
+    path = TRAINING_DATA / f"{setup.key}{'-' + state if state else ''}-U{B}x{G}-s{seed}.pt"
     if setup.key and path.is_file():
         return RolloutBatch(**torch.load(path, weights_only=True))
     return setup.sample(B, G, seed)

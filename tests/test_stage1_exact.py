@@ -16,7 +16,7 @@ from entprobe import estimators as est
 from entprobe.attribution import layer_of, module_kind, summarize
 from entprobe.builtin import build_tiny_llama
 from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
-from exact_model import adamw_with_state, make_setup
+from exact_model import adamw_with_state, fixed_batch, make_setup
 
 N_DRAWS = 200  # independent E batches per Monte-Carlo check
 B_E = 4  # prompts per E draw
@@ -89,7 +89,7 @@ def test_delta_h1_sign_and_scale_against_exact_step(lora):
     P = pv.adam_preconditioner([s["exp_avg_sq"] for s in state], int(state[0]["step"]), beta2, eps,
                                dtype=torch.float64)
     ctx = setup.ctx("sequence", mb_size=2)
-    U = setup.sample(8, 4, seed=500)  # the fixed update batch
+    U = fixed_batch(setup, 8, 4, seed=500)  # the fixed update batch (committed: the same on every machine)
     accY = accumulate(ctx, U, y_loss_of(ctx), "Y over U")
     Ybar = pv.scale_(accY.sum_buf, 1.0 / accY.B)
     PY = pv.mul(Ybar, P)
@@ -131,7 +131,7 @@ def test_delta_h1_sign_and_scale_against_exact_step(lora):
 @pytest.mark.parametrize("mode", ["sequence", "dr_grpo", "per_token_avg"])
 def test_buffers_do_not_depend_on_microbatch_size(mode):
     setup = make_setup()
-    batch = setup.sample(6, 4, seed=0)  # Lmax = [3, 3, 3, 2, 3, 3], 4 groups with reward spread
+    batch = fixed_batch(setup, 6, 4, seed=0, state="untrained")  # Lmax [3, 3, 3, 2, 3, 3], 4 groups with reward spread
     assert batch.Lmax.unique().numel() > 1 and int((batch.rewards.std(-1) > 0).sum()) >= 2
     out = {}
     for size in (1, 4, batch.B):  # 4: a ragged last microbatch

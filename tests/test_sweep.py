@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import CONF_DIR, compose_cfg
+from conftest import CONF_DIR, compose_cfg, fp32_dot_tol
 from entprobe import sweep
 from entprobe.main import run, to_typed
 
@@ -94,8 +94,9 @@ def test_submitit_local_job_runs_ddp_over_its_tasks(tmp_path):
     assert ddp["reused_stage12"] is False and ddp["stage12_share"] == "off: 2 processes (sharing is single-process only)"
     cache = next(p for p in (sw / sweep.CACHE_DIR).iterdir() if p.is_dir())
     one = run(compose_cfg(tmp_path / "one", *SMALL, "optimizer.lr=1e-5", f"batch.load='{cache}'"))
+    tol = {"deltaH1": fp32_dot_tol(one)}  # derived: the ranks sum the fp32 units in another order
     for k in ("deltaH1", "SE_deltaH1", "V_X", "V_Y", "deltaH_true", "ESS"):
-        assert math.isfinite(one[k]) and abs(ddp[k] - one[k]) <= 1e-6 * abs(one[k]), (k, ddp[k], one[k])
+        assert math.isfinite(one[k]) and abs(ddp[k] - one[k]) <= tol.get(k, 1e-6) * abs(one[k]), (k, ddp[k], one[k])
 
 
 def test_cache_key_ignores_the_optimizer_and_tracks_what_sampling_depends_on(tmp_path):
