@@ -45,7 +45,7 @@ class PeakMemory:
 
 def training_unit(ctx, E, U) -> None:
     """The unit: one forward+backward of the DR-GRPO loss over E ∪ U, microbatched like the probe."""
-    from entprobe.estimators import y_loss
+    from entprobe.math.estimators import y_loss
 
     ctx.zero_grad()
     n = E.B + U.B
@@ -97,7 +97,7 @@ def compose(overrides: list[str]):
     from hydra.core.global_hydra import GlobalHydra
 
     from entprobe.config import register_configs
-    from entprobe.main import to_typed
+    from entprobe.cli.probe_job import to_typed
 
     register_configs()
     GlobalHydra.instance().clear()

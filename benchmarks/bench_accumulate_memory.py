@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 
 from _common import proc_kb
-from entprobe import paramvec as pv
-from entprobe.rollout import RolloutBatch, group_advantages
+from entprobe.math import paramvec as pv
+from entprobe.rollouts.sampling import RolloutBatch, group_advantages
 
 BIG = dict(hidden=256, layers=4, heads=4, max_positions=256)
 BIG_PROMPT, BIG_RESPONSE = 16, 112  # tokens: T = 128
@@ -76,8 +76,8 @@ def synthetic_batch(B: int, G: int, vocab: int, seed: int) -> RolloutBatch:
 def default_batches(Bs: list[int], G: int, folder: Path) -> None:
     """Sampled E and U batches from the built-in checkpoint (built and cached on first use)."""
     from entprobe.config import ModelConfig, SamplingConfig
-    from entprobe.models import load_model
-    from entprobe.rollout import draw_prompt_indices, sample_batch
+    from entprobe.checkpoints.models import load_model
+    from entprobe.rollouts.sampling import draw_prompt_indices, sample_batch
     from entprobe.tasks.arithmetic import ArithmeticTask
 
     lm = load_model(ModelConfig(device="cpu"))
@@ -104,16 +104,16 @@ def _reset_hwm() -> bool:
 
 
 def child(model_name: str, B: int, mb: int, folder: Path) -> dict:
-    from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
-    from entprobe.stages.context import ProbeContext
+    from entprobe.pipeline.stages.accumulate import accumulate, x_loss_of, y_loss_of
+    from entprobe.pipeline.stages.context import ProbeContext
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if model_name == "default":
         from entprobe.config import ModelConfig
-        from entprobe.models import load_model
+        from entprobe.checkpoints.models import load_model
         model = load_model(ModelConfig(device=str(device))).model
     else:
-        from entprobe.builtin import build_char_tokenizer, build_tiny_llama
+        from entprobe.checkpoints.builtin import build_char_tokenizer, build_tiny_llama
         model = build_tiny_llama(len(build_char_tokenizer()), seed=0, **BIG).to(device)
         model.train()
     E = RolloutBatch.load(folder / f"{model_name}_B{B}_E.pt")
@@ -194,7 +194,7 @@ def main() -> int:
         if "default" in a.models:
             default_batches(a.Bs, a.G, folder)
         if "big" in a.models:
-            from entprobe.builtin import build_char_tokenizer
+            from entprobe.checkpoints.builtin import build_char_tokenizer
             vocab = len(build_char_tokenizer())
             for B in a.Bs:
                 synthetic_batch(B, a.G, vocab, seed=1).save(folder / f"big_B{B}_E.pt")

@@ -79,7 +79,7 @@ def counting_phases(copies: dict, sizes: dict | None = None, baseline: int = 0):
     tensors above ``baseline`` bytes in parameter-sized copies into ``copies[phase]``."""
     import contextlib
 
-    from entprobe.stages import context
+    from entprobe.pipeline.stages import context
     original = context.ProbeContext.phase
 
     @contextlib.contextmanager
@@ -101,8 +101,8 @@ def compose(overrides: list[str]):
 
 def child_probe(overrides: list[str], out: Path) -> dict:
     """The CLI's run, with the live tensors counted at each phase's end."""
-    from entprobe.main import run
-    from entprobe.stages import context
+    from entprobe.cli.probe_job import run
+    from entprobe.pipeline.stages import context
 
     base = proc_kb("VmRSS")
     copies: dict[str, float] = {}
@@ -116,11 +116,11 @@ def child_probe(overrides: list[str], out: Path) -> dict:
 
 def child_train(overrides: list[str]) -> dict:
     """One training step on U as a trainer's process holds it: model, AdamW state, gradients."""
-    from entprobe.batches import get_batches
-    from entprobe.estimators import y_loss
-    from entprobe.geometry import build_geometry
-    from entprobe.main import load_probe
-    from entprobe.preflight import check_inputs
+    from entprobe.pipeline.run_batches import get_batches
+    from entprobe.math.estimators import y_loss
+    from entprobe.pipeline.geometry import build_geometry
+    from entprobe.cli.probe_job import load_probe
+    from entprobe.checkpoints.preflight import check_inputs
 
     base = proc_kb("VmRSS")
     cfg = compose(overrides)

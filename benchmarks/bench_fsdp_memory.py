@@ -63,7 +63,7 @@ def worker(args) -> None:
     import torch
 
     import entprobe.main as M
-    from entprobe.sharding import local
+    from entprobe.runtime.sharding import local
 
     torch.set_num_threads(1)
     seen: dict = {}
@@ -88,7 +88,7 @@ def worker(args) -> None:
     seen.update(rank=int(os.environ.get("RANK", 0)), world=res["world_size"], deltaH1=res["deltaH1"],
                 SE_deltaH1=res["SE_deltaH1"], deltaH_true=res["deltaH_true"])
     Path(args.out).with_suffix(f".rank{seen['rank']}.json").write_text(json.dumps(seen))
-    from entprobe import distributed as D
+    from entprobe.runtime import distributed as D
     D.shutdown()
 
 

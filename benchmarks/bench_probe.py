@@ -65,9 +65,9 @@ def adamw_state(cfg, lm, task, ctx):
     """An AdamW state from one real step on a batch disjoint from E and U (seed 3). The loss is the
     mean token NLL of the sampled responses: SmolLM2 rarely earns an arithmetic reward, and a
     DR-GRPO step on an all-zero-reward batch has a zero gradient (exp_avg_sq = 0, P = 1/eps)."""
-    from entprobe import paramvec as pv
-    from entprobe.geometry import Geometry
-    from entprobe.rollout import draw_prompt_indices, sample_batch
+    from entprobe.math import paramvec as pv
+    from entprobe.pipeline.geometry import Geometry
+    from entprobe.rollouts.sampling import draw_prompt_indices, sample_batch
 
     b = cfg.batch
     lr = cfg.optimizer.lr or 1e-5
@@ -88,11 +88,11 @@ def adamw_state(cfg, lm, task, ctx):
 
 
 def build(model: str, extra: list[str]):
-    from entprobe.batches import get_batches
-    from entprobe.geometry import build_geometry
-    from entprobe.main import load_probe
+    from entprobe.pipeline.run_batches import get_batches
+    from entprobe.pipeline.geometry import build_geometry
+    from entprobe.cli.probe_job import load_probe
     from entprobe.config import ConfigError
-    from entprobe.preflight import check_inputs
+    from entprobe.checkpoints.preflight import check_inputs
 
     cfg = compose(COMMON + MODELS[model] + extra)
     try:
@@ -125,9 +125,9 @@ def timed(fn, device) -> tuple[float, float, float, object]:
 
 def bench(model: str, reps: int, extra: list[str]) -> dict:
     from entprobe.config import ProjectionMode
-    from entprobe.modes.two_batch import run_two_batch
-    from entprobe.stages.context import PhaseStats
-    from entprobe.stages.snapshot import restore, take
+    from entprobe.pipeline.modes.two_batch import run_two_batch
+    from entprobe.pipeline.stages.context import PhaseStats
+    from entprobe.pipeline.stages.snapshot import restore, take
 
     cfg, lm, ctx, E, U, geo = build(model, extra)
     schedules = {

@@ -72,9 +72,9 @@ def measured(device: torch.device, out: dict, name: str):
 
 
 def build(model: str, extra: list[str]):
-    from entprobe.geometry import build_geometry
-    from entprobe.main import load_probe
-    from entprobe.rollout import draw_prompt_indices, sample_batch
+    from entprobe.pipeline.geometry import build_geometry
+    from entprobe.cli.probe_job import load_probe
+    from entprobe.rollouts.sampling import draw_prompt_indices, sample_batch
 
     cfg = compose(COMMON + MODELS[model] + extra)
     torch.manual_seed(cfg.seed)
@@ -108,11 +108,11 @@ def phase_units(u: dict[str, float]) -> dict[str, float]:
 
 
 def bench(model: str, reps: int, extra: list[str]) -> dict:
-    from entprobe import paramvec as pv
+    from entprobe.math import paramvec as pv
     from entprobe.config import ProbeConfig
-    from entprobe.stages import variance
-    from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
-    from entprobe.stages.prediction import build_step_model, directions, mul_into
+    from entprobe.pipeline.stages import variance
+    from entprobe.pipeline.stages.accumulate import accumulate, x_loss_of, y_loss_of
+    from entprobe.pipeline.stages.prediction import build_step_model, directions, mul_into
 
     lm, ctx, E, U, geo = build(model, extra)
     dev = lm.device

@@ -150,7 +150,7 @@ def row_from(res: dict, row: dict) -> dict:
 def run_all(a, out: Path, on_draw=lambda rows: None) -> list[dict]:
     sys.path.insert(0, str(HERE))
     from _common import compose
-    from entprobe.main import run
+    from entprobe.cli.probe_job import run
 
     base = [f"batch.B_E={a.B_E}", f"batch.B_U={a.B_U}", f"batch.G={a.G}", f"batch.seed_U={a.seed_U}",
             "batch.share_across_lr=true",

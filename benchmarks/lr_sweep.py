@@ -111,7 +111,7 @@ def difference(row: dict, pred: float) -> tuple[float, float]:
 def run_sweep(a: argparse.Namespace, lrs: list[float], out: Path) -> list[dict]:
     sys.path.insert(0, str(HERE))
     from _common import compose
-    from entprobe.main import run
+    from entprobe.cli.probe_job import run
 
     batches, cache = out / "batches", out / "batch_cache"
     shutil.rmtree(cache, ignore_errors=True)  # the first lr computes Stages 1-2 in this invocation

@@ -39,7 +39,7 @@ def trainer_parts(out_dir: str, steps: int, seed: int = 0, lr: float = 1e-3, pro
     from trl import GRPOConfig
 
     from entprobe.tasks.arithmetic import ArithmeticTask
-    from entprobe.train import ensure_default_checkpoint
+    from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
 
     folder = ensure_default_checkpoint()
     task = ArithmeticTask(512, 9, seed=0)
@@ -177,7 +177,7 @@ def main() -> None:
         t0 = time.perf_counter()
         from entprobe.integrations import EntropyProbeCallback  # noqa: F401
         t1 = time.perf_counter()
-        from entprobe.importance_math import psis_backend
+        from entprobe.math.importance import psis_backend
         psis_backend()
         print(f"one-time, before training: importing entprobe.integrations {t1 - t0:.2f} s, the PSIS dependency "
               f"(arviz-stats, imported when the callback is made) {time.perf_counter() - t1:.2f} s")

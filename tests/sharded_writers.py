@@ -50,7 +50,7 @@ def write_checkpoints(rank: int, world: int, port: int, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import Trainer
 
-    from entprobe.builtin import build_char_tokenizer, build_tiny_llama
+    from entprobe.checkpoints.builtin import build_char_tokenizer, build_tiny_llama
 
     out = Path(out)
     tok = build_char_tokenizer()

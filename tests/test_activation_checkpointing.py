@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import compose_cfg
-from entprobe import models
-from entprobe.main import run
+from entprobe.checkpoints import models
+from entprobe.cli.probe_job import run
 
 KEYS = ("deltaH1", "SE_deltaH1", "deltaH_pred", "SE_deltaH_pred", "deltaH_true", "SE_deltaH_true")
 
@@ -28,7 +28,7 @@ def _layer_calls(monkeypatch) -> list[int]:
         layer.register_forward_pre_hook(hook)
         return lm
 
-    monkeypatch.setattr("entprobe.main.load_model", counting)
+    monkeypatch.setattr("entprobe.cli.probe_job.load_model", counting)
     return calls
 
 

@@ -14,13 +14,13 @@ import torch
 
 import entprobe
 from conftest import compose_cfg
-from entprobe.batch_store import load_batches
+from entprobe.rollouts.saved_batches import load_batches
 from entprobe.config import ConfigError
-from entprobe.main import run, to_typed
-from entprobe.models import load_model
-from entprobe.optim_state import load_optimizer
-from entprobe.preflight import check_inputs
-from entprobe.stages.snapshot import state_fingerprint
+from entprobe.cli.probe_job import run, to_typed
+from entprobe.checkpoints.models import load_model
+from entprobe.checkpoints.optim_state import load_optimizer
+from entprobe.checkpoints.preflight import check_inputs
+from entprobe.pipeline.stages.snapshot import state_fingerprint
 from entprobe.tasks import build_task
 
 QUIET = {"logging": {"progress": False, "verdict": False, "report": False}}
@@ -137,8 +137,8 @@ def test_overrides_are_the_cli_keys_with_its_checks(cli, tmp_path):
 def test_an_optimizer_at_lr_0_is_refused_before_any_pass(cli, monkeypatch):
     """Param groups at lr 0 (what a linear schedule leaves in optimizer.pt) are refused as the
     command line refuses them, before anything runs, with the fix; an explicit lr probes that step."""
-    import entprobe.api
-    from entprobe.optim_state import OptimizerStateError
+    import entprobe.pipeline.api
+    from entprobe.checkpoints.optim_state import OptimizerStateError
 
     res_cli, cfg, batches = cli
     model, opt, tok = loaded_like_the_cli(cfg)
@@ -150,7 +150,7 @@ def test_an_optimizer_at_lr_0_is_refused_before_any_pass(cli, monkeypatch):
     def no_pass(*args, **kwargs):
         raise AssertionError("the probe started")
     with monkeypatch.context() as m:
-        m.setattr(entprobe.api, "in_memory", no_pass)
+        m.setattr(entprobe.pipeline.api, "in_memory", no_pass)
         with pytest.raises(OptimizerStateError, match=r"the schedule has ended: the next step's lr is 0 .*"
                                                       r"entprobe\.probe\(\.\.\., optimizer=\{\"lr\": 1e-6\}\)$"):
             entprobe.probe(model, opt, tok, (E, U), **QUIET)
@@ -167,7 +167,7 @@ def test_config_composes_inside_a_hydra_app():
     from hydra.core.global_hydra import GlobalHydra
 
     from conftest import CONF_DIR
-    from entprobe.api import api_config
+    from entprobe.pipeline.api import api_config
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):

@@ -19,14 +19,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import entprobe.main as main_mod
+import entprobe.cli.probe_job as main_mod
 from conftest import compose_cfg
 from entprobe.config import ConfigError
-from entprobe.input_files import InputFileError
-from entprobe.main import run
-from entprobe.optim_state import OptimizerStateError
-from entprobe.rollout import RolloutBatch
-from entprobe.train import ensure_default_checkpoint
+from entprobe.runtime.input_files import InputFileError
+from entprobe.cli.probe_job import run
+from entprobe.checkpoints.optim_state import OptimizerStateError
+from entprobe.rollouts.sampling import RolloutBatch
+from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
 
 
 @dataclass

@@ -8,8 +8,8 @@ import torch
 
 from conftest import compose_cfg
 from entprobe.config import ConfigError
-from entprobe.main import run
-from entprobe.rollout import RolloutBatch
+from entprobe.cli.probe_job import run
+from entprobe.rollouts.sampling import RolloutBatch
 
 KEYS = ("deltaH1", "SE_deltaH1", "deltaH_true", "deltaH1_step", "H_orig", "bars_dot")
 

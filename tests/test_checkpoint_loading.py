@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Trainer
 
 from conftest import compose_cfg
-from entprobe.builtin import build_char_tokenizer, build_tiny_llama
-from entprobe.main import run
-from entprobe.optim_state import OptimizerStateError, load_optimizer
-from entprobe.train import ensure_default_checkpoint
+from entprobe.checkpoints.builtin import build_char_tokenizer, build_tiny_llama
+from entprobe.cli.probe_job import run
+from entprobe.checkpoints.optim_state import OptimizerStateError, load_optimizer
+from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
 
 BETAS, EPS, WD, LR_LOGGED, LR_NEXT, STEPS = (0.9, 0.95), 1e-6, 0.1, 7e-4, 5e-4, 3
 
@@ -181,7 +181,7 @@ def test_decay_groups_are_the_trainers_and_unchanged_on_the_builtin_and_smollm2(
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.trainer_pt_utils import get_parameter_names
 
-    from entprobe.optim_state import decay_parameter_names, trainer_groups
+    from entprobe.checkpoints.optim_state import decay_parameter_names, trainer_groups
 
     replaced = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
     smollm2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

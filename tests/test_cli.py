@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from conftest import committed_batches
-from entprobe.report import console_table
+from entprobe.reporting.tables import console_table
 
 
 def _main(cwd, *overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
@@ -92,7 +92,7 @@ def test_zero_reward_variance_in_u_is_flagged(tmp_path):
 
 def test_verdict_flags_say_what_to_change():
     """Each flag fires on its case and only there (hand-made results)."""
-    from entprobe.verdict import flags, verdict_lines
+    from entprobe.reporting.verdict import flags, verdict_lines
 
     base = {"deltaH_pred": -0.05, "SE_deltaH_pred": 0.01, "H_orig": 2.0, "ESS_frac": 0.9,
             "batch_U/frac_zero_var_groups": 0.25, "deltaH_true": -0.04, "SE_deltaH_true": 0.01,
@@ -119,8 +119,8 @@ def test_deltaH1_from_coordinates_without_history_is_flagged():
     carry is reported (paramvec.where_at_least + dot_at by hand) and flagged when it is most of deltaH1."""
     import torch
 
-    from entprobe import paramvec as pv
-    from entprobe.verdict import flags
+    from entprobe.math import paramvec as pv
+    from entprobe.reporting.verdict import flags
 
     a = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([[4.0]])]
     b = [torch.tensor([1.0, 1.0, -1.0]), torch.tensor([[0.5]])]
@@ -128,7 +128,7 @@ def test_deltaH1_from_coordinates_without_history_is_flagged():
     assert pv.dot_at(a, b, pv.where_at_least(P, 0.5e8)) == 1.0 * 1.0 + 3.0 * -1.0 + 4.0 * 0.5  # = 0
     assert pv.dot_at(a, b, pv.where_at_least(P, 1.0)) == 1.0 + 2.0 - 3.0 + 2.0
     # the geometry finds those coordinates once, from P and the optimizer's eps
-    from entprobe.geometry import Geometry
+    from entprobe.pipeline.geometry import Geometry
 
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(1, 1))]
     geo = Geometry(torch.optim.AdamW(params, lr=1e-3, eps=1e-8), 1e-3, P)

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from conftest import compose_cfg
-from entprobe.atomic_io import atomic_open
-from entprobe.locks import LockTimeout, file_lock
-from entprobe.main import run
-from entprobe.rollout import RolloutBatch
+from entprobe.runtime.atomic_io import atomic_open
+from entprobe.runtime.locks import LockTimeout, file_lock
+from entprobe.cli.probe_job import run
+from entprobe.rollouts.sampling import RolloutBatch
 
 QUICK = ("importance.enabled=false", "probe.variance_enabled=false")
 
@@ -91,7 +91,7 @@ def test_two_writers_of_one_path_use_their_own_temp_files(tmp_path):
 RUN_ONE = """
 import json, sys
 from conftest import compose_cfg
-from entprobe.main import run
+from entprobe.cli.probe_job import run
 run_dir, folder, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
 res = run(compose_cfg(run_dir, f"batch.save='{folder}'", f"batch.seed_E={seed}", f"batch.seed_U={seed + 100}",
                       *sys.argv[4:]))
@@ -131,7 +131,7 @@ def test_a_run_waits_for_a_held_save_folder_then_writes(tmp_path, capsys, monkey
     get there (building the default checkpoint, a loaded machine): no race on a timer."""
     import types
 
-    import entprobe.locks as locks
+    import entprobe.runtime.locks as locks
     folder = tmp_path / "b"
     holder = Holder(folder / ".lock")
     cfg = compose_cfg(tmp_path / "run", f"batch.save='{folder}'", *QUICK)

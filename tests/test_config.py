@@ -14,10 +14,10 @@ from omegaconf.errors import ConfigKeyError
 
 from conftest import CONF_DIR, compose_cfg
 from entprobe.config import ConfigError
-from entprobe.config_checks import validate
-from entprobe.main import run, to_typed
+from entprobe.pipeline.config_checks import validate
+from entprobe.cli.probe_job import run, to_typed
 from entprobe.tasks import build_task
-from entprobe.train import ensure_default_checkpoint
+from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
 
 
 def error_chain(exc: BaseException) -> str:
@@ -173,7 +173,7 @@ def test_hf_model_without_optimizer_state_refuses_then_runs_in_identity_geometry
 
 
 def test_report_per_token_puts_per_token_entropy_in_the_headline(tmp_path, capsys):
-    from entprobe.main import run
+    from entprobe.cli.probe_job import run
 
     run(compose_cfg(tmp_path, "importance.report_per_token=true", "logging.console_table=true"))
     out = capsys.readouterr().out
@@ -184,7 +184,7 @@ def test_report_per_token_puts_per_token_entropy_in_the_headline(tmp_path, capsy
 def test_former_group_name_probe_rework_is_read_as_probe(tmp_path):
     """``probe_rework`` (the probe group's former name) still works on the command line, with a
     FutureWarning: every override form is rewritten to ``probe`` and then composes."""
-    from entprobe.main import renamed_overrides
+    from entprobe.cli.probe_job import renamed_overrides
 
     argv = ["probe_rework.projection=jvp", "+probe_rework.x=1", "~probe_rework.top_k_params", "probe_rework=default",
             "batch.B_E=8", "probe.mode=two_batch", "probe_reworked.a=1"]

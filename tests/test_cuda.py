@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import compose_cfg
-from entprobe.main import run
-from entprobe.stages.snapshot import restored_after, state_fingerprint
+from entprobe.cli.probe_job import run
+from entprobe.pipeline.stages.snapshot import restored_after, state_fingerprint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

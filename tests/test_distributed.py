@@ -24,10 +24,10 @@ import torch
 
 from conftest import compose_cfg, fp32_dot_tol, rel_diff
 from ddp_launch import launch
-from entprobe import distributed as D
-from entprobe.batches import concat_batches
-from entprobe.main import run
-from entprobe.rollout import RolloutBatch
+from entprobe.runtime import distributed as D
+from entprobe.pipeline.run_batches import concat_batches
+from entprobe.cli.probe_job import run
+from entprobe.rollouts.sampling import RolloutBatch
 
 REPO = Path(__file__).resolve().parents[1]
 KEYS = ("deltaH1", "SE_deltaH1", "V_X", "V_Y", "deltaH_true", "SE_deltaH_true", "deltaH_pred", "SE_deltaH_pred")

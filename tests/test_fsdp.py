@@ -19,7 +19,7 @@ import torch
 from conftest import committed_batches, compose_cfg, fp32_dot_tol, rel_diff
 from ddp_launch import launch
 from entprobe.config import ConfigError
-from entprobe.main import run, to_typed
+from entprobe.cli.probe_job import run, to_typed
 
 SMALL = ("batch.B_E=5", "batch.B_U=3", "batch.G=4", "batch.seed_U=7", "probe.projection=backward",
          "importance.resample_on_low_ess=false")
@@ -37,7 +37,8 @@ def _instrumented(seen: dict):
     gradient's: a DTensor norm is read whole) and the gradient-enabled calls of the model and of
     its first decoder layer's MLP (``model_calls``, ``mlp_calls``: a checkpointed layer runs again
     in the backward). Returns a function that undoes the patches."""
-    from entprobe import main, sharding
+    from entprobe.cli import probe_job as main
+    from entprobe.runtime import sharding
 
     real_clip, real_load = torch.nn.utils.clip_grad_norm_, main.load_model
     seen.update(clip_norms=[], model_calls=0, mlp_calls=0)
@@ -70,9 +71,9 @@ def _worker(rank: int, world: int, port: int, out: str, extra: tuple = ()) -> No
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from entprobe import distributed as D
-    from entprobe import sharding
-    from entprobe.stages import ground_truth, snapshot
+    from entprobe.runtime import distributed as D
+    from entprobe.runtime import sharding
+    from entprobe.pipeline.stages import ground_truth, snapshot
 
     out = Path(out)
     seen = {}

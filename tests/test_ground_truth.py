@@ -18,13 +18,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from entprobe import paramvec as pv
+from entprobe.math import paramvec as pv
 from entprobe.config import ImportanceConfig, StepMode, TrainingLoss
-from entprobe.logprobs import token_logprobs
-from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
-from entprobe.stages.context import ProbeContext
-from entprobe.stages.ground_truth import StepInputs, run_ground_truth
-from entprobe.stages.snapshot import restored_after, state_fingerprint
+from entprobe.rollouts.logprobs import token_logprobs
+from entprobe.pipeline.stages.accumulate import accumulate, x_loss_of, y_loss_of
+from entprobe.pipeline.stages.context import ProbeContext
+from entprobe.pipeline.stages.ground_truth import StepInputs, run_ground_truth
+from entprobe.pipeline.stages.snapshot import restored_after, state_fingerprint
 from ddp_launch import launch
 from exact_model import adamw_with_state, fixed_batch, make_setup
 
@@ -180,7 +180,7 @@ def test_delta_h1_step_of_a_real_adamw_step_and_its_split(world, analytic, monke
     AdamW step (gain (1-b1)/(1-b1^t) on the gradient, momentum, decoupled weight decay), checked
     against the exact change and against AdamW's update written out by hand; parts sum to it.
     The split's zero-gradient step is taken in closed form (default) or by repeating the step."""
-    import entprobe.stages.step_split as split
+    import entprobe.pipeline.stages.step_split as split
     monkeypatch.setattr(split, "ANALYTIC_ADAMW_SPLIT", analytic)
     w = world
     Xbar = [-g for g in w.grad_H]

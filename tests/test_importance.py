@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from entprobe import importance_math as est
+from entprobe.math import importance as est
 
 N = 10_000
 
@@ -185,7 +185,7 @@ def test_psis_with_tied_tail_weights_is_undefined_never_snis():
 def _repeat_first_response(batch):
     """Every prompt's G responses replaced by its first one (the low-entropy regime: a prompt
     that drew the same response G times); rewards equal within each group, advantages 0."""
-    from entprobe.rollout import RolloutBatch
+    from entprobe.rollouts.sampling import RolloutBatch
 
     kw = {}
     for k in ("input_ids", "attention_mask", "response_mask", "sampler_logprobs", "rewards"):
@@ -205,8 +205,8 @@ def test_tied_weights_and_an_empty_update_run_to_the_end(tmp_path, is_mode):
     import json
 
     from conftest import compose_cfg
-    from entprobe.main import run
-    from entprobe.rollout import RolloutBatch
+    from entprobe.cli.probe_job import run
+    from entprobe.rollouts.sampling import RolloutBatch
 
     saved, tied = tmp_path / "saved", tmp_path / "tied"
     # B_E 8, G 4: 32 weights, enough for PSIS's tail fit, which the ties then break

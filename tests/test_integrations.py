@@ -192,13 +192,13 @@ def test_readme_snippets_run(tmp_path):
 
     from conftest import compose_cfg
     from entprobe.config import SamplingConfig
-    from entprobe.estimators import y_loss
-    from entprobe.logprobs import token_logprobs
-    from entprobe.main import to_typed
-    from entprobe.models import load_model
-    from entprobe.optim_state import load_optimizer
-    from entprobe.preflight import check_inputs
-    from entprobe.rollout import draw_prompt_indices, sample_batch
+    from entprobe.math.estimators import y_loss
+    from entprobe.rollouts.logprobs import token_logprobs
+    from entprobe.cli.probe_job import to_typed
+    from entprobe.checkpoints.models import load_model
+    from entprobe.checkpoints.optim_state import load_optimizer
+    from entprobe.checkpoints.preflight import check_inputs
+    from entprobe.rollouts.sampling import draw_prompt_indices, sample_batch
     from entprobe.tasks.arithmetic import ArithmeticTask
 
     api, trl_cb, loop = readme_snippets()

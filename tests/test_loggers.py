@@ -8,8 +8,8 @@ import pytest
 
 from conftest import compose_cfg
 from entprobe.config import ConfigError
-from entprobe.loggers import CsvLogger, NullLogger, make_logger, run_name
-from entprobe.main import to_typed
+from entprobe.reporting.loggers import CsvLogger, NullLogger, make_logger, run_name
+from entprobe.cli.probe_job import to_typed
 
 
 def test_run_name_from_the_overrides():

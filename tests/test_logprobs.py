@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from entprobe.config import ModelConfig, SamplingConfig
-from entprobe.logprobs import position_ids_from_mask, token_logprobs
-from entprobe.models import load_model
-from entprobe.rollout import RolloutBatch, sample_batch
+from entprobe.rollouts.logprobs import position_ids_from_mask, token_logprobs
+from entprobe.checkpoints.models import load_model
+from entprobe.rollouts.sampling import RolloutBatch, sample_batch
 from entprobe.tasks.base import Prompt
 
 

@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from entprobe.stages.ground_truth import importance_estimates, measurability, resampled_change, true_change
-from entprobe.stages.prediction import compare_with_prediction
-from entprobe.verdict import flags, verdict_lines
+from entprobe.pipeline.stages.ground_truth import importance_estimates, measurability, resampled_change, true_change
+from entprobe.pipeline.stages.prediction import compare_with_prediction
+from entprobe.reporting.verdict import flags, verdict_lines
 
 
 def _draw(spread: float, B: int = 16, G: int = 4, seed: int = 0):

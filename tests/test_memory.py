@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from conftest import compose_cfg
-from entprobe import paramvec as pv
-from entprobe.main import run
-from entprobe.stages import context
-from entprobe.stages.snapshot import restore, take
+from entprobe.math import paramvec as pv
+from entprobe.cli.probe_job import run
+from entprobe.pipeline.stages import context
+from entprobe.pipeline.stages.snapshot import restore, take
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_footprint import counting_phases, live_tensor_bytes  # noqa: E402

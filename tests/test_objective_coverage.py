@@ -27,12 +27,12 @@ import math
 import pytest
 import torch
 
-from entprobe import estimators as est
-from entprobe import objectives as ob
-from entprobe import paramvec as pv
+from entprobe.math import estimators as est
+from entprobe.rollouts import objectives as ob
+from entprobe.math import paramvec as pv
 from entprobe.config import ImportanceConfig, ObjectiveConfig, ObjectivePreset, ProbeConfig
-from entprobe.geometry import Geometry
-from entprobe.modes.two_batch import run_two_batch
+from entprobe.pipeline.geometry import Geometry
+from entprobe.pipeline.modes.two_batch import run_two_batch
 from exact_model import MAX_NEW
 from exact_oracle import batch_of, make_oracle, preset_weights, simulate
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from conftest import compose_cfg
-from entprobe import estimators as est
-from entprobe import objectives as ob
+from entprobe.math import estimators as est
+from entprobe.rollouts import objectives as ob
 from entprobe.config import ConfigError
-from entprobe.main import run, to_typed
+from entprobe.cli.probe_job import run, to_typed
 
 
 def test_unit_weights_by_hand():

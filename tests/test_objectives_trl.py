@@ -16,13 +16,13 @@ import torch
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-from entprobe import paramvec as pv  # noqa: E402
-from entprobe.builtin import build_char_tokenizer, build_tiny_llama  # noqa: E402
+from entprobe.math import paramvec as pv  # noqa: E402
+from entprobe.checkpoints.builtin import build_char_tokenizer, build_tiny_llama  # noqa: E402
 from entprobe.config import ObjectiveConfig, ObjectivePreset  # noqa: E402
-from entprobe.objectives import TRL_LOSS_TYPES, prepare  # noqa: E402
-from entprobe.rollout import RolloutBatch  # noqa: E402
-from entprobe.stages.accumulate import accumulate, y_loss_of  # noqa: E402
-from entprobe.stages.context import ProbeContext  # noqa: E402
+from entprobe.rollouts.objectives import TRL_LOSS_TYPES, prepare  # noqa: E402
+from entprobe.rollouts.sampling import RolloutBatch  # noqa: E402
+from entprobe.pipeline.stages.accumulate import accumulate, y_loss_of  # noqa: E402
+from entprobe.pipeline.stages.context import ProbeContext  # noqa: E402
 
 B, G, MAX_NEW = 3, 4, 5
 PROMPTS = ["1+2=", "13+4=", "5+16="]  # of different lengths: left padding in the batch
@@ -145,7 +145,7 @@ def test_loss_types_are_told_apart(trainer):
 def test_ground_truth_step_is_trls_training_step(trainer):
     """``run_ground_truth``'s step (the reused -Ybar, AdamW) lands where TRL's ``training_step`` plus
     the same AdamW's step lands, from the same weights and optimizer state."""
-    from entprobe.stages.ground_truth import StepInputs, run_ground_truth
+    from entprobe.pipeline.stages.ground_truth import StepInputs, run_ground_truth
     from omegaconf import OmegaConf
     from entprobe.config import ImportanceConfig
 

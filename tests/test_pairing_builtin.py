@@ -15,7 +15,7 @@ import math
 import pytest
 
 from conftest import compose_cfg
-from entprobe.main import run
+from entprobe.cli.probe_job import run
 
 
 @pytest.mark.parametrize("mode,is_mode", [("sequence", "cv"), ("dr_grpo", "cv"), ("per_token_avg", "cv"),

@@ -18,14 +18,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import entprobe.main as main_mod
+import entprobe.cli.probe_job as main_mod
 from conftest import compose_cfg
 from entprobe.config import ConfigError, ModelConfig, ModelSource
-from entprobe.input_files import InputFileError
-from entprobe.models import load_model
-from entprobe.optim_state import OptimizerStateError
-from entprobe.peft_support import AdapterError, adapter_module
-from entprobe.train import ensure_default_checkpoint
+from entprobe.runtime.input_files import InputFileError
+from entprobe.checkpoints.models import load_model
+from entprobe.checkpoints.optim_state import OptimizerStateError
+from entprobe.checkpoints.peft import AdapterError, adapter_module
+from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
 from trl_lora_checkpoint import LR, RANK, STEPS, TARGETS
 
 HERE = Path(__file__).resolve().parent
@@ -199,7 +199,7 @@ def test_adapter_parameters_are_named_by_their_module_for_every_recognised_kind(
     (modules_to_save): every trainable parameter maps to the module it adapts."""
     from peft import IA3Config, LoraConfig, get_peft_model
 
-    from entprobe.builtin import build_tiny_llama
+    from entprobe.checkpoints.builtin import build_tiny_llama
 
     configs = {
         "dora+copy": (LoraConfig(r=2, target_modules=["q_proj"], use_dora=True, modules_to_save=["lm_head"]),

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from entprobe.config import ProbeConfig
-from entprobe.stages import context as C
-from entprobe.stages.context import DEVICE_SHARE, PROBE_BUFFERS, device_budget_bytes, resolve_buffers_device
-from entprobe.stages.snapshot import resolve_snapshot_device, snapshot_bytes
-from entprobe.stages.variance import SMALL_MODEL_PARAMS, resolve_projection
+from entprobe.pipeline.stages import context as C
+from entprobe.pipeline.stages.context import DEVICE_SHARE, PROBE_BUFFERS, device_budget_bytes, resolve_buffers_device
+from entprobe.pipeline.stages.snapshot import resolve_snapshot_device, snapshot_bytes
+from entprobe.pipeline.stages.variance import SMALL_MODEL_PARAMS, resolve_projection
 
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
@@ -105,7 +105,7 @@ def test_unit_backward_rule_on_cuda(free_bytes):
     """auto on CUDA: vmap while a microbatch backward is host-bound (4 N tokens below
     CUDA_HOST_BOUND_FLOPS) and its batched unit gradients and logits' gradients fit; else loop."""
     from entprobe.config import UnitBackward
-    from entprobe.stages.variance import CUDA_HOST_BOUND_FLOPS, resolve_unit_backward
+    from entprobe.pipeline.stages.variance import CUDA_HOST_BOUND_FLOPS, resolve_unit_backward
 
     n, V, mb, G = 135_000_000, 49152, 2, 8
 

@@ -17,13 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from entprobe import estimators as est
-from entprobe import paramvec as pv
-from entprobe import plan_math as pm
-from entprobe.plan import (main, plan_directory, prediction_sides, projections_record, sign_plan_row,
+from entprobe.math import estimators as est
+from entprobe.math import paramvec as pv
+from entprobe.math import planning as pm
+from entprobe.cli.plan import main
+from entprobe.reporting.planning import (plan_directory, prediction_sides, projections_record, sign_plan_row,
                            two_batch_targets)
-from entprobe.report import PER_UNIT_FILE
-from entprobe.verdict import verdict_lines
+from entprobe.reporting.tables import PER_UNIT_FILE
+from entprobe.reporting.verdict import verdict_lines
 from exact_oracle import N_PROMPTS, make_oracle
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -243,7 +244,7 @@ def test_deltaH1_plan_from_one_run_is_conservative_by_the_product_term():
 def run_dir(tmp_path_factory):
     """A real two-batch run of the built-in default (B_E = B_U = 6, G = 4)."""
     from conftest import compose_cfg
-    from entprobe.main import run
+    from entprobe.cli.probe_job import run
 
     d = tmp_path_factory.mktemp("pilot")
     run(compose_cfg(d, "batch.B_E=6", "batch.B_U=6"))
@@ -320,7 +321,7 @@ def test_sweep_directory_fits_zetas_and_plans_each_two_batch_job(run_dir, tmp_pa
 def test_single_batch_run_plans_its_B():
     res = {"mode": "single_batch", "M": 8, "B": 16, "unit_size": 2, "G": 4, "lr": 1e-3, "SE_deltaH1": 0.2,
            "pairs_per_block": 0, "SE_deltaH_pred": 0.05, "gt/B_E": 10}
-    from entprobe.plan import plan_rows, single_batch_targets
+    from entprobe.reporting.planning import plan_rows, single_batch_targets
     rows = plan_rows(single_batch_targets(res), 0.1)
     assert rows[0].sizes == {"B": 32} and rows[0].cost == pytest.approx(4.0)  # 4x the units of 2 prompts
     assert rows[1].target.key == "deltaH_pred" and rows[1].sizes["B_E"] == 3

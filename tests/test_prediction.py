@@ -21,13 +21,13 @@ import math
 import pytest
 import torch
 
-from entprobe import estimators as est
-from entprobe import importance_math as im
+from entprobe.math import estimators as est
+from entprobe.math import importance as im
 from entprobe.config import ImportanceConfig, ProbeConfig, ProjectionMode, StepMode
-from entprobe.geometry import Geometry
-from entprobe.modes.two_batch import run_two_batch
-from entprobe.stages.snapshot import restored_after
-from entprobe.step_math import adamw_jacobian, adamw_jacobian_times_into, adamw_update, adamw_update_into
+from entprobe.pipeline.geometry import Geometry
+from entprobe.pipeline.modes.two_batch import run_two_batch
+from entprobe.pipeline.stages.snapshot import restored_after
+from entprobe.math.adamw import adamw_jacobian, adamw_jacobian_times_into, adamw_update, adamw_update_into
 from exact_oracle import batch_of, log_probs_at, make_oracle, simulate
 
 MODES = ("sequence", "per_token_avg", "dr_grpo")
@@ -322,7 +322,7 @@ def test_preconditioned_sgd_prediction_is_delta_h1(tmp_path):
     gen = torch.Generator().manual_seed(12)
     fE, fU = o.draw(1, 6, gen), o.draw(1, 5, gen)
     st = [o.opt.state[p] for p in o.setup.params]
-    from entprobe import paramvec as pv
+    from entprobe.math import paramvec as pv
     P = pv.adam_preconditioner([s["exp_avg_sq"] for s in st], int(st[0]["step"]), 0.999, 1e-8, dtype=torch.float64)
     res = run_two_batch(o.setup.ctx("sequence", mb_size=2), batch_of(o, fE[0]), batch_of(o, fU[0]),
                         Geometry(o.opt, 1e-4, P), ProbeConfig(top_k_params=0),

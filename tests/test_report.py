@@ -9,10 +9,10 @@ import math
 import pytest
 
 from conftest import compose_cfg
-from entprobe import plots
-from entprobe.main import run
-from entprobe.report_md import PLOT_FILES, REPORT_FILE
-from entprobe.verdict import flags, verdict_markdown
+from entprobe.reporting import plots
+from entprobe.cli.probe_job import run
+from entprobe.reporting.markdown import PLOT_FILES, REPORT_FILE
+from entprobe.reporting.verdict import flags, verdict_markdown
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -77,8 +77,8 @@ def test_no_report_when_switched_off(tmp_path):
 def test_trainer_metric_names_on_a_hand_made_batch():
     import torch
 
-    from entprobe.ecosystem import trainer_metrics
-    from entprobe.rollout import RolloutBatch
+    from entprobe.reporting.trainer_metrics import trainer_metrics
+    from entprobe.rollouts.sampling import RolloutBatch
 
     mask = torch.zeros(2, 2, 4, dtype=torch.long)
     for (n, g), L in {(0, 0): 4, (0, 1): 1, (1, 0): 2, (1, 1): 4}.items():

@@ -9,9 +9,9 @@ import torch
 
 from conftest import compose_cfg
 from entprobe.config import ConfigError
-from entprobe.main import run, to_typed
-from entprobe.prompt_ids import prompt_kwargs, resolve_style
-from entprobe.rollout import RolloutBatch
+from entprobe.cli.probe_job import run, to_typed
+from entprobe.tasks.prompt_ids import prompt_kwargs, resolve_style
+from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.tasks import build_task
 from entprobe.tasks.rewards import last_number_reward, numeric_reward
 from entprobe.tasks.reward_funcs import WithRewardFuncs, load_reward_func
@@ -67,7 +67,7 @@ def test_reward_func_errors(rewmod):
 
 
 def test_a_bad_reward_path_fails_before_the_model_loads(tmp_path, monkeypatch):
-    import entprobe.main as main
+    import entprobe.cli.probe_job as main
 
     monkeypatch.setattr(main, "load_probe", lambda cfg: pytest.fail("the model was loaded"))
     with pytest.raises(ConfigError, match="task.reward_funcs: 'nosuchmod:f'"):
@@ -118,8 +118,8 @@ def test_jsonl_message_list_prompts(tmp_path):
 
 
 def test_template_needed_before_the_weights_load():
-    from entprobe.builtin import build_char_tokenizer
-    from entprobe.prompt_ids import check_template
+    from entprobe.checkpoints.builtin import build_char_tokenizer
+    from entprobe.tasks.prompt_ids import check_template
 
     tok = build_char_tokenizer()
     chat = [{"role": "user", "content": "1+1="}]
@@ -132,7 +132,7 @@ def test_template_needed_before_the_weights_load():
 def test_batches_saved_before_the_task_keys_existed_still_load(tmp_path):
     """A fingerprint without tokenize / reward_funcs reads as what was done then (entprobe's
     tokenization, the built-in reward); under TRL's tokenization those batches are refused."""
-    from entprobe.batch_store import check_saved, task_fingerprint
+    from entprobe.rollouts.saved_batches import check_saved, task_fingerprint
 
     cfg = to_typed(compose_cfg(tmp_path))
     old = {k: v for k, v in task_fingerprint(cfg).items()
@@ -147,7 +147,7 @@ def test_batches_saved_before_the_task_keys_existed_still_load(tmp_path):
 def test_a_model_in_memory_is_not_the_built_in_checkpoint(tmp_path):
     """``entprobe.probe`` / the online probe pass the model in memory: ``auto`` follows the objective
     there although the config's model group is the built-in one."""
-    from entprobe.prompt_ids import style_of
+    from entprobe.tasks.prompt_ids import style_of
 
     cfg = to_typed(compose_cfg(tmp_path, "objective=trl"))
     assert style_of(cfg) == "entprobe" and style_of(cfg, "builtin:/cache/default") == "entprobe"

@@ -7,12 +7,12 @@ import math
 
 import pytest
 
-import entprobe.core as core
+import entprobe.pipeline.in_memory as core
 from conftest import compose_cfg
 from entprobe.config import ConfigError
-from entprobe.main import run
-from entprobe.rundir import set_aside_earlier_run
-from entprobe.verdict import flags
+from entprobe.cli.probe_job import run
+from entprobe.runtime.rundir import set_aside_earlier_run
+from entprobe.reporting.verdict import flags
 
 QUICK = ("importance.enabled=false", "probe.variance_enabled=false")
 

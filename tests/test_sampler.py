@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-from entprobe.rollout import generate, inverse_cdf, keyed_uniforms, row_keys
+from entprobe.rollouts.sampling import generate, inverse_cdf, keyed_uniforms, row_keys
 
 V, EOS, PAD = 7, 0, 0
 

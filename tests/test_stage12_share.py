@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from conftest import compose_cfg
-from entprobe import distributed as D
+from entprobe.runtime import distributed as D
 from entprobe.config import ImportanceConfig, ProbeConfig, ProjectionMode
-from entprobe.geometry import Geometry
-from entprobe.main import run, to_typed
-from entprobe.modes.two_batch import run_two_batch
-from entprobe.stage12_share import BUFFERS, ENTRY, SUBDIR, Stage12Share, why_not_shared
+from entprobe.pipeline.geometry import Geometry
+from entprobe.cli.probe_job import run, to_typed
+from entprobe.pipeline.modes.two_batch import run_two_batch
+from entprobe.pipeline.lr_share import BUFFERS, ENTRY, SUBDIR, Stage12Share, why_not_shared
 from exact_oracle import batch_of, make_oracle
 
 UNTIMED = ("time/", "mem/", "passes/", "stage12", "reused_stage12", "snapshot_device")
@@ -175,7 +175,7 @@ def test_a_plain_run_says_why_it_shared_nothing(tmp_path):
 
 def test_a_sharded_optimizer_state_folder_enters_the_key_by_its_files(tmp_path):
     """A sharded trainer's optimizer state is a folder: its digest covers every file under it."""
-    from entprobe.batch_store import file_digest
+    from entprobe.rollouts.saved_batches import file_digest
 
     (tmp_path / "optimizer_0").mkdir()
     (tmp_path / "optimizer_0" / "rank0.pt").write_bytes(b"a" * 100)

@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
-from entprobe import paramvec as pv
-from entprobe import estimators as est
-from entprobe.attribution import layer_of, module_kind, summarize
-from entprobe.builtin import build_tiny_llama
-from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
+from entprobe.math import paramvec as pv
+from entprobe.math import estimators as est
+from entprobe.reporting.attribution import layer_of, module_kind, summarize
+from entprobe.checkpoints.builtin import build_tiny_llama
+from entprobe.pipeline.stages.accumulate import accumulate, x_loss_of, y_loss_of
 from exact_model import adamw_with_state, fixed_batch, make_setup
 
 N_DRAWS = 200  # independent E batches per Monte-Carlo check

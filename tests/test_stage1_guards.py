@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from entprobe import paramvec as pv
-from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
-from entprobe.stages.context import ProbeContext
+from entprobe.math import paramvec as pv
+from entprobe.pipeline.stages.accumulate import accumulate, x_loss_of, y_loss_of
+from entprobe.pipeline.stages.context import ProbeContext
 from exact_model import make_setup
 
 
@@ -120,7 +120,7 @@ def test_non_finite_gradient_names_the_parameter(setup, batch, bad):
 def test_non_finite_unit_gradient_is_located_on_the_per_unit_paths(setup, batch, path, bad):
     """The per-unit paths check a unit through a cheaper witness (the kept units' sum, or the
     unit's projections); a bad second unit is still named, with its parameter."""
-    from entprobe import paramvec as pv
+    from entprobe.math import paramvec as pv
 
     name = "model.layers.0.mlp.down_proj.weight"
     calls = {"n": 0}
@@ -141,7 +141,7 @@ def test_non_finite_unit_gradient_is_located_on_the_per_unit_paths(setup, batch,
 
 
 def test_non_finite_direction_is_blamed_when_the_gradient_is_finite(setup, batch):
-    from entprobe import paramvec as pv
+    from entprobe.math import paramvec as pv
 
     ctx = setup.ctx("sequence", mb_size=2)
     dirs = pv.empty_directions(2, ctx.params, ctx.device, torch.float32)
@@ -156,7 +156,7 @@ def test_save_buffers_reproduce_bars_dot(cfg, tmp_path):
     """run(cfg) on the built-in checkpoint (conftest's shrunk composed config: B_E = B_U = G = 4)."""
     from safetensors.torch import load_file
 
-    from entprobe.main import run
+    from entprobe.cli.probe_job import run
 
     cfg.importance.enabled = False
     cfg.probe.variance_enabled = False

@@ -21,8 +21,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import CONF_DIR, compose_cfg, fp32_dot_tol
-from entprobe import sweep
-from entprobe.main import run, to_typed
+from entprobe.reporting import sweep
+from entprobe.cli.probe_job import run, to_typed
 
 # seed_U=7: every U group has some reward variance, so deltaH1 != 0
 SMALL = ("batch.B_E=5", "batch.B_U=3", "batch.G=4", "batch.seed_U=7", "model.device=cpu",

@@ -8,10 +8,10 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import compose_cfg
-from entprobe.builtin import build_char_tokenizer, build_tiny_llama
+from entprobe.checkpoints.builtin import build_char_tokenizer, build_tiny_llama
 from entprobe.config import SamplingConfig, TaskConfig
-from entprobe.main import run
-from entprobe.rollout import encode_prompts, sample_batch
+from entprobe.cli.probe_job import run
+from entprobe.rollouts.sampling import encode_prompts, sample_batch
 from entprobe.tasks import Prompt, boxed_reward, build_task, extract_boxed, numeric_reward
 from entprobe.tasks.jsonl import JsonlTask
 

@@ -16,13 +16,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerState
 
 from conftest import compose_cfg
 from entprobe.config import ConfigError, SamplingConfig
-from entprobe.grpo_trainer import TrainArgs, train
-from entprobe.logprobs import position_ids_from_mask
-from entprobe.main import run
-from entprobe.optim_state import load_optimizer, trainer_groups
-from entprobe.rollout import draw_prompt_indices, sample_batch
+from entprobe.integrations.grpo_trainer import TrainArgs, train
+from entprobe.rollouts.logprobs import position_ids_from_mask
+from entprobe.cli.probe_job import run
+from entprobe.checkpoints.optim_state import load_optimizer, trainer_groups
+from entprobe.rollouts.sampling import draw_prompt_indices, sample_batch
 from entprobe.tasks.arithmetic import ArithmeticTask
-from entprobe.train import ensure_default_checkpoint, main, policy_loss
+from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint, policy_loss
+from entprobe.cli.train import main
 
 FILES = {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "optimizer.pt",
          "scheduler.pt", "trainer_state.json", "rng_state.pth"}

@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM
 from conftest import compose_cfg
 from ddp_launch import launch_fresh
 from entprobe.config import ConfigError
-from entprobe.main import run
-from entprobe.optim_state import OptimizerStateError, load_optimizer, read_optimizer_state
+from entprobe.cli.probe_job import run
+from entprobe.checkpoints.optim_state import OptimizerStateError, load_optimizer, read_optimizer_state
 
 HERE = Path(__file__).resolve().parent
 DS = HERE / "data" / "deepspeed"
@@ -115,8 +115,8 @@ def test_deepspeed_zero_reads_back_to_the_same_steps_in_plain_torch(folder):
 def test_deepspeed_partition_layout_is_deepspeeds_own_consolidation(stage):
     """The same un-partitioning applied to the fp32 master weights gives exactly what DeepSpeed's
     zero_to_fp32 consolidated (fp32.pt), every parameter; without DeepSpeed installed."""
-    from entprobe.input_files import load_torch_file
-    from entprobe.trainer_states import deepspeed as ds
+    from entprobe.runtime.input_files import load_torch_file
+    from entprobe.checkpoints.trainer_states import deepspeed as ds
 
     folder = DS / f"zero{stage}" / "global_step3"
     files = ds.rank_files(folder)
@@ -178,7 +178,7 @@ def test_files_of_two_world_sizes_are_refused(written, tmp_path):
 def test_a_parameter_without_state_or_of_another_shape_is_named(written):
     """The state meets the model by name: a model with a third layer names the first parameter the
     checkpoint has no state for; a wider model names the first shape that differs."""
-    from entprobe.builtin import build_char_tokenizer, build_tiny_llama
+    from entprobe.checkpoints.builtin import build_char_tokenizer, build_tiny_llama
 
     vocab = len(build_char_tokenizer())
     with pytest.raises(OptimizerStateError, match=r"no Adam state for parameter 'model\.layers\.2\.self_attn\.q_proj"
@@ -217,7 +217,7 @@ class Foreign:
 def test_files_that_need_code_execution_are_refused_with_the_conversion(tmp_path):
     ds = shutil.copytree(DS / "zero2", tmp_path / "zero2")
     f = ds / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
-    from entprobe.trainer_states.deepspeed import SAFE
+    from entprobe.checkpoints.trainer_states.deepspeed import SAFE
 
     with torch.serialization.safe_globals(SAFE):
         sd = torch.load(f, weights_only=True)
@@ -253,7 +253,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str, hf: str, actor: str
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from entprobe import distributed as D
+    from entprobe.runtime import distributed as D
 
     res = run(compose_cfg(Path(out) / f"fsdp_rank{rank}", *FSDP_PROBE, "ddp.strategy=fsdp2", "ddp.timeout_s=120",
                           f"model.path='{hf}'", f"optimizer.state_path='{actor}'", f"batch.load='{saved}'"))

@@ -19,11 +19,11 @@ datasets = pytest.importorskip("datasets")
 
 from tokenizers import processors  # noqa: E402
 
-from entprobe.builtin import build_char_tokenizer, build_tiny_llama  # noqa: E402
+from entprobe.checkpoints.builtin import build_char_tokenizer, build_tiny_llama  # noqa: E402
 from entprobe.config import SamplingConfig  # noqa: E402
-from entprobe.objectives import trl_advantages  # noqa: E402
-from entprobe.prompt_ids import encode_prompts  # noqa: E402
-from entprobe.rollout import sample_batch  # noqa: E402
+from entprobe.rollouts.objectives import trl_advantages  # noqa: E402
+from entprobe.tasks.prompt_ids import encode_prompts  # noqa: E402
+from entprobe.rollouts.sampling import sample_batch  # noqa: E402
 from entprobe.tasks import Prompt, build_task  # noqa: E402
 from user_rewards import FUNCS, WEIGHTS, rewmod  # noqa: E402,F401  (rewmod: a fixture)
 
@@ -176,7 +176,7 @@ def test_readme_probe_your_trl_run_commands_run_verbatim(tmp_path):
     import sys
     from pathlib import Path
 
-    from entprobe.train import ensure_default_checkpoint
+    from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from entprobe import estimators as est
-from entprobe import paramvec as pv
-from entprobe import ustat_math as um
+from entprobe.math import estimators as est
+from entprobe.math import paramvec as pv
+from entprobe.math import ustat as um
 from entprobe.config import ImportanceConfig, ProbeConfig
-from entprobe.geometry import Geometry
-from entprobe.stages.snapshot import state_fingerprint
-from entprobe.modes.single_batch import plan_units, run_single_batch
+from entprobe.pipeline.geometry import Geometry
+from entprobe.pipeline.stages.snapshot import state_fingerprint
+from entprobe.pipeline.modes.single_batch import plan_units, run_single_batch
 from exact_model import adamw_with_state, fixed_batch, make_setup
 
 LR = 1e-3
@@ -404,7 +404,7 @@ def test_cross_fit_is_unbiased(world):
 # ---------------------------------------------------------------- distributed (gloo, 2 processes)
 def _ddp_worker(rank: int, world_size: int, port: int, out: str) -> None:
     import torch.distributed as dist
-    from entprobe.stages.context import ProbeContext
+    from entprobe.pipeline.stages.context import ProbeContext
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -458,7 +458,7 @@ def test_ddp_two_ranks_equal_one_process(world, tmp_path):
 # ---------------------------------------------------------------- end to end
 def test_run_single_batch_end_to_end(tmp_path):
     from conftest import compose_cfg
-    from entprobe.main import run
+    from entprobe.cli.probe_job import run
 
     res = run(compose_cfg(tmp_path, "probe.mode=single_batch", "batch.B_U=7", "probe.top_units=3"))
     for key in ("deltaH1", "U_cross", "SE_plugin", "SE_jack", "SE_deltaH1", "deltaH_true", "deltaH1_step"):
@@ -477,8 +477,8 @@ def test_held_out_ground_truth_is_unbiased_for_the_exact_change(world):
     the mean of deltaH_true over 40 draws is within 3 SE of the exact H(theta_plus) - H(theta)
     (sequence mode), and the reported SE matches the spread. (Measured on the batch itself, the
     estimate was biased by -78%: the step was fit to those responses.)"""
-    from entprobe.stages.accumulate import accumulate, y_loss_of
-    from entprobe.step_math import AdamWHyper, adamw_update
+    from entprobe.pipeline.stages.accumulate import accumulate, y_loss_of
+    from entprobe.math.adamw import AdamWHyper, adamw_update
     from exact_model import params_set_to
 
     batch = fixed_batch(world.setup, 8, 4, seed=17)  # committed: the same on every machine

@@ -6,9 +6,9 @@ import pytest
 
 from conftest import compose_cfg
 from entprobe.config import ConfigError
-from entprobe.config_checks import validate
-from entprobe.main import run
-from entprobe.rollout import RolloutBatch
+from entprobe.pipeline.config_checks import validate
+from entprobe.cli.probe_job import run
+from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.tasks.jsonl import JsonlTask
 
 

@@ -27,17 +27,17 @@ import torch
 from transformers import LlamaForCausalLM
 
 from conftest import compose_cfg
-from entprobe import estimators as est
-from entprobe import paramvec as pv
-from entprobe.builtin import tiny_llama_config
-from entprobe.main import run
-from entprobe.rollout import RolloutBatch
-from entprobe.stages.accumulate import accumulate, x_loss_of, y_loss_of
+from entprobe.math import estimators as est
+from entprobe.math import paramvec as pv
+from entprobe.checkpoints.builtin import tiny_llama_config
+from entprobe.cli.probe_job import run
+from entprobe.rollouts.sampling import RolloutBatch
+from entprobe.pipeline.stages.accumulate import accumulate, x_loss_of, y_loss_of
 from entprobe.config import ImportanceConfig, ProbeConfig, ProjectionMode, UnitBackward
-from entprobe.geometry import Geometry
-from entprobe.modes.two_batch import run_two_batch
-from entprobe.stages.context import nograd_prompts
-from entprobe.stages.variance import (SMALL_MODEL_PARAMS, UNIT_GRADS_ALWAYS_MB, project_backward, project_jvp, resolve_projection,
+from entprobe.pipeline.geometry import Geometry
+from entprobe.pipeline.modes.two_batch import run_two_batch
+from entprobe.pipeline.stages.context import nograd_prompts
+from entprobe.pipeline.stages.variance import (SMALL_MODEL_PARAMS, UNIT_GRADS_ALWAYS_MB, project_backward, project_jvp, resolve_projection,
                                       resolve_unit_backward)
 from exact_model import adamw_with_state, enumerate_responses, make_setup
 from exact_oracle import batch_of  # the RolloutBatch of enumerated response indices (needs .setup, .K, .R)

@@ -12,6 +12,7 @@ from enum import Enum
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
+from entprobe.conf_help import help_text
 
 
 class WeightingMode(str, Enum):
@@ -46,7 +47,7 @@ class ProjectionMode(str, Enum):
 
 class Strategy(str, Enum):
     ddp = "ddp"  # every rank holds the whole model, optimizer state and probe buffers
-    fsdp2 = "fsdp2"  # torch fully_shard: all of them sharded over the ranks (sharding.py)
+    fsdp2 = "fsdp2"  # torch fully_shard: all of them sharded over the ranks (runtime/sharding.py)
 
 
 class UnitBackward(str, Enum):
@@ -219,7 +220,7 @@ class ModelConfig:
     gguf_file: Optional[str] = None
     gguf_package: Optional[str] = None
     tokenizer_path: Optional[str] = None
-    base_path: Optional[str] = None  # a PEFT adapter's base model folder (peft_support.py)
+    base_path: Optional[str] = None  # a PEFT adapter's base model folder (checkpoints/peft.py)
     dtype: DType = DType.float32
     device: str = "auto"
     autocast_bf16: bool = True
@@ -240,7 +241,7 @@ class TaskConfig:
     seed: int = 0
     chat_template: ChatTemplate = ChatTemplate.auto
     system_prompt: Optional[str] = None
-    tokenize: PromptTokenization = PromptTokenization.auto  # prompt_ids.py
+    tokenize: PromptTokenization = PromptTokenization.auto  # tasks/prompt_ids.py
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # TRL GRPOConfig / verl data key
     reward_funcs: list[str] = field(default_factory=list)  # TRL reward functions by import path (tasks/reward_funcs.py)
     reward_weights: Optional[list[float]] = None
@@ -289,8 +290,6 @@ def register_configs() -> None:
     ``entprobe_keys`` resolver that ``--help`` lists the documented keys with (conf_help.py)."""
     from omegaconf import OmegaConf
 
-    from entprobe.conf_help import help_text
-
     ConfigStore.instance().store(name="entprobe_schema", node=EntprobeConfig)
     if not OmegaConf.has_resolver("entprobe_keys"):
         OmegaConf.register_new_resolver("entprobe_keys", help_text)
@@ -298,3 +297,16 @@ def register_configs() -> None:
 
 class ConfigError(ValueError):
     """A configuration value is out of range; the message names the key and what to change."""
+
+
+def structured(cfg) -> "EntprobeConfig":
+    """A composed DictConfig merged onto the schema (rejects unknown keys, wrong types and bad
+    choices) as the typed object; a typed object is returned as it is. Range checks:
+    ``pipeline.config_checks.validate`` (``to_typed`` does both)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if not isinstance(cfg, DictConfig):
+        return cfg
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain.pop("hydra", None)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EntprobeConfig), plain))

@@ -1,137 +1,19 @@
-"""Hydra entry point: ``python -m entprobe.main [overrides]``; ``run(cfg)`` is importable. The job
-wiring only: load from disk (``load_from_disk``: models.py, geometry.py, batches.py) -> the probe of
-what is in memory (core.py: one of the two modes, modes/two_batch.py, modes/single_batch.py) ->
-results.json, verdict, report.md (core.finish) -> logger (loggers.py). The Python API (api.py)
-shares everything after the loading.
-
-    python -m entprobe.main                                   # built-in default, ~1 min on 2 CPU cores
-    python -m entprobe.main importance.is_mode=clip
-    python -m entprobe.main model=hf model.path=/ckpt/checkpoint-500 optimizer.state_path=/ckpt/checkpoint-500
-    python -m entprobe.main -m batch.B_E=8,16 optimizer.lr=1e-6,1e-5      # sweep (see sweep.py)
-    launchers/torchrun.sh 2 batch.B_E=64 batch.B_U=64                        # DDP, one run dir
-    python -m entprobe.main -m hydra/launcher=slurm hydra.launcher.nodes=2   # SLURM (docs/scaling.md)
-"""
-from __future__ import annotations
-
+"""``python -m entprobe.main`` / the ``entprobe`` console script: Hydra's entry point, beside the
+package's conf/ (the config folder Hydra records as the source); the job itself is
+``cli.probe_job.hydra_job``, and ``run`` the job without Hydra."""
 import sys
-import time
-import warnings
-from pathlib import Path
 
 import hydra
-import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from entprobe import distributed as D
-from entprobe import sweep
-from entprobe.batches import get_batches
-from entprobe.config import EntprobeConfig, register_configs
-from entprobe.config_checks import validate
-from entprobe.core import InMemory, finish, probe_batches, probe_context
-from entprobe.geometry import build_geometry
-from entprobe.loggers import make_logger
-from entprobe.models import LoadedModel, load_model
-from entprobe.preflight import check_inputs
-from entprobe.prompt_ids import check_template, style_of
-from entprobe.report_md import PLOT_FILES
-from entprobe.rollout import RolloutBatch
-from entprobe.rundir import marks_failure, set_aside_earlier_run
-from entprobe.stage12_share import ShareSource
-from entprobe.stages.context import ProbeContext
-from entprobe.tasks import Task, build_task
-from entprobe.tasks.base import check_encodable
-
-register_configs()
+from entprobe.cli.probe_job import hydra_job, load_from_disk, load_probe, renamed_overrides, run  # noqa: F401
+from entprobe.pipeline.config_checks import to_typed  # noqa: F401
 
 
-def to_typed(cfg: DictConfig) -> EntprobeConfig:
-    """Merge onto the schema (rejects unknown keys / bad choices) and return the typed object."""
-    if not isinstance(cfg, DictConfig):
-        validate(cfg)
-        return cfg
-    schema = OmegaConf.structured(EntprobeConfig)
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    plain.pop("hydra", None)
-    merged = OmegaConf.merge(schema, plain)
-    obj = OmegaConf.to_object(merged)
-    validate(obj)
-    return obj
-
-
-def load_probe(cfg: EntprobeConfig) -> tuple[LoadedModel, Task, ProbeContext]:
-    """The task, the model (DDP-wrapped in the context when a process group exists; the task's
-    prompts are checked against the tokenizer before the weights load), and the probe's context
-    (``core.probe_context``)."""
-    task = build_task(OmegaConf.structured(cfg.task))
-    where = f"task.path={cfg.task.path}" if cfg.task.path else f"task._target_={cfg.task._target_}"
-    style = style_of(cfg)
-
-    def check_tokenizer(tok) -> None:
-        check_encodable(task, tok, where)
-        check_template(tok, [p.source for p in task.prompts[:1]], style, where)
-
-    lm = load_model(cfg.model, check_tokenizer=check_tokenizer)
-    # DDP (or FSDP2 sharding in place, ddp.strategy) under torchrun / SLURM
-    model = D.wrap(lm.model, lm.device, cfg.ddp.find_unused_parameters, cfg.ddp.strategy.value)
-    return lm, task, probe_context(cfg, lm.model, lm.device, lm.autocast_dtype, run_model=model)
-
-
-def run(cfg, batch_cache: str | Path | None = None, set_aside: bool = True) -> dict:
-    """The whole job: check inputs -> load -> sample -> probe -> write results. Returns flat results
-    (identical on every rank; only rank 0 writes). ``batch_cache``: a folder shared by the jobs of
-    a sweep. The run dir holds this run only (``rundir``: an earlier run's outputs are moved aside
-    unless ``set_aside=False``, the caller having done it); a failure leaves ``FAILED`` there."""
-    run_dir, main_rank = Path(str(cfg.run_dir)), D.env_rank() == 0
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if set_aside and main_rank:
-        set_aside_earlier_run(run_dir, str(cfg.logging.results_file))
-    with marks_failure(run_dir, enabled=main_rank):
-        cfg = to_typed(cfg)
-        D.init_from_env(cfg.ddp.backend, cfg.ddp.timeout_s, str(cfg.model.device))
-        return _run(cfg, run_dir, Path(batch_cache) if batch_cache else None)
-
-
-def _run(cfg: EntprobeConfig, run_dir: Path, batch_cache: Path | None) -> dict:
-    """Load from disk (``load_from_disk``), probe what was loaded (``core.probe_batches``), write."""
-    t0 = time.perf_counter()
-    held, E_all, U_all, batch_source = load_from_disk(cfg, batch_cache)
-    results = probe_batches(cfg, held, E_all, U_all, batch_source, run_dir)
-    results["time/total_s"] = time.perf_counter() - t0
-    finish(cfg, results, run_dir)
-    return results
-
-
-def load_from_disk(cfg: EntprobeConfig, batch_cache: Path | None = None
-                   ) -> tuple[InMemory, RolloutBatch, RolloutBatch, str]:
-    """Everything the probe reads from files: the inputs checked before the model loads, the model
-    and task (``load_probe``), the geometry from the checkpoint's optimizer state, and the global
-    batches E and U (loaded, from the sweep's cache, or sampled) with where they came from."""
-    inputs = check_inputs(cfg)  # everything that needs no model, before it loads
-    torch.manual_seed(cfg.seed)
-    lm, task, ctx = load_probe(cfg)
-    geo, meta = build_geometry(cfg, lm, ctx.params, ctx.buffers_device, inputs.optimizer_state)
-    E_all, U_all, batch_source = get_batches(cfg, lm, task, ctx, inputs, batch_cache)
-    sweep_share = ShareSource(batch_cache, inputs) if batch_cache is not None else None  # Stages 1-2 over lrs
-    return InMemory(lm, task, ctx, geo, meta, sweep_share), E_all, U_all, batch_source
-
-
-LEGACY_GROUPS = {"probe_rework": "probe"}  # former group names the command line still accepts
-
-
-def renamed_overrides(argv: list[str]) -> list[str]:
-    """Command-line overrides with former group names replaced (``probe_rework.x=1`` ->
-    ``probe.x=1``, also with ``+``/``~``/``++`` prefixes and as a group choice), each with a warning."""
-    out = []
-    for arg in argv:
-        head = arg[:len(arg) - len(arg.lstrip("+~"))]
-        for old, new in LEGACY_GROUPS.items():
-            rest = arg[len(head):]
-            if rest == old or rest.startswith((old + ".", old + "=")):
-                warnings.warn(f"entprobe: the config group '{old}' is now '{new}'; read {arg!r} as "
-                              f"{head + new + rest[len(old):]!r}", FutureWarning, stacklevel=2)
-                arg = head + new + rest[len(old):]
-        out.append(arg)
-    return out
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def hydra_main(cfg: DictConfig) -> float | None:
+    """One probe job under Hydra (``cli.probe_job.hydra_job``); returns deltaH1 for sweepers."""
+    return hydra_job(cfg)
 
 
 def main() -> float | None:
@@ -139,42 +21,6 @@ def main() -> float | None:
     names accepted."""
     sys.argv[1:] = renamed_overrides(sys.argv[1:])
     return hydra_main()
-
-
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def hydra_main(cfg: DictConfig) -> float | None:
-    """Process group first (rank decides who logs), then one run dir for all ranks (rank 0's),
-    the sweep's batch cache in multirun mode, the logger on rank 0 (``logging.logger``), ``run``, teardown."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    hc = HydraConfig.get()
-    D.init_from_env(cfg.ddp.backend, cfg.ddp.timeout_s, str(cfg.model.device))
-    logger, ok = None, False
-    try:
-        hydra_files = {hc.output_subdir or ".hydra", f"{hc.job.name}.log"}
-        run_dir = D.shared_run_dir(hc.runtime.output_dir, hydra_files)
-        if D.is_main():  # before the logger starts writing into run_dir (wandb/, csv)
-            set_aside_earlier_run(run_dir, str(cfg.logging.results_file))
-        with marks_failure(run_dir, enabled=D.is_main()):
-            with_dir = OmegaConf.to_container(cfg, resolve=True)
-            with_dir["run_dir"] = str(run_dir)
-            typed = to_typed(OmegaConf.create(with_dir))
-            cache = None
-            multirun = hc.mode == RunMode.MULTIRUN
-            if multirun:  # batches (unless batch.load) and lr-independent Stages 1-2 (stage12_share.py)
-                sweep_dir = Path(hc.runtime.cwd) / hc.sweep.dir  # absolute, also with hydra.job.chdir
-                cache = D.broadcast_object(str(sweep.batch_cache_dir(sweep_dir, typed, D.world())))
-            logger = make_logger(typed.logging, run_dir, with_dir, D.is_main(), list(hc.overrides.task),
-                                 str(hc.sweep.dir) if multirun else None, typed)
-            results = run(typed, batch_cache=cache, set_aside=False)
-            logger.log(results, {n: run_dir / f for n, f in PLOT_FILES.items() if (run_dir / f).is_file()})
-            ok = True
-            return results.get("deltaH1")
-    finally:
-        if logger is not None:
-            logger.finish(0 if ok else 1)
-        D.shutdown(ok)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The probe inside a training run: ``OnlineProbe`` for a plain PyTorch loop (online.py) and
-``EntropyProbeCallback`` for TRL's GRPOTrainer (trl.py)."""
+``EntropyProbeCallback`` for TRL's GRPOTrainer (trl.py), and entprobe's own DR-GRPO / GRPO trainer
+(integrations/grpo_trainer.py). Imports every package below it (pipeline and down); only cli imports it."""
 from entprobe.integrations.online import OnlineProbe
 from entprobe.integrations.trl import EntropyProbeCallback
 

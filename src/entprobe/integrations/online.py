@@ -34,18 +34,19 @@ from typing import Any
 
 import torch
 
-from entprobe import paramvec as pv
-from entprobe.api import api_config, left_as_it_was
+from entprobe.math import paramvec as pv
+from entprobe.pipeline.api import api_config, left_as_it_was
 from entprobe.config import ConfigError, EntprobeConfig
-from entprobe.core import probe_context
-from entprobe.geometry import live_geometry, live_lr, unwrap_optimizer
-from entprobe.importance_math import psis_backend
-from entprobe.optim_state import OptimizerStateError
-from entprobe.prompt_ids import prompt_kwargs
-from entprobe.rollout import RolloutBatch, draw_prompt_indices, sample_batch
-from entprobe.stages.ground_truth import eval_at_current, importance_estimates, true_change
-from entprobe.stages.prediction import HeldOutPrediction, build_step_model, compare_with_prediction, predict_on_held_out
+from entprobe.pipeline.in_memory import probe_context
+from entprobe.pipeline.geometry import live_geometry, live_lr, unwrap_optimizer
+from entprobe.math.importance import psis_backend
+from entprobe.checkpoints.optim_state import OptimizerStateError
+from entprobe.tasks.prompt_ids import prompt_kwargs
+from entprobe.rollouts.sampling import RolloutBatch, draw_prompt_indices, sample_batch
+from entprobe.pipeline.stages.ground_truth import eval_at_current, importance_estimates, true_change
+from entprobe.pipeline.stages.prediction import HeldOutPrediction, build_step_model, compare_with_prediction, predict_on_held_out
 from entprobe.tasks import Task
+from entprobe.pipeline.api import flatten_overrides
 
 # what the online probe reads from the config; every other key describes the command line's own
 # step (objective, optimizer file, ...), which the online probe takes from the training loop
@@ -66,8 +67,6 @@ def online_config(overrides: Mapping[str, Any], fixed: Mapping[str, Any] | None 
     """The typed config of the online probe: ``overrides`` (the command line's keys, as
     ``entprobe.probe`` takes them) restricted to ``ONLINE_KEYS``, then ``fixed`` (set by an
     integration from its trainer: its sampling temperature, G, ...; the user cannot override them)."""
-    from entprobe.api import flatten_overrides
-
     choices, values = flatten_overrides(overrides)
     for key in [c.split("=")[0] for c in choices] + list(values):
         if not any(key == k or key.startswith(k + ".") for k in ONLINE_KEYS):

@@ -32,9 +32,9 @@ import torch
 from transformers import TrainerCallback
 
 from entprobe.config import ConfigError
-from entprobe.importance_math import psis_backend
+from entprobe.math.importance import psis_backend
 from entprobe.integrations.online import OnlineProbe, online_config
-from entprobe.rollout import RolloutBatch
+from entprobe.rollouts.sampling import RolloutBatch
 
 
 def trl_rollout_batch(inputs: dict, G: int, temperature: float) -> RolloutBatch:

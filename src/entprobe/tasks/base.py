@@ -44,32 +44,6 @@ def score_rows(task: Task, prompts: list[Prompt], responses: list[str], response
     return torch.tensor([float(task.reward(r, p)) for p, r in zip(prompts, responses)], dtype=torch.float32)
 
 
-def build_task(task_cfg: Any) -> Task:
-    """Instantiate ``task_cfg._target_`` with the remaining keys the class accepts; with
-    ``task_cfg.reward_funcs``, its rewards are those functions' (``reward_funcs.WithRewardFuncs``)."""
-    target = task_cfg["_target_"]
-    try:
-        cls = get_class(target)
-    except Exception as exc:  # hydra wraps import errors
-        raise ValueError(f"task._target_={target!r} cannot be imported: {exc}") from exc
-    import inspect
-
-    accepted = inspect.signature(cls).parameters
-    kwargs = {k: v for k, v in dict(task_cfg).items() if k != "_target_" and k in accepted}
-    task = cls(**kwargs)
-    if not isinstance(task, Task):
-        raise TypeError(f"{target} must provide .prompts and .reward(response, prompt)")
-    if len(task.prompts) == 0:
-        raise ValueError(f"task {target} has no prompts (check task.path / task.num_prompts)")
-    funcs = list(task_cfg.get("reward_funcs") or [])
-    if funcs:
-        from entprobe.tasks.reward_funcs import WithRewardFuncs
-
-        weights = task_cfg.get("reward_weights")
-        task = WithRewardFuncs(task, funcs, list(weights) if weights is not None else None)
-    return task
-
-
 def check_encodable(task: Task, tokenizer, where: str, sample: int = 256, max_unknown: float = 0.5) -> None:
     """Refuse prompts the tokenizer cannot read: when more than ``max_unknown`` of the tokens of the
     first ``sample`` prompts are the unknown token, every response would be conditioned on

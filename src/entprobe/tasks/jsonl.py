@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from entprobe.prompt_ids import is_conversational
+from entprobe.tasks.prompt_ids import is_conversational
 from entprobe.tasks.base import Prompt
 from entprobe.tasks.rewards import REWARDS
 

@@ -1,0 +1,126 @@
+"""Checks that need no model, run before it loads (seconds instead of minutes to a bad-input error):
+the task's reward functions import, the model's files are there and intact, the optimizer state
+exists when the geometry needs one and is readable, finite and has a next-step lr, and batches to
+load fit the config.
+
+    inputs = check_inputs(cfg)      # then load_model, build_geometry(..., inputs.optimizer_state), ...
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from entprobe.rollouts.saved_batches import check_saved, load_batches, model_identity
+from entprobe.config import ConfigError, EntprobeConfig
+from entprobe.runtime.input_files import check_gguf, check_safetensors, load_json_file
+from entprobe.checkpoints.optim_state import StoredOptimizerState, read_optimizer_state
+from entprobe.checkpoints.peft import is_adapter_dir, resolve_adapter
+from entprobe.rollouts.sampling import RolloutBatch
+from entprobe.tasks.reward_funcs import load_reward_func
+from entprobe.checkpoints.trainer_states import weights_hint
+from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
+from entprobe.checkpoints.models import locate_gguf
+
+
+@dataclass
+class CheckedInputs:
+    model_dir: Path | None  # the folder the weights come from (None for a GGUF file)
+    gguf: Path | None
+    identity: dict  # {"model", "tokenizer"} file digests (saved batches' fingerprint)
+    optimizer_state: StoredOptimizerState | None  # None: plain SGD geometry, no state
+    loaded: tuple[RolloutBatch, RolloutBatch, dict | None] | None  # batch.load's (E, U, fingerprint)
+
+
+def _check_hf_folder(folder: Path, key: str) -> None:
+    """config.json parses; the weights are there and (safetensors) complete. A sharded trainer's
+    folder without HF weights is named with how to get them (``trainer_states.weights_hint``)."""
+    todo = f"point {key} at a save_pretrained folder (config.json + weights)"
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("pytorch_model*.bin")):
+        hint = weights_hint(folder)
+        if hint:
+            raise ConfigError(f"{key}={folder}: no HF weights there; {hint}")
+    load_json_file(folder / "config.json", "the model config", todo)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(load_json_file(index, "the weights index", todo).get("weight_map", {}).values()))
+        weights = [folder / s for s in shards]
+    else:
+        weights = sorted(folder.glob("*.safetensors"))
+    for w in weights:
+        check_safetensors(w, f"copy the checkpoint again ({key})")
+    if not weights and not any(folder.glob("pytorch_model*.bin")):
+        raise ConfigError(f"{key}={folder}: no weights (model.safetensors or pytorch_model.bin); {todo}")
+
+
+def model_files(cfg: EntprobeConfig) -> tuple[Path | None, Path | None]:
+    """(weights folder, GGUF file) of ``cfg.model``, checked; builds the built-in default on first use."""
+    m = cfg.model
+    source = m.source.value
+    if m.tokenizer_path and not Path(m.tokenizer_path).expanduser().exists():
+        raise ConfigError(f"model.tokenizer_path={m.tokenizer_path!r} does not exist")
+    if source == "builtin":
+        return ensure_default_checkpoint(m.cache_dir, seed=m.builtin_seed), None
+    if source == "hf":
+        folder = Path(m.path).expanduser()
+        if not folder.is_dir():
+            raise ConfigError(f"model.path={m.path!r} must be a save_pretrained folder (config.json + weights) "
+                              "or a PEFT adapter folder (adapter_config.json); nothing is downloaded")
+        if is_adapter_dir(folder):  # a PEFT adapter: its weights here, the base's in their own folder
+            adapter = resolve_adapter(folder, m.base_path)
+            weights = folder / "adapter_model.safetensors"
+            if weights.is_file() or not (folder / "adapter_model.bin").is_file():
+                check_safetensors(weights, "copy the adapter checkpoint again (model.path)")
+            _check_hf_folder(adapter.base_dir, "model.base_path")
+        else:
+            _check_hf_folder(folder, "model.path")
+        return folder, None
+    try:
+        folder, name = locate_gguf(m.gguf_file, m.gguf_package)
+    except FileNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+    gguf = Path(folder) / name
+    check_gguf(gguf, "give an intact GGUF file (model.gguf_file) or reinstall its package (model.gguf_package)")
+    return None, gguf
+
+
+def optimizer_state_path(cfg: EntprobeConfig, model_dir: Path | None) -> str | None:
+    """``optimizer.state_path``, else the model's own folder when it holds an optimizer.pt."""
+    if cfg.optimizer.state_path:
+        return cfg.optimizer.state_path
+    if model_dir is not None and (model_dir / "optimizer.pt").is_file():
+        return str(model_dir)
+    return None
+
+
+def check_inputs(cfg: EntprobeConfig) -> CheckedInputs:
+    """Every check that needs no model, in the order a user fixes them."""
+    o = cfg.optimizer
+    for path in cfg.task.reward_funcs:  # they import and are callable
+        load_reward_func(path)
+    model_dir, gguf = model_files(cfg)
+    path = optimizer_state_path(cfg, model_dir)
+    state = None
+    if path is None:
+        if o.preconditioner.value == "adam":
+            where = "the GGUF file holds weights only" if gguf is not None else f"{model_dir} has no optimizer.pt"
+            raise ConfigError(
+                f"no optimizer state ({where}): set optimizer.state_path=<optimizer.pt or a Trainer checkpoint "
+                "folder> for Adam geometry, or optimizer.preconditioner=identity optimizer.lr=<lr> "
+                "to probe in plain SGD geometry")
+        if o.lr is None:
+            raise ConfigError("optimizer.lr is required with optimizer.preconditioner=identity and no state "
+                              "(there is no schedule to read it from)")
+    else:
+        state = read_optimizer_state(path, o.lr)
+    tok_dir = Path(cfg.model.tokenizer_path).expanduser() if cfg.model.tokenizer_path else None
+    if model_dir is not None and is_adapter_dir(model_dir):  # the policy is the base and the adapter
+        adapter = resolve_adapter(model_dir, cfg.model.base_path)
+        identity = model_identity(adapter.base_dir, None, tok_dir or adapter.tokenizer_dir)
+        identity["model"] += "+" + model_identity(model_dir, None, None)["model"]
+    else:
+        identity = model_identity(model_dir, gguf, tok_dir)
+    loaded = None
+    if cfg.batch.load:
+        loaded = load_batches(cfg.batch.load, cfg.batch.lock_timeout_s)
+        check_saved(Path(cfg.batch.load), *loaded, cfg, identity)
+    return CheckedInputs(model_dir, gguf, identity, state, loaded)

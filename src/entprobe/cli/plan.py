@@ -1,0 +1,49 @@
+"""``python -m entprobe.plan RUN_DIR target_se=...``: the batch-size planner's command line
+(the planning itself: reporting/planning.py, math/planning.py)."""
+from __future__ import annotations
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+import torch
+from entprobe.math import planning as pm
+from entprobe.reporting.tables import PER_UNIT_FILE
+
+from entprobe.reporting.planning import PlanError, plan_directory
+
+
+def parse_args(argv: list[str]) -> tuple[Path, float]:
+    ap = argparse.ArgumentParser(prog="python -m entprobe.plan", description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path, help="a run directory (results.json, per_unit.json) or a sweep directory")
+    ap.add_argument("overrides", nargs="*", help="target_se=VALUE: the standard error wanted (nats)")
+    ap.add_argument("--target-se", type=float, default=None, help="the standard error wanted (nats)")
+    args = ap.parse_args(argv)
+    target = args.target_se
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if not sep or key != "target_se":
+            ap.error(f"unknown argument {item!r}: the planner takes target_se=VALUE (or --target-se VALUE)")
+        try:
+            target = float(value)
+        except ValueError:
+            ap.error(f"target_se={value!r} is not a number")
+    if target is None:
+        ap.error("give the standard error wanted: target_se=VALUE (or --target-se VALUE)")
+    return args.run_dir, target
+
+
+def main(argv: list[str] | None = None) -> int:
+    run_dir, target = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        lines = plan_directory(run_dir, target)
+    except PlanError as exc:
+        print(f"entprobe.plan: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""``python -m entprobe.train``: the DR-GRPO / GRPO trainer's command line (integrations/grpo_trainer.py),
+and ``--build-default`` (``entprobe-build-default``): the built-in default checkpoint
+(checkpoints/default_checkpoint.py)."""
+from __future__ import annotations
+
+import argparse
+
+from entprobe.checkpoints.default_checkpoint import LOSSES, build_default_checkpoint, ensure_default_checkpoint
+from entprobe.integrations.grpo_trainer import LR_SCHEDULERS, TrainArgs
+from entprobe.integrations.grpo_trainer import train
+
+
+def build_default_main(argv: list[str] | None = None) -> None:
+    """``entprobe-build-default`` / ``python -m entprobe.train --build-default``: the default checkpoint."""
+    ap = argparse.ArgumentParser(description="Build the built-in default checkpoint")
+    ap.add_argument("--build-default", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help="folder to write (default: the cache)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    path = build_default_checkpoint(a.out, a.seed) if a.out else ensure_default_checkpoint(seed=a.seed)
+    print(path)
+
+
+def parse_train_args(argv: list[str] | None = None):
+    """The trainer's command line -> ``grpo_trainer.TrainArgs``."""
+    d = TrainArgs(out="")
+    ap = argparse.ArgumentParser(
+        prog="python -m entprobe.train", description=TRAIN_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="run folder: checkpoint-<step>/ folders are written into it")
+    ap.add_argument("--model", default=None, help="HF save_pretrained folder to train (default: the built-in "
+                    "default checkpoint's weights, built on first use)")
+    ap.add_argument("--task", default=d.task, help="'arithmetic' (built-in) or a .jsonl file of "
+                    '{"prompt": ..., "answer": ...} records')
+    ap.add_argument("--reward", default=d.reward, choices=("numeric", "boxed"), help="reward of a .jsonl task")
+    ap.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
+    ap.add_argument("--lr", type=float, default=d.lr, help="AdamW peak learning rate")
+    ap.add_argument("--lr-scheduler", default=d.lr_scheduler, choices=LR_SCHEDULERS,
+                    help="transformers' schedule of the lr over --steps")
+    ap.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warmup steps of the schedule")
+    ap.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                    help="on the Trainer's decay group (not biases / norm weights)")
+    ap.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="gradient clipping (0: off)")
+    ap.add_argument("--B", type=int, default=d.B, help="prompts per step")
+    ap.add_argument("--G", type=int, default=d.G, help="responses sampled per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="response length cap")
+    ap.add_argument("--loss", default=d.loss, choices=LOSSES, help="policy loss (train.policy_loss)")
+    ap.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps and at the end")
+    ap.add_argument("--probe-every", type=int, default=d.probe_every,
+                    help="online entropy probe every N steps (0: off)")
+    ap.add_argument("--probe-B-E", type=int, default=d.probe_B_E, help="held-out prompts per probe")
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--device", default=d.device, help="cpu, cuda, cuda:1, ...")
+    ap.add_argument("--resume", default=None, help="continue from a checkpoint-<step> folder of this run, or "
+                    "'last' (--out's latest); give the run's other options again")
+    return TrainArgs(**{k.replace("-", "_"): v for k, v in vars(ap.parse_args(argv)).items()})
+
+
+TRAIN_HELP = """Train a policy with DR-GRPO or GRPO, writing HF Trainer checkpoints probed online.
+
+  python -m entprobe.train --out runs/grpo --steps 20 --save-every 10 --probe-every 5
+
+writes runs/grpo/checkpoint-<step>/ (model.safetensors, config.json, tokenizer, optimizer.pt,
+scheduler.pt, trainer_state.json, rng_state.pth) and prints the probe's prediction and measurement.
+Probe a checkpoint it wrote with the command line:
+
+  python -m entprobe.main model=hf model.path=runs/grpo/checkpoint-20 optimizer.state_path=runs/grpo/checkpoint-20
+
+(--loss grpo: add objective=trl objective.loss_type=grpo so the probed step is the one trained).
+--resume last (or a checkpoint-<step> folder) continues the run in --out with its other options given again.
+python -m entprobe.train --build-default [--out DIR] [--seed N] builds the built-in default checkpoint."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m entprobe.train``: the trainer (``--help``), or ``--build-default``."""
+    import sys
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--build-default" in argv:
+        return build_default_main(argv)
+    train(parse_train_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""A small DR-GRPO / GRPO trainer that writes HF Trainer checkpoints with the online probe attached
+(the command line is ``python -m entprobe.train``; ``train.main``).
+
+Each step: B prompts drawn from the task, G responses each sampled from the current policy
+(``rollout.sample_batch``, temperature 1), rewards and group advantages, the policy loss
+(``train.policy_loss``: ``dr_grpo`` or ``grpo``), backward, gradient clipping, AdamW over HF Trainer's
+decay / no-decay groups, transformers' lr scheduler (``get_scheduler``: constant, linear, cosine, with
+warmup). ``resume`` continues a run from one of its checkpoints: the weights, AdamW state, scheduler
+and log history are read back, and since each step's sampling is seeded by its step number the
+resumed run takes the steps the uninterrupted one would have. Every ``probe_every`` steps ``OnlineProbe``
+predicts the step's entropy change before ``optimizer.step()`` and measures it after; its
+``entprobe/*`` metrics join that step's entry of the log history. Every ``save_every`` steps, and at
+the last step, ``out/checkpoint-<step>/`` is written (``trainer_checkpoint``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from entprobe.config import ConfigError, SamplingConfig
+from entprobe.rollouts.sampling import draw_prompt_indices, sample_batch
+from entprobe.tasks.base import check_encodable
+from entprobe.checkpoints.trainer_checkpoint import (CHECKPOINT_RE, checkpoint_step, existing_checkpoints, read_trainer_checkpoint,
+                                         trainer_state, write_trainer_checkpoint)
+from entprobe.checkpoints.default_checkpoint import LOSSES
+from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
+from entprobe.tasks.arithmetic import ArithmeticTask
+from entprobe.tasks.jsonl import JsonlTask
+from entprobe.integrations.online import OnlineProbe
+from entprobe.checkpoints.default_checkpoint import policy_loss, trainer_adamw
+
+ADV_EPS = 1e-6  # grpo advantages: (r - mean) / (std + ADV_EPS)
+
+
+@dataclass
+class TrainArgs:
+    """What ``python -m entprobe.train`` takes (its ``--help`` describes each)."""
+    out: str
+    model: str | None = None  # an HF save_pretrained folder; None: the built-in default checkpoint
+    task: str = "arithmetic"  # or a .jsonl file of {"prompt", "answer"} records
+    reward: str = "numeric"
+    steps: int = 20
+    lr: float = 1e-3
+    lr_scheduler: str = "constant"  # transformers.get_scheduler's name: constant, linear, cosine, ...
+    warmup_steps: int = 0
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    B: int = 16
+    G: int = 4
+    max_new_tokens: int = 4
+    loss: str = "dr_grpo"
+    save_every: int = 10
+    probe_every: int = 0
+    probe_B_E: int = 8
+    seed: int = 0
+    device: str = "cpu"
+    resume: str | None = None  # a checkpoint-<step> folder of this run, or "last": --out's latest
+
+
+LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+
+
+def check_args(a: TrainArgs) -> None:
+    """Clear errors naming the option before anything is loaded."""
+    for name in ("steps", "B", "G", "max_new_tokens", "save_every", "probe_B_E"):
+        if getattr(a, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}={getattr(a, name)}: must be >= 1")
+    if a.G < 2:
+        raise ConfigError(f"--G={a.G}: group advantages need >= 2 responses per prompt")
+    if a.probe_every < 0 or a.lr <= 0 or a.max_grad_norm < 0:
+        raise ConfigError("--probe-every >= 0 (0: off), --lr > 0 and --max-grad-norm >= 0 (0: no clipping)")
+    if a.loss not in LOSSES:
+        raise ConfigError(f"--loss={a.loss!r}: one of {', '.join(LOSSES)}")
+    if a.model is not None and not (Path(a.model).expanduser() / "config.json").is_file():
+        raise ConfigError(f"--model={a.model!r}: not a save_pretrained folder (no config.json); leave it out "
+                          "to train the built-in model")
+    if a.lr_scheduler not in LR_SCHEDULERS or a.warmup_steps < 0:
+        raise ConfigError(f"--lr-scheduler={a.lr_scheduler!r} --warmup-steps={a.warmup_steps}: one of "
+                          f"{', '.join(LR_SCHEDULERS)}, warmup >= 0")
+    if a.resume is None:
+        if existing_checkpoints(a.out):
+            raise ConfigError(f"--out={a.out!r} already holds {existing_checkpoints(a.out)[0].name}: "
+                              "write the run to a new folder, or --resume it")
+        return
+    if a.model is not None:
+        raise ConfigError("--resume reads the weights from the checkpoint: leave --model out")
+    step = checkpoint_step(resume_folder(a))
+    later = [p.name for p in existing_checkpoints(a.out) if checkpoint_step(p) > step]
+    if later:
+        raise ConfigError(f"--resume={a.resume!r}: --out already holds {later[0]}, which the resumed run would "
+                          "write again; resume from the latest checkpoint or into a new --out")
+    if a.steps <= step:
+        raise ConfigError(f"--steps={a.steps}: the checkpoint is at step {step}; ask for more steps")
+
+
+def resume_folder(a: TrainArgs) -> Path:
+    """The checkpoint ``--resume`` names (``last``: the highest-numbered one in ``--out``)."""
+    if a.resume == "last":
+        found = existing_checkpoints(a.out)
+        if not found:
+            raise ConfigError(f"--resume=last: --out={a.out!r} holds no checkpoint-<step> folder")
+        return found[-1]
+    folder = Path(a.resume).expanduser()
+    if not (folder.is_dir() and CHECKPOINT_RE.match(folder.name)):
+        raise ConfigError(f"--resume={a.resume!r}: not a checkpoint-<step> folder (or 'last')")
+    return folder
+
+
+def load_policy(a: TrainArgs):
+    """(model, tokenizer) on ``a.device`` in fp32, train mode: ``--model`` or the built-in default."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = resume_folder(a) if a.resume else (
+        Path(a.model).expanduser() if a.model else ensure_default_checkpoint(seed=a.seed))
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
+                                                 attn_implementation="eager")
+    return model.to(torch.device(a.device)).train(), tok
+
+
+def load_task(a: TrainArgs):
+    return ArithmeticTask(512, 9, seed=a.seed) if a.task == "arithmetic" else JsonlTask(a.task, a.reward)
+
+
+def probe_line(step: int, m: dict) -> str:
+    """One printed line per probe: prediction, measurement, their paired difference."""
+    g = lambda k: m.get(f"entprobe/{k}", float("nan"))  # noqa: E731
+    return (f"[entprobe] step {step}: deltaH_pred {g('deltaH_pred'):+.3e} +- {g('SE_deltaH_pred'):.1e}  "
+            f"deltaH_true {g('deltaH_true'):+.3e} +- {g('SE_deltaH_true'):.1e}  "
+            f"consistent {_consistent(g('pred_consistent'))}  ({g('time_s'):.1f} s)")
+
+
+def _consistent(v: float) -> str:
+    """The logged ``pred_consistent`` (1.0 / 0.0; NaN when the measurement was unmeasurable)."""
+    return "n/a (unmeasurable)" if v != v else str(bool(v))
+
+
+def train(a: TrainArgs, log=print) -> list[Path]:
+    """Run the trainer (module docstring); returns the checkpoint folders written."""
+    check_args(a)
+    model, tok = load_policy(a)
+    task = load_task(a)
+    check_encodable(task, tok, f"--task={a.task!r}")
+    opt = trainer_adamw(model, a.lr, a.weight_decay)
+    from transformers import get_scheduler
+
+    sched = get_scheduler(a.lr_scheduler, opt, num_warmup_steps=a.warmup_steps, num_training_steps=a.steps)
+    sampling = SamplingConfig(max_new_tokens=a.max_new_tokens)
+    advantage = "dr_grpo" if a.loss == "dr_grpo" else "grpo"
+    probe = (OnlineProbe(model, opt, tok, task, every=a.probe_every, seed=a.seed, sampling={
+        "max_new_tokens": a.max_new_tokens}, batch={"B_E": a.probe_B_E, "G": a.G}) if a.probe_every else None)
+    history, written, start = [], [], 0
+    if a.resume:
+        folder = resume_folder(a)
+        start, history = read_trainer_checkpoint(folder, opt, sched, a.B * a.G)
+        log(f"[entprobe] resumed from {folder} at step {start}")
+    torch.manual_seed(a.seed)
+    for step in range(start + 1, a.steps + 1):
+        t0 = time.perf_counter()
+        seed = a.seed * 100003 + step
+        batch = sample_batch(model, tok, task, draw_prompt_indices(len(task.prompts), a.B, seed), a.G, sampling,
+                             seed, advantage, ADV_EPS)
+        loss = policy_loss(model, batch, a.loss)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), a.max_grad_norm).item()
+                     if a.max_grad_norm > 0 else None)
+        lr = sched.get_last_lr()[0]  # the lr of this step (logged as HF Trainer logs it)
+        if probe is not None:
+            probe.before_step(step)
+        opt.step()
+        sched.step()
+        metrics = probe.after_step() if probe is not None else None
+        entry = {"step": step, "loss": loss.item(), "learning_rate": lr, "reward": batch.rewards.mean().item(),
+                 "reward_std": batch.rewards.std().item(),
+                 "entropy": (-batch.sampler_logprobs.sum() / batch.gen_lengths.sum().clamp(min=1)).item(),
+                 "completion_length": batch.gen_lengths.float().mean().item(),
+                 "step_time_s": time.perf_counter() - t0}
+        if grad_norm is not None:
+            entry["grad_norm"] = grad_norm
+        if metrics:
+            entry.update(metrics)
+            log(probe_line(step, metrics))
+        history.append(entry)
+        if step % a.save_every == 0 or step == a.steps:
+            state = trainer_state(step, a.steps, a.save_every, a.B * a.G, history)
+            written.append(write_trainer_checkpoint(a.out, step, model, tok, opt, sched, state))
+            log(f"[entprobe] step {step}: loss {entry['loss']:+.4f} reward {entry['reward']:.3f} "
+                f"entropy {entry['entropy']:.3f} -> {written[-1]}")
+    return written

@@ -1,0 +1,132 @@
+"""Range checks a type cannot express, run on every composed config before a model is loaded
+(``validate``); each failure is a ``ConfigError`` naming the key and what to change. The checks of
+one area that live with its code (objectives, prompt styles, sharding, reward weights) are
+collected here too."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from entprobe.config import ConfigError, EntprobeConfig, ModelSource, ProbeMode, WeightingMode, structured
+from entprobe.rollouts.objectives import config_errors
+from entprobe.tasks.prompt_ids import style_errors
+from entprobe.runtime.sharding import config_errors as sharding_errors
+from entprobe.tasks.reward_funcs import weight_errors
+
+
+def _require(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def _finite(*xs) -> bool:
+    return all(x is None or (isinstance(x, (int, float)) and math.isfinite(x)) for x in xs)
+
+
+def _device_spec(spec: str) -> bool:
+    if spec == "auto":
+        return True
+    import torch
+
+    try:
+        torch.device(spec)
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
+def validate(cfg: Any) -> None:
+    """Range checks a type cannot express. ``cfg`` is an EntprobeConfig or a DictConfig of one."""
+    b, s, p, i = cfg.batch, cfg.sampling, cfg.probe, cfg.importance
+    for key, v in (("batch.adv_eps", b.adv_eps), ("batch.lock_timeout_s", b.lock_timeout_s),
+                   ("sampling.temperature", s.temperature), ("sampling.top_p", s.top_p),
+                   ("probe.unit_grads_budget_mb", p.unit_grads_budget_mb),
+                   ("probe.nograd_memory_mb", p.nograd_memory_mb), ("importance.clip_c", i.clip_c),
+                   ("importance.max_grad_norm", i.max_grad_norm), ("importance.ess_threshold", i.ess_threshold),
+                   ("importance.update_clip_eps", i.update_clip_eps),
+                   ("importance.update_clip_eps_high", i.update_clip_eps_high),
+                   ("optimizer.lr", cfg.optimizer.lr), ("optimizer.eps", cfg.optimizer.eps),
+                   ("optimizer.weight_decay", cfg.optimizer.weight_decay)):
+        _require(_finite(v), key, f"is {v}; must be a finite number")
+    for key, v in (("seed", cfg.seed), ("batch.seed_E", b.seed_E), ("batch.seed_U", b.seed_U),
+                   ("model.builtin_seed", cfg.model.builtin_seed), ("task.seed", cfg.task.seed)):
+        _require(v >= 0, key, f"is {v}; seeds must be >= 0")
+    _require(b.adv_eps > 0, "batch.adv_eps", f"is {b.adv_eps}; must be > 0 (GRPO divides by std + adv_eps)")
+    _require(b.lock_timeout_s >= 0, "batch.lock_timeout_s", f"is {b.lock_timeout_s}; seconds to wait, >= 0")
+    _require(b.G >= 2, "batch.G", f"is {b.G}; need >= 2 responses per prompt for the "
+             "leave-one-out baseline and group advantages")
+    if p.mode == ProbeMode.two_batch:
+        _require(b.B_E >= 2, "batch.B_E", f"is {b.B_E}; need >= 2 prompts for a variance")
+        _require(b.B_U >= 2, "batch.B_U", f"is {b.B_U}; need >= 2 prompts for a variance")
+    else:
+        _require(b.B_U >= 2, "batch.B_U", f"is {b.B_U}; single_batch mode uses B_U prompts, need >= 2")
+        _require(not i.enabled or b.B_E >= 2, "batch.B_E", f"is {b.B_E}; single_batch measures the step on a "
+                 "fresh batch of B_E prompts (importance.enabled), need >= 2")
+    _require(s.temperature > 0, "sampling.temperature", "must be > 0")
+    _require(s.top_k >= 0, "sampling.top_k", "must be >= 0 (0 disables top-k)")
+    _require(0 < s.top_p <= 1, "sampling.top_p", "must be in (0, 1]")
+    _require(s.max_new_tokens >= 1, "sampling.max_new_tokens", "must be >= 1")
+    _require(s.gen_microbatch_prompts >= 1, "sampling.gen_microbatch_prompts", "must be >= 1")
+    _require(p.mb_size_prompts >= 1, "probe.mb_size_prompts", "must be >= 1")
+    _require(p.jvp_mb_size_prompts is None or p.jvp_mb_size_prompts >= 1, "probe.jvp_mb_size_prompts",
+             "must be >= 1 (or null: sized from nograd_memory_mb)")
+    _require(p.unit_grads_budget_mb >= 0, "probe.unit_grads_budget_mb", "must be >= 0 (0: never store)")
+    _require(p.unit_grads_max_copies >= 0, "probe.unit_grads_max_copies", "must be >= 0")
+    _require(p.nograd_memory_mb >= 0, "probe.nograd_memory_mb", "must be >= 0")
+    _require(p.buffers_device in ("auto", "cpu", "model") or p.buffers_device.startswith("cuda"),
+             "probe.buffers_device", f"is {p.buffers_device!r}; use auto, cpu, model or cuda[:N]")
+    _require(p.block_size >= 0 and p.num_blocks >= 0 and p.pairs_per_block >= 0,
+             "probe.block_size/num_blocks/pairs_per_block", "must be >= 0")
+    _require(not (p.block_size and p.num_blocks), "probe.block_size",
+             "set block_size or num_blocks, not both")
+    _require(p.top_k_params >= 0, "probe.top_k_params", f"is {p.top_k_params}; must be >= 0")
+    _require(p.top_units >= 0, "probe.top_units", f"is {p.top_units}; must be >= 0")
+    _require(i.clip_c > 0, "importance.clip_c", "must be > 0")
+    _require(i.max_grad_norm is None or i.max_grad_norm > 0, "importance.max_grad_norm",
+             f"is {i.max_grad_norm}; must be > 0 (or null: no clipping)")
+    _require(i.update_clip_eps >= 0 and i.update_clip_eps_high >= 0, "importance.update_clip_eps/_high",
+             "must be >= 0")
+    _require(not (p.cross_fit and p.weighting_mode == WeightingMode.dr_grpo), "probe.cross_fit",
+             "needs a weighting mode whose functional is a mean over responses (sequence or "
+             "per_token_avg): dr_grpo's couples the whole group through Lmax, so X cannot use half of it")
+    _require(0 <= i.ess_threshold <= 1, "importance.ess_threshold", "is a fraction ESS/N in [0, 1]")
+    _require(i.importance_microbatch_size is None or i.importance_microbatch_size >= 1,
+             "importance.importance_microbatch_size", "must be >= 1 (or null: sized from nograd_memory_mb)")
+    _require(i.rl_grad_accum >= 1, "importance.rl_grad_accum", "must be >= 1")
+    _require(i.snapshot_device in ("auto", "cpu", "gpu", "model"), "importance.snapshot_device",
+             f"is {i.snapshot_device!r}; use auto, cpu or gpu")
+    _require(cfg.ddp.timeout_s > 0, "ddp.timeout_s", f"is {cfg.ddp.timeout_s}; seconds, must be > 0")
+    _require(cfg.ddp.backend in ("auto", "nccl", "gloo", "mpi", "ucc"), "ddp.backend",
+             f"is {cfg.ddp.backend!r}; use auto, nccl or gloo")
+    _require(_device_spec(cfg.model.device), "model.device", f"is {cfg.model.device!r}; use auto, cpu, cuda or cuda:N")
+    _require(cfg.task.num_prompts >= 0, "task.num_prompts", f"is {cfg.task.num_prompts}; must be >= 0 (0: all)")
+    _require(cfg.task.max_operand >= 0, "task.max_operand", f"is {cfg.task.max_operand}; must be >= 0")
+    _require(cfg.model.source != ModelSource.hf or bool(cfg.model.path), "model.path",
+             "is required with model=hf: the save_pretrained checkpoint folder")
+    _require(not cfg.model.base_path or cfg.model.source == ModelSource.hf, "model.base_path",
+             "is the base model of a PEFT adapter folder given as model.path: use it with model=hf")
+    o = cfg.optimizer
+    _require(o.lr is None or o.lr > 0, "optimizer.lr", "must be > 0")
+    _require(o.betas is None or len(o.betas) == 2, "optimizer.betas", "must be [beta1, beta2]")
+    _require(o.betas is None or all(0 <= x < 1 for x in o.betas), "optimizer.betas",
+             f"is {o.betas}; each beta must be in [0, 1)")
+    _require(o.eps is None or o.eps > 0, "optimizer.eps", f"is {o.eps}; must be > 0")
+    _require(o.step is None or o.step >= 1, "optimizer.step", f"is {o.step}; the steps already taken, >= 1")
+    _require(o.weight_decay is None or o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
+    for key, msg in config_errors(cfg.objective, cfg) + style_errors(cfg) + sharding_errors(cfg) + \
+            weight_errors(cfg.task.reward_funcs, cfg.task.reward_weights):
+        _require(False, key, msg)
+    _require(cfg.logging.wandb.mode in ("disabled", "offline", "online"), "logging.wandb.mode",
+             f"is {cfg.logging.wandb.mode!r}; use disabled, offline or online")
+    logger = getattr(cfg.logging.logger, "value", cfg.logging.logger)
+    _require(logger == "wandb" or cfg.logging.wandb.mode != "online", "logging.logger",
+             f"is {logger} but logging.wandb.mode=online asks for a wandb run: set logging.logger=wandb, "
+             "or drop logging.wandb.mode=online")
+
+
+def to_typed(cfg) -> EntprobeConfig:
+    """The typed config of a composed one (``config.structured``: the schema merge), range-checked
+    (``validate``): what every entry point runs first."""
+    obj = structured(cfg)
+    validate(obj)
+    return obj

@@ -1,0 +1,191 @@
+"""The two-batch probe, top to bottom: Y over U -> the update the optimizer will take -> X over E
+-> per-unit projections (Stages 1-2, ``compute_stage12``) -> predictions with SEs -> ground truth
+-> measured minus predicted.
+
+Order matters for cost: U is accumulated first so that ``P Ybar`` and ``Delta theta(Ybar)`` are
+known during the E pass, which then projects each unit onto them as it accumulates (the E side of
+every SE for free; the U side from kept per-unit gradients or forward-mode passes,
+pipeline/stages/variance.py); ``S_orig`` for the ground truth comes out of the same E pass, and the update
+step reuses ``-Ybar_raw``.
+
+In a sweep, Stages 1-2 are computed by the first job of those that differ only in the lr and read
+by the others, rescaled to their lr (``share``: pipeline/lr_share.py); the ground truth runs in every job.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from entprobe.runtime import distributed as D
+from entprobe.math import estimators as est
+from entprobe.math import paramvec as pv
+from entprobe.runtime.atomic_io import write_bytes_atomic
+from entprobe.reporting.attribution import summarize, write_csv
+from entprobe.pipeline.geometry import Geometry
+from entprobe.reporting.planning import projections_record
+from entprobe.reporting.tables import write_per_unit
+from entprobe.rollouts.sampling import RolloutBatch
+from entprobe.pipeline.lr_share import Stage12, Stage12Share
+from entprobe.pipeline.stages.accumulate import accumulate, global_mean, x_loss_of, y_loss_of
+from entprobe.pipeline.stages.context import ProbeContext
+from entprobe.pipeline.stages.ground_truth import StepInputs, run_ground_truth
+from entprobe.pipeline.stages.prediction import (build_step_model, compare_with_prediction, directions, mul_into,
+                                        prediction_results)
+from entprobe.pipeline.stages.variance import (project_backward, project_jvp, project_stored, resolve_projection,
+                                      resolve_unit_backward)
+
+
+def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry, pcfg, icfg) -> Stage12:
+    """Stages 1-2 at ``geo.lr``: Ybar over U, the step model, Xbar over E with the per-unit
+    projections onto ``P Ybar`` and the update's parts, then (``probe.variance_enabled``) U's
+    projections onto ``P Xbar`` and ``J Xbar``."""
+    mode = resolve_projection(pcfg, ctx, U.B) if pcfg.variance_enabled else None
+    unit_bwd = resolve_unit_backward(pcfg, ctx, (U, E))
+    with ctx.phase("accumulate_Y_U"):
+        accY = accumulate(ctx, U, y_loss_of(ctx), "Y over U", keep_unit_grads=mode == "stored",
+                          unit_backward=unit_bwd)
+        Ybar, B_U = global_mean(accY.sum_buf, accY.B)
+    # The update the optimizer will apply to this gradient (known before the step is taken)
+    step = build_step_model(ctx, geo.optimizer, geo.lr, Ybar, geo.P, icfg.step_mode.value, icfg.max_grad_norm)
+    fused = mode in ("stored", "fused")  # a_u taken during the X pass
+    dir_dev = ctx.device if mode in ("stored", "fused", "jvp") else ctx.buffers_device
+    # E-side directions, one [k, N] matrix: P Ybar (deltaH1), then each part of the update (the
+    # prediction), each written in place into its row
+    dirE = directions(ctx, [mul_into(Ybar, geo.P)], step, dir_dev)
+    PY = dirE.column(0)  # P Ybar: deltaH1 and the attribution table
+    with ctx.phase("accumulate_X_E"):
+        accX = accumulate(ctx, E, x_loss_of(ctx), "X over E", directions=dirE if fused else None,
+                          with_entropy=True, unit_backward=unit_bwd)
+        Xbar, B_E = global_mean(accX.sum_buf, accX.B)
+    terms = pv.dot_terms(Xbar, PY)  # Xbar . P Ybar per parameter: bars_dot and the attribution table
+    step_dots = pv.dot_set(Xbar, dirE)[1:].tolist()  # Xbar . Delta theta_part
+    nX, nPY = pv.norm(Xbar), pv.norm(PY)
+    # coordinates Adam never updated (v = 0: P = 1/eps there) inflate the seeds' deltaH1, not
+    # the real step, which moves them by about lr
+    nh_dot = pv.dot_at(Xbar, PY, geo.no_history) if geo.no_history is not None else None
+    del PY
+    a = b = None
+    if pcfg.variance_enabled:
+        with ctx.phase("variance"):
+            # U-side directions: P Xbar (deltaH1), then J * Xbar (the prediction's delta method)
+            fill_JX = [lambda out: step.jacobian_times_into(Xbar, out)] if step.jacobian_times_into else []
+            # with a_u taken in the X pass, the E directions are spent: U's are written over them
+            reuse = dirE if fused else None
+            dirU = directions(ctx, [mul_into(Xbar, geo.P)] + fill_JX, None, dir_dev, storage=reuse)
+            del reuse
+            if mode == "stored":
+                a, b = accX.proj, project_stored(accY.unit_grads, dirU)
+                accY.unit_grads = None
+            elif mode in ("fused", "jvp"):  # forward mode over U (and over E for jvp)
+                jvp_mb = pcfg.jvp_mb_size_prompts
+                if mode == "fused":
+                    a = accX.proj
+                else:
+                    a = project_jvp(ctx, E, dirE, "X", "a_u over E", mb_size=ctx.nograd_mb(E, True, jvp_mb))
+                b = project_jvp(ctx, U, dirU, "Y", "b_u over U", mb_size=ctx.nograd_mb(U, True, jvp_mb))
+            else:
+                a = project_backward(ctx, E, dirE, "X", "a_u over E")
+                b = project_backward(ctx, U, dirU, "Y", "b_u over U")
+            del dirU
+            # b: the units' first-order influences when the objective couples them (rollouts/objectives.py)
+            a, b = D.gather_units(a), ctx.objective.linearize(D.gather_units(b))
+    del dirE
+    return Stage12(geo.lr, list(ctx.names), Ybar, Xbar, B_E, B_U, accY.S, accY.token_logp, accX.S, accX.entropy,
+                   terms, nX, nPY, nh_dot, step.names, step.kind, step_dots, a, b, mode,
+                   unit_bwd if fused and pcfg.variance_enabled else None)
+
+
+def stage12_of(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry, pcfg, icfg,
+               share: Stage12Share | None) -> tuple[Stage12, dict]:
+    """Stages 1-2 at ``geo.lr``: read from ``share`` when another lr wrote them (rescaled), else
+    computed (and written to ``share``). Also ``reused_stage12`` and, when shared, ``stage12_share``."""
+    if share is None:
+        return compute_stage12(ctx, E, U, geo, pcfg, icfg), {"reused_stage12": False}
+    with share.claim():
+        with ctx.phase("stage12_load"):
+            stored = share.load(ctx)
+        if stored is not None:
+            return stored.at_lr(geo.lr), {"reused_stage12": True, "stage12_share": f"reused from lr={stored.lr:g}"}
+        st = compute_stage12(ctx, E, U, geo, pcfg, icfg)
+        with ctx.phase("stage12_store"):
+            share.store(st)
+    return st, {"reused_stage12": False, "stage12_share": "computed here, stored for the other lrs"}
+
+
+def stage12_results(st: Stage12, ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry
+                    ) -> tuple[dict, torch.Tensor | None, torch.Tensor | None]:
+    """The flat results of Stages 1-2 at ``st.lr`` and the per-unit contributions ``e`` [B_E, parts]
+    (``-X_u . Delta theta_part``) and ``u`` [B_U] (``-Y_v . J Xbar``), None without the variance."""
+    lr, bars_dot, nX, nPY = st.lr, float(st.terms.sum()), st.norm_Xbar, st.norm_PYbar
+    res: dict = {}
+    if st.no_history_dot is not None:
+        res["deltaH1_no_history"] = est.delta_h1(lr, st.no_history_dot)
+    res.update({"B_E": st.B_E, "B_U": st.B_U, "G": E.G, "lr": lr, "bars_dot": bars_dot,
+                "deltaH1": est.delta_h1(lr, bars_dot), "norm_Xbar": nX, "norm_PYbar": nPY,
+                "cos_Xbar_PYbar": bars_dot / (nX * nPY) if nX * nPY > 0 else float("nan")})
+    S_U = D.gather_units(st.S_U)
+    L_U, Lmax_U = D.gather_units(U.gen_lengths), D.gather_units(U.Lmax)
+    Sw_U = est.weighted_S(S_U, L_U, Lmax_U, ctx.weighting_mode)
+    res["deltaH_cov"] = est.delta_h_cov(lr, Sw_U, ctx.objective.effective_advantages(
+        D.gather_units(U.advantages), L_U, Lmax_U))
+    S_E = D.gather_units(st.S_E)
+    res["H_orig"] = float(-est.weighted_S(S_E, D.gather_units(E.gen_lengths), D.gather_units(E.Lmax),
+                                          ctx.weighting_mode).double().mean())
+    e = u = None
+    if st.a is not None:
+        v = est.two_batch_variance(st.a[:, 0], st.b[:, 0], lr, bars_dot)
+        e = -st.a[:, 1:]  # per-unit contributions to deltaH_pred: -X_u . Delta theta_part
+        u = -st.b[:, 1] if st.b.shape[1] > 1 else None  # -Y_v . (J * Xbar)
+        res.update({"V_X": v.V_X, "V_Y": v.V_Y, "SE_deltaH1": v.SE, "frac_var": v.frac_var,
+                    "ci95_low": v.ci95_low, "ci95_high": v.ci95_high, "deltaH1_df": v.df,
+                    "projection": st.projection})
+        if st.unit_backward is not None:  # per-unit gradients were taken (a backward per unit, or batched)
+            res["unit_backward"] = st.unit_backward
+    res.update(prediction_results(st.step_names, st.step_kind, st.step_dots, e, u))
+    return res, e, u
+
+
+def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry, pcfg, icfg,
+                  run_dir: Path, resample: Callable[[], RolloutBatch] | None = None,
+                  share: Stage12Share | None = None) -> dict:
+    st, res = stage12_of(ctx, E, U, geo, pcfg, icfg, share)
+    flat, e, u = stage12_results(st, ctx, E, U, geo)
+    res.update(flat)
+    names = ctx.names
+    flat, rows = summarize(names, st.terms.tolist(), pcfg.top_k_params)
+    res.update(flat)
+    if D.is_main():
+        write_csv(rows, run_dir / "attribution.csv")
+        if pcfg.save_buffers:
+            save_buffers(run_dir / "buffers.safetensors", names, st.Xbar, st.Ybar, geo.P)
+
+    psi = log_w = None
+    if icfg.enabled:
+        inp = StepInputs(geo.optimizer, geo.lr, st.Xbar, st.Ybar, geo.P, st.B_U, st.S_E, st.U_token_logp,
+                         st.E_entropy)
+        gt = run_ground_truth(ctx, E, U, inp, icfg, resample=resample)
+        psi, log_w = gt.pop("gt/psi"), gt.pop("gt/log_weights")
+        res.update(gt)
+        res.update(compare_with_prediction(res, psi, e))
+    if D.is_main():
+        # per-prompt values: the report's plots, and the projections the batch-size planner reads
+        a, b = st.a, st.b
+        rec = projections_record(st.B_E, st.B_U, E.G, geo.lr, a, b, st.step_names) if e is not None else None
+        write_per_unit(run_dir, psi, e, log_w, *((a[:, 0], b[:, 0]) if e is not None else ()), lr=geo.lr,
+                       record=rec)
+    return res
+
+
+def save_buffers(path: Path, names: list[str], Xbar, Ybar, P) -> None:
+    """Xbar, raw Ybar and P as safetensors keyed ``Xbar/<param>``, ``Ybar_raw/<param>``, ``P/<param>``."""
+    from safetensors.torch import save
+
+    tensors = {}
+    for n, x, y, *p in zip(names, Xbar, Ybar, *([P] if P is not None else [])):
+        tensors[f"Xbar/{n}"] = x.detach().float().cpu().contiguous()
+        tensors[f"Ybar_raw/{n}"] = y.detach().float().cpu().contiguous()
+        if p:
+            tensors[f"P/{n}"] = p[0].detach().float().cpu().contiguous()
+    write_bytes_atomic(path, save(tensors))

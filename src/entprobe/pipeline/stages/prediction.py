@@ -1,0 +1,300 @@
+"""The prediction of the real next step, before it is taken: ``deltaH_pred = -Xbar . Delta theta(Ybar)``
+with ``Delta theta`` the update the loaded optimizer will apply to the U gradient (math/adamw.py),
+split into gradient / momentum / weight-decay parts, each with its standard error.
+
+Per-unit contributions (units are prompts):
+- E side, exactly: ``e_u = -X_u . Delta theta_part`` (mean over E = the part's prediction);
+- U side, by the delta method: ``u_v = -Y_v . (J * Xbar)`` with J the diagonal Jacobian
+  ``d Delta theta / d Ybar`` of the whole update (the prediction moves by ``mean_v u_v - const``
+  to first order when U changes).
+Two targets, two standard errors:
+- ``SE_deltaH_pred`` (the headline; ``ci95_pred_*``, Student-t with B_E - 1 degrees of freedom):
+  the first-order change ``grad H . Delta theta(Ybar_U)`` of the step the optimizer takes on this
+  U, the step the ground truth measures. Given U the prediction is linear in Xbar, so it is exactly
+  unbiased and its SE is the E side's, ``sqrt(Var(mean e))``.
+- ``SE_deltaH_pred_expected`` (``ci95_pred_expected_*``, Welch-Satterthwaite degrees of freedom):
+  ``grad H . Delta theta(E[Y])``, the step with the expected gradient, for which U is one draw:
+  ``sqrt(Var(mean e) + Var(mean u))``. Conservative at small B (the product term
+  ``tr(Sigma_X J Sigma_Y J) / (B_E B_U)`` enters both sides) and biased by the update's curvature
+  in Ybar at O(1/B_U) (docs/uncertainty.md has the measured coverage).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from entprobe.runtime import distributed as D
+from entprobe.math import estimators as est
+from entprobe.math import paramvec as pv
+from entprobe.rollouts.sampling import RolloutBatch
+from entprobe.runtime.sharding import like_param, local
+from entprobe.pipeline.stages.accumulate import accumulate, global_mean, x_loss_of
+from entprobe.pipeline.stages.context import ProbeContext
+from entprobe.pipeline.stages.step_split import plain_adamw
+from entprobe.pipeline.stages.snapshot import restore, take
+from entprobe.pipeline.stages.variance import resolve_unit_backward
+from entprobe.math.adamw import AdamWHyper, StepModel, adamw_jacobian_times_into, adamw_update_into
+
+
+def _state_of(opt: torch.optim.Optimizer, p: torch.Tensor, dev, dt):
+    """(m, v) of AdamW's state for p on ``dev`` in ``dt`` (this rank's shards under FSDP2); zeros
+    without state (never stepped)."""
+    st = opt.state.get(p)
+    if not st or "exp_avg" not in st:
+        z = torch.zeros(local(p).shape, device=dev, dtype=dt)
+        return z, z
+    return local(st["exp_avg"]).to(dev, dt), local(st["exp_avg_sq"]).to(dev, dt)
+
+
+def _step_of(opt: torch.optim.Optimizer, p: torch.Tensor) -> float:
+    st = opt.state.get(p)
+    return float(st["step"]) if st and "exp_avg" in st else 0.0
+
+
+def _plain_sgd(opt: torch.optim.Optimizer) -> bool:
+    return type(opt) is torch.optim.SGD and all(
+        not g.get("momentum", 0.0) and not g.get("nesterov", False) and not g.get("maximize", False)
+        for g in opt.param_groups)
+
+
+# the step models whose update is exactly lr times a function of Ybar and the state (up to
+# rounding): a job's prediction at another lr is a rescaling (pipeline/lr_share.py)
+LINEAR_IN_LR = ("preconditioned_sgd", "adamw_closed_form", "sgd_closed_form")
+
+
+def step_model_kind(optimizer: torch.optim.Optimizer, step_mode: str, max_grad_norm: float | None) -> str:
+    """Which ``StepModel`` ``build_step_model`` makes for this optimizer and settings (its ``kind``)."""
+    if step_mode == "preconditioned_sgd":
+        return "preconditioned_sgd"
+    if not max_grad_norm and plain_adamw(optimizer):
+        return "adamw_closed_form"
+    if not max_grad_norm and _plain_sgd(optimizer):
+        return "sgd_closed_form"
+    return "optimizer_step"
+
+
+def build_step_model(ctx: ProbeContext, optimizer: torch.optim.Optimizer, lr: float, Ybar: pv.Buffer,
+                     P: pv.Buffer | None, step_mode: str, max_grad_norm: float | None) -> StepModel:
+    """``Delta theta(Ybar)`` (written on demand, at least fp32) and ``J x``.
+
+    ``preconditioned_sgd``: ``lr P Ybar``; plain AdamW / plain SGD: closed form per param group
+    (the groups' own lr, decay, betas, eps and each parameter's step count). Anything else (other
+    optimizers, gradient clipping, which rescales by the global norm): the optimizer's own step
+    from a snapshot with gradient ``-Ybar``, restored bit-exactly; no Jacobian then."""
+    kind = step_model_kind(optimizer, step_mode, max_grad_norm)
+    if kind == "preconditioned_sgd":
+        def scaled_into(xs, out):
+            for i, (x, o) in enumerate(zip(xs, out)):
+                torch.mul(x.to(o.device, o.dtype), lr, out=o)
+                if P is not None:
+                    o.mul_(P[i].to(o.device, o.dtype))
+        return StepModel(["gradient"], lambda outs: scaled_into(Ybar, outs["gradient"]), scaled_into,
+                         "preconditioned_sgd")
+    if kind != "optimizer_step":
+        return _closed_form(ctx, optimizer, Ybar)
+
+    def step_into(outs):  # the optimizer's own step on a snapshot
+        snap = take(ctx.params, optimizer, ctx.buffers_device)
+        try:
+            for p, y in zip(ctx.params, Ybar):
+                p.grad = like_param(p, (-y).to(p.device, p.dtype).contiguous())
+            if max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(ctx.params, max_grad_norm)
+            optimizer.step()
+            for p, s, o in zip(ctx.params, snap.params, outs["update"]):
+                torch.sub(local(p.detach()).to(o.device, o.dtype), s.to(o.device, o.dtype), out=o)
+        finally:
+            restore(ctx.params, optimizer, snap)
+    return StepModel(["update"], step_into, None, "optimizer_step")
+
+
+def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.Buffer) -> StepModel:
+    """AdamW / SGD per run of parameters that share a param group and a step count: on one flat
+    vector when the run is small (host time per op dominates there; results copied into place),
+    else tensor by tensor straight into the caller's buffers with reused scratch space."""
+    adam = plain_adamw(optimizer)
+    index = {id(p): i for i, p in enumerate(ctx.params)}
+    runs: dict[tuple, list[int]] = {}
+    for gi, g in enumerate(optimizer.param_groups):
+        for p in g["params"]:
+            i = index.get(id(p))
+            if i is not None:
+                runs.setdefault((gi, _step_of(optimizer, p) if adam else 0.0), []).append(i)
+    missing = sorted(set(range(len(ctx.params))) - {i for idx in runs.values() for i in idx})
+    if missing:
+        raise ValueError(f"parameters not in the optimizer's param groups: {[ctx.names[i] for i in missing[:3]]}")
+    chunks = []  # (parameter indices, hyper-parameters)
+    for (gi, step), idx in runs.items():
+        g = optimizer.param_groups[gi]
+        h = AdamWHyper(float(g["lr"]), float(g.get("weight_decay", 0.0)), *(
+            (float(g["betas"][0]), float(g["betas"][1]), float(g["eps"])) if adam else (0.0, 0.0, 0.0)), step)
+        small = sum(local(ctx.params[i]).numel() for i in idx) <= pv.FLAT_MAX_NUMEL
+        chunks += [(idx, h)] if small else [([i], h) for i in idx]
+    names = ["gradient"] + (["momentum"] if adam else []) + (
+        ["weight_decay"] if any(float(g.get("weight_decay", 0.0)) for g in optimizer.param_groups) else [])
+
+    def run_chunks(outs: dict[str, pv.Buffer], fn) -> None:
+        """``fn(ch, h, ins, out_flat, scratch)`` per chunk on flat inputs; results land in ``outs``."""
+        first = next(iter(outs.values()))
+        dev, dt = first[0].device, first[0].dtype
+        biggest = max(sum(local(ctx.params[i]).numel() for i in ch) for ch, _ in chunks)
+        scratch = [torch.empty(biggest, device=dev, dtype=dt) for _ in range(2)]
+        for ch, h in chunks:
+            n = sum(local(ctx.params[i]).numel() for i in ch)
+
+            def flat(ts):
+                if len(ts) == 1:
+                    return ts[0].reshape(-1).to(dev, dt)
+                return torch.cat([t.reshape(-1).to(dev, dt) for t in ts])
+            st = [_state_of(optimizer, ctx.params[i], dev, dt) for i in ch] if adam else None
+            ins = {"y": flat([Ybar[i] for i in ch]), "theta": flat([local(ctx.params[i].detach()) for i in ch])}
+            if adam:
+                ins["m"], ins["v"] = flat([x[0] for x in st]), flat([x[1] for x in st])
+            direct = len(ch) == 1
+            flat_out = {k: (o[ch[0]].view(-1) if direct else torch.empty(n, device=dev, dtype=dt))
+                        for k, o in outs.items()}
+            fn(ch, h, ins, flat_out, [x[:n] for x in scratch])
+            if not direct:
+                for k, o in outs.items():
+                    for i, t in zip(ch, flat_out[k].split([local(ctx.params[i]).numel() for i in ch])):
+                        o[i].copy_(t.view(o[i].shape))
+
+    def update(ch, h, ins, out, scratch):
+        if adam:
+            adamw_update_into(ins["y"], ins["m"], ins["v"], ins["theta"], h, out, scratch[0])
+            return
+        torch.mul(ins["y"], h.lr, out=out["gradient"])
+        if "weight_decay" in out:
+            torch.mul(ins["theta"], -h.lr * h.weight_decay, out=out["weight_decay"])
+
+    def jacobian(ch, h, ins, out, scratch):
+        if adam:
+            adamw_jacobian_times_into(ins["y"], ins["m"], ins["v"], h, ins["x"], out["jx"], *scratch)
+        else:
+            torch.mul(ins["x"], h.lr, out=out["jx"])
+
+    def jacobian_times_into(xs: pv.Buffer, out: pv.Buffer) -> None:
+        def fn(ch, h, ins, o, scratch):
+            ins["x"] = (xs[ch[0]].reshape(-1) if len(ch) == 1 else torch.cat([xs[i].reshape(-1) for i in ch])
+                        ).to(o["jx"].device, o["jx"].dtype)
+            jacobian(ch, h, ins, o, scratch)
+        run_chunks({"jx": out}, fn)
+
+    return StepModel(names, lambda outs: run_chunks(outs, update), jacobian_times_into,
+                     "adamw_closed_form" if adam else "sgd_closed_form")
+
+
+def directions(ctx: ProbeContext, first: list, step: StepModel | None, device,
+               storage: pv.DirectionSet | None = None) -> pv.DirectionSet:
+    """A ``DirectionSet`` whose first rows are ``first`` (callables ``fill(out_buffer)``) and whose
+    next rows are the step's parts (``step.names`` order), each written in place into its row
+    (into ``storage`` when given: see ``paramvec.empty_directions``)."""
+    like = ctx.params
+    dt = torch.promote_types(ctx.buffers_dtype, torch.float32)
+    dset = pv.empty_directions(len(first) + (len(step.names) if step is not None else 0), like, device, dt,
+                               storage)
+    for j, fill in enumerate(first):
+        fill(dset.column(j))
+    if step is not None:
+        step.write({k: dset.column(len(first) + j) for j, k in enumerate(step.names)})
+    return dset
+
+
+def mul_into(a: pv.Buffer, P: pv.Buffer | None):
+    """A filler ``out = P * a`` (a copy of a when P is None) for ``directions``."""
+    def fill(out: pv.Buffer) -> None:
+        for i, (x, o) in enumerate(zip(a, out)):
+            if P is None:
+                o.copy_(x)
+            else:
+                torch.mul(x.to(o.device, o.dtype), P[i].to(o.device, o.dtype), out=o)
+    return fill
+
+
+def prediction_results(names: list[str], kind: str, step_dots: list[float], e: torch.Tensor | None,
+                       u: torch.Tensor | None) -> dict:
+    """The prediction and its parts, ``-Xbar . Delta theta_part`` (``step_dots`` are the fp64 dots
+    ``Xbar . Delta theta_part`` in the order of the step model's part ``names``; ``kind``: the step
+    model's), with SEs from the per-unit contributions ``e`` [B_E, parts] (same order, already
+    negated) and ``u`` [B_U] (``-Y_v . (J * Xbar)``), when given."""
+    vals = {k: -x for k, x in zip(names, step_dots)}
+    res: dict = {"deltaH_pred": sum(vals.values()), "pred/step_model": kind}
+    if len(names) > 1:
+        res.update({f"deltaH_pred_{k}": v for k, v in vals.items()})
+        res["pred/dominant_part"] = max(vals, key=lambda k: abs(vals[k]))
+    if e is None:
+        return res
+    B_E = e.shape[0]
+    VE = est.mean_variance(e.sum(1))
+    se = math.sqrt(VE)
+    lo, hi = est.interval(res["deltaH_pred"], se, B_E - 1)
+    res.update({"SE_deltaH_pred": se, "ci95_pred_low": lo, "ci95_pred_high": hi, "SE_deltaH_pred_E": se})
+    if len(names) > 1:
+        for j, k in enumerate(names):
+            res[f"SE_deltaH_pred_{k}"] = math.sqrt(est.mean_variance(e[:, j]))
+    if u is None:
+        res["SE_deltaH_pred_U"] = float("nan")
+        return res
+    VU = est.mean_variance(u)
+    df = est.welch_df([(VE, B_E), (VU, u.shape[0])])
+    lo, hi = est.interval(res["deltaH_pred"], math.sqrt(VE + VU), df)
+    res.update({"SE_deltaH_pred_U": math.sqrt(VU), "SE_deltaH_pred_expected": math.sqrt(VE + VU),
+                "ci95_pred_expected_low": lo, "ci95_pred_expected_high": hi, "pred/expected_df": df})
+    return res
+
+
+def compare_with_prediction(res: dict, psi: torch.Tensor, e: torch.Tensor | None) -> dict:
+    """``deltaH_true - deltaH_pred`` on the same E responses, with its paired SE: per prompt of E
+    the measured contribution psi_n minus the predicted one e_n (both for the step taken on this
+    U, so the U side cancels): ``SE = sd(psi - e) / sqrt(B_E)``, Student-t with B_E - 1 degrees of
+    freedom. ``pred_consistent``: the difference's 95% interval contains 0 (None when the measurement
+    is unmeasurable: no test is made, and the difference is NaN).
+
+    The measured estimators are paired with the prediction by construction (math/importance.py):
+    to first order in the step, ``psi_n`` and ``e_n`` are the same function of the same responses,
+    so ``psi - e`` is second order and this test has power where first order holds."""
+    if res.get("measurable") is False:
+        nan = math.nan
+        return {"deltaH_true_minus_pred": nan, "SE_deltaH_true_minus_pred": nan, "ci95_true_minus_pred_low": nan,
+                "ci95_true_minus_pred_high": nan, "z_true_minus_pred": nan, "pred_consistent": None}
+    diff = res["deltaH_true"] - res["deltaH_pred"]
+    out = {"deltaH_true_minus_pred": diff}
+    if e is None:
+        return out
+    d = psi.double() - e.sum(1).double()
+    se = math.sqrt(est.mean_variance(d)) if torch.isfinite(d).all() else float("nan")
+    lo, hi = est.interval(diff, se, d.numel() - 1)
+    out.update({"SE_deltaH_true_minus_pred": se, "ci95_true_minus_pred_low": lo,
+                "ci95_true_minus_pred_high": hi, "z_true_minus_pred": diff / se if se > 0 else float("nan"),
+                "pred_consistent": bool(lo <= 0.0 <= hi) if math.isfinite(se) else False})
+    return out
+
+
+@dataclass
+class HeldOutPrediction:
+    res: dict  # gt/B_E and ``prediction_results`` (deltaH_pred, its parts, E-side SEs)
+    Xbar: pv.Buffer  # the global mean of E's X (buffers device)
+    S: torch.Tensor  # [B_E, G] this rank's E sequence log-probs at theta
+    entropy: torch.Tensor | None  # [B_E, G, T] token entropies at theta (None: not asked for)
+    e: torch.Tensor  # [B_E, parts] per-prompt contributions ``-X_n . Delta theta_part`` (gathered)
+
+
+def predict_on_held_out(ctx: ProbeContext, E: RolloutBatch, step: StepModel, pcfg,
+                        with_entropy: bool = True) -> HeldOutPrediction:
+    """``deltaH_pred = -Xbar_E . Delta theta`` of a step known before it is taken, on responses E it
+    was not fit to: one X pass over E projects each prompt onto the update's parts (the E side of
+    every SE) and keeps E's log-probs (and, ``with_entropy``, token entropies) at theta for the
+    measurement after the step."""
+    with ctx.phase("step_parts"):  # the update's parts, written into the projection directions
+        dirE = directions(ctx, [], step, ctx.device)
+    with ctx.phase("accumulate_X_E"):
+        accX = accumulate(ctx, E, x_loss_of(ctx), "X over held-out E", directions=dirE, with_entropy=with_entropy,
+                          unit_backward=resolve_unit_backward(pcfg, ctx, (E,)))
+        Xbar, B_E = global_mean(accX.sum_buf, accX.B)
+    step_dots = pv.dot_set(Xbar, dirE).tolist()
+    del dirE
+    e = -D.gather_units(accX.proj)
+    res = {"gt/B_E": B_E, **prediction_results(step.names, step.kind, step_dots, e, None)}
+    return HeldOutPrediction(res, Xbar, accX.S, accX.entropy, e)

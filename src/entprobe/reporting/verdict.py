@@ -1,0 +1,147 @@
+"""What a person reads first: the predicted change of the real next step, the measured one, their
+difference, each with its standard error, and plain-language flags. Pure functions of the flat
+results (``flags``, ``verdict_lines``); ``print_verdict`` renders them with rich.
+"""
+from __future__ import annotations
+
+import math
+
+from entprobe.reporting.planning import sign_plan_row
+
+Flag = tuple[str, str]  # (code, sentence)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _pm(x, se) -> str:
+    if not _finite(x):
+        return "n/a"
+    return f"{x:+.4g} ± {se:.2g}" if _finite(se) else f"{x:+.4g}"
+
+
+def flags(r: dict, ess_threshold: float = 0.3, truncated_sampling: bool = False) -> list[Flag]:
+    """The warnings a reader must not miss, from the flat results ``r``."""
+    out: list[Flag] = []
+    pred, se = r.get("deltaH_pred"), r.get("SE_deltaH_pred")
+    H = r.get("H_orig")
+    if r.get("batch_U/frac_zero_var_groups") == 1.0:
+        out.append(("empty_gradient", "every U group has equal rewards, so the update's gradient is zero: the "
+                    "step is AdamW's momentum and weight decay only (deltaH1 is 0). Raise B_U or G, or use "
+                    "prompts the policy sometimes solves."))
+    elif r.get("norm_PYbar") == 0.0:
+        out.append(("empty_gradient", "the update's gradient on U is exactly zero although some group's rewards "
+                    "differ: in every group the advantages cancel on identical log-prob gradients (e.g. identical "
+                    "responses at a low sampling.temperature), so the step is AdamW's momentum and weight decay "
+                    "only (deltaH1 is 0). Raise the temperature, B_U or G."))
+    if _finite(pred) and _finite(se) and se > abs(pred):
+        out.append(("noise_dominated", f"the prediction is within its SE of 0 (|{pred:.3g}| < {se:.3g}): its sign "
+                    "is not resolved; raise batch.B_E (the SE falls as 1/sqrt(B_E))."))
+    if _finite(pred) and _finite(H) and abs(pred) > abs(H) > 0:
+        out.append(("larger_than_entropy", f"the predicted change {pred:.3g} exceeds the entropy itself ({H:.3g}): "
+                    "a first-order prediction cannot hold at this lr; lower optimizer.lr."))
+    ess = r.get("ESS_frac")
+    if r.get("measurable") is False:
+        res_note = (f" The change on fresh responses sampled after the step is "
+                    f"{_pm(r['deltaH_resample'], r.get('SE_deltaH_resample'))} (deltaH_resample; not paired with "
+                    "the prediction)." if _finite(r.get("deltaH_resample")) else "")
+        out.append(("unmeasurable", f"the measured change cannot be trusted ({r.get('unmeasurable_reason', '')}): "
+                    "deltaH_true is not reported and first order is not tested. The step moves the policy too far "
+                    "for re-weighting the responses drawn before it; lower optimizer.lr to measure it." + res_note))
+    elif _finite(ess) and ess < ess_threshold:
+        out.append(("low_ess", f"importance weights are degenerate (ESS/N {ess:.2f} < {ess_threshold}): the "
+                    "measured change is unreliable and the step is far from first order; lower optimizer.lr."))
+    if r.get("pred_consistent") is False and _finite(r.get("SE_deltaH_true_minus_pred")):
+        out.append(("inconsistent", "measured and predicted changes differ beyond their 95% interval: first "
+                    "order does not hold for this step (or the step model misses what the optimizer does)."))
+    if truncated_sampling:
+        out.append(("truncated_sampling", "top-k / top-p sampling: responses are not drawn from the policy, so "
+                    "every estimate is biased; sample with top_k=0, top_p=1."))
+    d1, nh = r.get("deltaH1"), r.get("deltaH1_no_history")
+    if _finite(d1) and _finite(nh) and abs(nh) > 0.5 * abs(d1) > 0:
+        out.append(("deltaH1_no_history", f"{abs(nh) / abs(d1):.0%} of the seeds' deltaH1 comes from coordinates "
+                    "Adam never updated (v = 0, P = 1/eps there), which the real step moves by only ~lr: "
+                    "read deltaH_pred, not deltaH1."))
+    measured = ("deltaH_true", "SE_deltaH_true") if r.get("measurable") is not False else ()  # NaN by design
+    bad = [k for k in ("deltaH_pred", "SE_deltaH_pred", *measured, "deltaH1", "SE_deltaH1")
+           if k in r and not _finite(r[k])]
+    if bad:
+        out.append(("non_finite", f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not finite: do not read "
+                    "the headline; look for NaN / Inf log-probs or weights."))
+    return out
+
+
+def _ci(r: dict, lo: str, hi: str) -> str:
+    return f"[{r[lo]:.3g}, {r[hi]:.3g}]" if _finite(r.get(lo)) and _finite(r.get(hi)) else ""
+
+
+def verdict_lines(r: dict) -> list[tuple[str, str, str, str]]:
+    """Rows (what, value +- SE, 95% interval, what it is) of the headline."""
+    rows = []
+    if "deltaH_pred" in r:
+        parts = {k: r.get(f"deltaH_pred_{k}") for k in ("gradient", "momentum", "weight_decay")}
+        split = ", ".join(f"{k.replace('_', ' ')} {v:+.2g}" for k, v in parts.items() if _finite(v))
+        dom = r.get("pred/dominant_part")
+        note = "first order, the optimizer's step on U" + (f": {split}; {dom.replace('_', ' ')} dominates"
+                                                           if split and dom else "")
+        rows.append(("predicted", _pm(r["deltaH_pred"], r.get("SE_deltaH_pred")),
+                     _ci(r, "ci95_pred_low", "ci95_pred_high"), note))
+        rows += [row for row in [sign_plan_row(r)] if row]  # the batch size that resolves its sign
+    if r.get("measurable") is False:
+        rows.append(("measured", "unmeasurable", "", f"one real step: {r.get('unmeasurable_reason', '')}"))
+        if _finite(r.get("deltaH_resample")):
+            rows.append(("resampled", _pm(r["deltaH_resample"], r.get("SE_deltaH_resample")),
+                         _ci(r, "ci95_resample_low", "ci95_resample_high"),
+                         "fresh responses drawn after the step (not paired with the prediction)"))
+    elif "deltaH_true" in r:
+        rows.append(("measured", _pm(r["deltaH_true"], r.get("SE_deltaH_true")), _ci(r, "ci95_true_low", "ci95_true_high"),
+                     f"one real step, E re-weighted ({r.get('is_mode', '')}, ESS/N {r.get('ESS_frac', float('nan')):.2f})"))
+    if "SE_deltaH_true_minus_pred" in r and r.get("measurable") is not False:
+        z = r.get("z_true_minus_pred", float("nan"))
+        agree = "consistent" if r.get("pred_consistent") else "NOT consistent"
+        rows.append(("difference", _pm(r["deltaH_true_minus_pred"], r["SE_deltaH_true_minus_pred"]),
+                     _ci(r, "ci95_true_minus_pred_low", "ci95_true_minus_pred_high"),
+                     f"measured - predicted on the same responses: {agree} (z {z:+.2f})"))
+    if "deltaH1" in r:
+        rows.append(("seeds' deltaH1", _pm(r["deltaH1"], r.get("SE_deltaH1")), _ci(r, "ci95_low", "ci95_high"),
+                     "-lr Xbar.P.Ybar: not the step AdamW takes"))
+    return rows
+
+
+def title(r: dict) -> str:
+    """What the verdict's numbers are: the functional and the entropy they change."""
+    H = r.get("H_orig")
+    return (f"entropy change of the next step — {r.get('weighting_mode', '')} functional, nats "
+            f"(H = {H:.4g})" if _finite(H) else "entropy change of the next step")
+
+
+def verdict_markdown(r: dict, fl: list[Flag]) -> str:
+    """The same verdict as ``print_verdict`` as markdown: the title, a table of the headline rows,
+    the flags as a list."""
+    out = [f"**{title(r)}**", "", "| | value ± SE | 95% interval | what it is |", "|---|---:|:---:|---|"]
+    out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in verdict_lines(r)]
+    out.append("")
+    out += [f"- **{code}**: {msg}" for code, msg in fl] or ["No flags: nothing the verdict warns about."]
+    return "\n".join(out) + "\n"
+
+
+def print_verdict(r: dict, fl: list[Flag], phases: dict[str, float] | None = None) -> None:
+    """A short panel: the headline rows, the entropy they refer to, the flags, one line of phase times."""
+    from rich.console import Console
+    from rich.panel import Panel
+    from rich.table import Table
+
+    t = Table(show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    t.add_column(justify="center")
+    t.add_column(style="dim")
+    for row in verdict_lines(r):
+        t.add_row(*row)
+    con = Console(width=140)
+    con.print(Panel(t, title=title(r), expand=False))
+    for code, msg in fl:
+        con.print(f"[yellow]! {code}[/yellow]: {msg}")
+    if phases:
+        con.print("phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in phases.items()), style="dim")

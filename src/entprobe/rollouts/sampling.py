@@ -1,0 +1,303 @@
+"""Sample the E and U batches: B prompts x G responses from pi_theta, with rewards and advantages.
+
+Layout of a ``RolloutBatch`` (all tensors on CPU, indexed [B, G, T]): columns [0, P) hold the
+left-padded prompt, columns [P, T) the response, right-padded after EOS. ``response_mask`` is 1 on
+generated tokens (EOS counts), ``attention_mask`` on every real token.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+from entprobe.runtime.atomic_io import torch_save_atomic
+from entprobe.runtime.input_files import InputFileError, load_torch_file
+from entprobe.rollouts.logprobs import position_ids_from_mask
+from entprobe.tasks.prompt_ids import encode_prompts
+from entprobe.tasks.base import score_rows
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: torch.Tensor  # [B, G, T] long
+    attention_mask: torch.Tensor  # [B, G, T] long
+    response_mask: torch.Tensor  # [B, G, T] long, 1 on generated tokens (EOS included)
+    sampler_logprobs: torch.Tensor  # [B, G, T] fp32 log_softmax(logits/temp)[token], 0 off response
+    rewards: torch.Tensor  # [B, G] fp32
+    advantages: torch.Tensor  # [B, G] fp32
+    prompt_index: torch.Tensor  # [B] long, index into task.prompts
+    temperature: float = 1.0
+
+    @property
+    def B(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def G(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def gen_lengths(self) -> torch.Tensor:  # [B, G] generated tokens per response (EOS counts)
+        return self.response_mask.sum(-1)
+
+    @property
+    def Lmax(self) -> torch.Tensor:  # [B] longest response of each prompt's group
+        return self.gen_lengths.amax(-1)
+
+    @property
+    def S_sampler(self) -> torch.Tensor:  # [B, G] sequence log-prob recorded while sampling
+        return self.sampler_logprobs.sum(-1)
+
+    def select(self, idx) -> "RolloutBatch":
+        """The prompts ``idx`` (a slice, list or tensor) as a new batch; units stay whole."""
+        if isinstance(idx, int):
+            idx = slice(idx, idx + 1)
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k, v in kw.items():
+            if isinstance(v, torch.Tensor):
+                kw[k] = v[idx]
+        return RolloutBatch(**kw)
+
+    def microbatches(self, size: int):
+        """Yield (start, sub-batch) over consecutive groups of ``size`` prompts."""
+        for s in range(0, self.B, size):
+            yield s, self.select(slice(s, min(s + size, self.B)))
+
+    def flat(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids, attention_mask, response_mask) as [B*G, T] tensors on ``device``."""
+        T = self.input_ids.shape[-1]
+        return tuple(t.reshape(-1, T).to(device, non_blocking=True)
+                     for t in (self.input_ids, self.attention_mask, self.response_mask))
+
+    def save(self, path: str | Path) -> None:
+        """Atomically, through a unique temp file (``atomic_io``)."""
+        torch_save_atomic(asdict(self), path)
+
+    @classmethod
+    def load(cls, path: str | Path, todo: str = "sample anew, or save the batches again") -> "RolloutBatch":
+        """A batch written by ``save``; anything else is an ``InputFileError`` naming the file."""
+        data = load_torch_file(path, "a saved batch", todo)
+        names = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or not names >= set(data) or any(
+                not isinstance(data.get(f.name), torch.Tensor) for f in fields(cls) if f.name != "temperature"):
+            raise InputFileError(f"{path}: not a batch written by entprobe (fields {sorted(names)}); {todo}")
+        return cls(**data)
+
+    def stats(self, prefix: str) -> dict[str, float]:
+        """Reward mean/std, fraction of groups with zero reward variance, mean generated length."""
+        r = self.rewards  # NaN: unscorable responses (every reward function returned None), left out
+        return {
+            f"{prefix}/reward_mean": r.nanmean().item(),
+            f"{prefix}/reward_std": nan_std(r).item() if r.numel() > 1 else 0.0,
+            f"{prefix}/frac_zero_var_groups": (nan_std(r, -1).nan_to_num(0.0) == 0).float().mean().item(),
+            f"{prefix}/mean_gen_length": self.gen_lengths.float().mean().item(),
+        }
+
+
+def nan_std(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """Standard deviation with Bessel's correction over the non-NaN entries (TRL's ``nanstd``;
+    ``torch.std`` itself when there is no NaN); NaN where fewer than two entries are left."""
+    if not bool(x.isnan().any()):
+        return x.std() if dim is None else x.std(dim, keepdim=keepdim)
+    dims = dim if dim is not None else tuple(range(x.dim()))
+    n = (~x.isnan()).sum(dims, keepdim=keepdim)
+    var = ((x - x.nanmean(dims, keepdim=True)) ** 2).nansum(dims, keepdim=keepdim) / (n - 1)
+    return var.sqrt()
+
+
+def centred_rewards(rewards: torch.Tensor) -> torch.Tensor:
+    """``r - mean_g r`` [B, G], NaN rewards (unscorable responses) left out of the mean and kept NaN."""
+    if not bool(rewards.isnan().any()):
+        return rewards - rewards.mean(-1, keepdim=True)
+    return rewards - rewards.nanmean(-1, keepdim=True)
+
+
+def finish_advantages(A: torch.Tensor) -> torch.Tensor:
+    """Advantages with unscorable responses (NaN reward) at 0: they carry no signal (TRL's rule)."""
+    return torch.nan_to_num(A, nan=0.0)
+
+
+def group_advantages(rewards: torch.Tensor, mode: str, eps: float = 1e-6) -> torch.Tensor:
+    """``dr_grpo``: A = r - mean_g r. ``grpo``: A = (r - mean_g r) / (std_g r + eps) (unbiased std).
+    NaN rewards (unscorable) are left out of the group's statistics and get A = 0."""
+    centred = centred_rewards(rewards)
+    if str(mode) in ("grpo", "AdvantageMode.grpo"):
+        centred = centred / (nan_std(rewards, -1, keepdim=True) + eps)
+    return finish_advantages(centred)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then nucleus (top-p) truncation; removed entries set to -inf."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the token that crosses top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+    return logits
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for int64 ``0 <= x < 2**32``, in halves so no product leaves int64."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's finaliser (a bijection of 32-bit words with full avalanche), in int64."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def row_keys(seed: int, prompt_pos: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
+    """The 32-bit key [N] of each row's stream: a hash of (seed, the prompt's position in the
+    batch, the response's index in its group). Integer arithmetic only: the same on every machine."""
+    seed = int(seed) % (1 << 64)
+    h = _mix32(torch.full_like(prompt_pos, seed & _M32) ^ 0x2545F491)
+    for word in (torch.full_like(prompt_pos, seed >> 32), prompt_pos, response):
+        h = _mix32((h + 0x9E3779B9) & _M32 ^ (word & _M32))
+    return h
+
+
+def keyed_uniforms(keys: torch.Tensor, step: int) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row for draw ``step``: 53 bits from two hashes of
+    (row key, step, word). Row r's value depends on its key and the step only (counter-based)."""
+    s = _mix32(keys ^ _mix32(torch.full_like(keys, (int(step) * 2 + 1) & _M32)))
+    hi, lo = _mix32(s ^ 0x68E31DA4), _mix32(s ^ 0xB5297A4D)
+    return ((hi >> 5) * 67108864 + (lo >> 6)).double() / 9007199254740992.0  # (27 bits * 2^26 + 26) / 2^53
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token [N] drawn from each row of ``probs`` [N, V] (unnormalised, >= 0) by its uniform ``u``
+    [N]: the first index whose float64 cumulative sum exceeds ``u * total``. A zero-probability
+    entry never is that index (its cumulative sum equals the one before it)."""
+    cdf = probs.double().cumsum(-1)
+    target = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
+@torch.no_grad()
+def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eos_id: int,
+             pad_id: int, temperature: float, top_k: int, top_p: float,
+             seed: int, device, first_prompt: int = 0) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
+    """Sample G responses per prompt with a KV cache; returns per-row prompt ids, response ids,
+    and per-token ``log_softmax(logits / temperature)`` of each sampled token (rows = prompt-major).
+
+    Each row draws from its own stream (``row_keys``: seed, prompt position ``first_prompt + i``
+    in the whole batch, response index): token t of a row is the inverse-CDF pick of the row's
+    t-th uniform on its (filtered) probabilities. A token that flips in one response (an ulp of a
+    logit on another machine) changes that response only; B prompts are a prefix of 2B."""
+    rows = [p for p in prompt_ids for _ in range(G)]
+    N, P = len(rows), max(len(p) for p in rows)
+    r = torch.arange(N)
+    keys = row_keys(seed, first_prompt + r // G, r % G)
+    ids = torch.full((N, P), pad_id, dtype=torch.long)
+    mask = torch.zeros((N, P), dtype=torch.long)
+    for i, p in enumerate(rows):
+        ids[i, P - len(p):] = torch.tensor(p)
+        mask[i, P - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                use_cache=True)
+    past, logits = out.past_key_values, out.logits[:, -1].float()
+    done = torch.zeros(N, dtype=torch.bool, device=device)
+    toks, lps = [], []
+    for step in range(max_new_tokens):
+        logp = (logits / temperature).log_softmax(-1)
+        probs = filter_logits(logp, top_k, top_p).softmax(-1)
+        nxt = inverse_cdf(probs, keyed_uniforms(keys, step))
+        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        toks.append(torch.where(done, -1, nxt))
+        lps.append(logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1))
+        done = done | (nxt == eos_id)
+        if done.all():
+            break
+        mask = torch.cat([mask, (toks[-1] >= 0).long().unsqueeze(-1)], dim=1)
+        out = model(input_ids=nxt.unsqueeze(-1), attention_mask=mask,
+                    position_ids=(mask.sum(-1, keepdim=True) - 1), past_key_values=past, use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1].float()
+    tok = torch.stack(toks, 1).cpu()
+    lp = torch.stack(lps, 1).cpu()
+    responses, logprobs = [], []
+    for i in range(N):
+        keep = tok[i] >= 0
+        responses.append(tok[i][keep].tolist())
+        logprobs.append(lp[i][keep].tolist())
+    return rows, responses, logprobs
+
+
+def assemble(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]],
+             G: int, pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Pack rows into [B, G, T] tensors: prompts left-padded to P, responses right-padded."""
+    N = len(prompts)
+    P, R = max(len(p) for p in prompts), max(1, max(len(r) for r in responses))
+    T = P + R
+    ids = torch.full((N, T), pad_id, dtype=torch.long)
+    att = torch.zeros((N, T), dtype=torch.long)
+    resp = torch.zeros((N, T), dtype=torch.long)
+    lp = torch.zeros((N, T), dtype=torch.float32)
+    for i, (p, r, l) in enumerate(zip(prompts, responses, logprobs)):
+        ids[i, P - len(p):P] = torch.tensor(p)
+        att[i, P - len(p):P + len(r)] = 1
+        if r:
+            ids[i, P:P + len(r)] = torch.tensor(r)
+            resp[i, P:P + len(r)] = 1
+            lp[i, P:P + len(r)] = torch.tensor(l)
+    return tuple(t.view(N // G, G, T) for t in (ids, att, resp, lp))
+
+
+def sample_batch(model, tokenizer, task, prompt_index: torch.Tensor, G: int, sampling, seed: int,
+                 advantage: str, adv_eps: float, chat_template: str = "auto",
+                 system_prompt: str | None = None, progress=None, style: str = "entprobe",
+                 template_kwargs: dict | None = None) -> RolloutBatch:
+    """Sample G responses for each prompt in ``prompt_index`` (reproducible from ``seed``; each
+    response from its own stream keyed by its prompt's position in ``prompt_index``, see
+    ``generate``: the first k prompts draw the same responses whatever follows them), the
+    prompts tokenized under the convention ``style`` (``prompt_ids``), the rewards the task's
+    (``tasks.score_rows``: its reward functions called once on the whole batch)."""
+    if sampling.top_k or sampling.top_p < 1.0:
+        warnings.warn("truncated sampling (top_k/top_p) draws from a distribution other than "
+                      "pi_theta: every entropy estimator is biased. Use top_k=0, top_p=1 for "
+                      "trustworthy numbers.", stacklevel=2)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    pad = eos if pad is None else pad
+    all_p, all_r, all_l = [], [], []
+    idx = prompt_index.tolist()
+    chunk = sampling.gen_microbatch_prompts
+    for s in range(0, len(idx), chunk):
+        texts = [task.prompts[i].source for i in idx[s:s + chunk]]
+        ids = encode_prompts(tokenizer, texts, str(getattr(chat_template, "value", chat_template)), system_prompt,
+                             style, template_kwargs)
+        p, r, l = generate(model, ids, G, sampling.max_new_tokens, eos, pad, sampling.temperature,
+                           sampling.top_k, sampling.top_p, seed, device, first_prompt=s)
+        all_p += p; all_r += r; all_l += l
+        if progress is not None:
+            progress(len(texts))
+    model.train(was_training)
+    ids, att, resp, lp = assemble(all_p, all_r, all_l, G, pad)
+    rows = [task.prompts[idx[i // G]] for i in range(len(all_r))]
+    texts = [tokenizer.decode(r, skip_special_tokens=True) for r in all_r]
+    rewards = score_rows(task, rows, texts, all_r).to(torch.float32).view(len(idx), G)
+    adv = group_advantages(rewards, advantage, adv_eps)
+    return RolloutBatch(ids, att, resp, lp, rewards, adv, prompt_index.clone(), float(sampling.temperature))
+
+
+def draw_prompt_indices(num_prompts: int, B: int, seed: int) -> torch.Tensor:
+    """B distinct prompt indices drawn uniformly (with replacement once B exceeds the pool)."""
+    gen = torch.Generator().manual_seed(int(seed) + 7919)
+    if B <= num_prompts:
+        return torch.randperm(num_prompts, generator=gen)[:B]
+    return torch.randint(num_prompts, (B,), generator=gen)

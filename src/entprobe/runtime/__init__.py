@@ -1,0 +1,3 @@
+"""Processes and files: torch.distributed reductions (runtime/distributed.py), FSDP2 sharding (runtime/sharding.py),
+atomic writes (runtime/atomic_io.py), file locks (runtime/locks.py), run folders (runtime/rundir.py), input files read safely
+(runtime/input_files.py). Imports nothing of entprobe but the typed config."""
