@@ -250,7 +250,7 @@ def paired_psi(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Tensor, Lmax:
     ``smoothed_log_weights``: ``psis_smooth(S_upd - S_orig).log_weights``. ``psis`` is NaN when that
     is None (PSIS undefined): never another estimator in its place."""
     l = S_upd.double() - S_orig.double()
-    weights = {"cv": (l, False), "snis": (l, True), "clip": (l.clamp(max=math.log(clip_c)), True),
+    weights = {"cv": (l, False), "snis": (l, True), "clip": (clipped_log_weights(l, clip_c), True),
                "psis": (smoothed_log_weights, True)}
     if mode == "dr_grpo":
         Lm = Lmax.double().clamp(min=1).unsqueeze(-1)

@@ -119,7 +119,8 @@ def check_saved(src: Path, E: RolloutBatch, U: RolloutBatch, meta: dict | None, 
                 identity: dict | None = None) -> None:
     """Saved batches must be what the config would sample: the same G, B_E / B_U, temperature,
     top_k / top_p (the log-probs every estimate uses are those of the sampling distribution), task,
-    and (``identity``) the same model and tokenizer."""
+    max_new_tokens, advantage type (the saved advantages are used as they are) and (``identity``)
+    the same model and tokenizer."""
     b, s = cfg.batch, cfg.sampling
     two = cfg.probe.mode.value == "two_batch"
     for label, batch, B in (("E", E, b.B_E), ("U", U, b.B_U)):
@@ -138,8 +139,11 @@ def check_saved(src: Path, E: RolloutBatch, U: RolloutBatch, meta: dict | None, 
     task = task_fingerprint(cfg)
     if isinstance(meta.get("task"), dict):  # saved before a task key existed: that key's then behaviour
         meta = {**meta, "task": {**_TASK_BEFORE, **meta["task"]}}
+    # max_new_tokens: a response cut at another length is a draw of another distribution; advantage:
+    # the saved advantages are used as they are, so another advantage type would be probed silently
     for key, cfg_key, want in (("top_k", "sampling.top_k", s.top_k), ("top_p", "sampling.top_p", s.top_p),
-                               ("task", "task", task)):
+                               ("task", "task", task), ("max_new_tokens", "sampling.max_new_tokens", s.max_new_tokens),
+                               ("advantage", "batch.advantage", b.advantage.value)):
         if key in meta and meta[key] != want:
             raise ConfigError(f"batch.load={src}: the batches were sampled with {cfg_key}={meta[key]}, the "
                               f"config says {cfg_key}={want}; set it to match or sample anew")
