@@ -196,3 +196,36 @@ def test_resumed_run_takes_the_uninterrupted_runs_steps(tmp_path):
         opt.step()
         sched.step()
     assert [e["learning_rate"] for e in la] == want and want[0] == 0.0 and max(want) == 1e-3
+
+
+def test_resume_refuses_a_checkpoint_that_is_not_one_run_step(run_out, tmp_path):
+    """--resume refuses, naming the file: a trainer_state.json whose global_step is not its folder's
+    (a step would be skipped), NaN in the AdamW state (every weight would turn NaN), and another
+    --lr than the run's (it used to keep the old one silently)."""
+    args = dict(zip(ARGV[::2], ARGV[1::2]))
+    base = TrainArgs(out="", steps=int(args["--steps"]) + 1, B=int(args["--B"]), G=int(args["--G"]),
+                     max_new_tokens=int(args.get("--max-new-tokens", TrainArgs(out="").max_new_tokens)),
+                     save_every=int(args.get("--save-every", 1)), probe_every=0)
+
+    def cut(name: str, damage) -> Path:
+        out = tmp_path / name
+        shutil.copytree(run_out / "checkpoint-3", out / "checkpoint-3")
+        damage(out / "checkpoint-3")
+        return out
+
+    def step_4(folder):
+        state = json.loads((folder / "trainer_state.json").read_text())
+        (folder / "trainer_state.json").write_text(json.dumps({**state, "global_step": 4}))
+
+    def nan_moment(folder):
+        opt = torch.load(folder / "optimizer.pt", weights_only=True)
+        next(iter(opt["state"].values()))["exp_avg_sq"].view(-1)[0] = float("nan")
+        torch.save(opt, folder / "optimizer.pt")
+
+    with pytest.raises(ValueError, match=r"trainer_state.json: global_step 4 in the folder of step 3"):
+        train(TrainArgs(**{**base.__dict__, "out": str(cut("step", step_4)), "steps": 5, "resume": "last"}))
+    with pytest.raises(ValueError, match=r"optimizer.pt: NaN/Inf in the AdamW state \(\['exp_avg_sq'\]\)"):
+        train(TrainArgs(**{**base.__dict__, "out": str(cut("nan", nan_moment)), "resume": "last"}))
+    lr = float(args.get("--lr", TrainArgs(out="").lr))
+    with pytest.raises(ValueError, match=rf"scheduler.pt: the run was trained at lr {lr:g}, this command says --lr {lr * 2:g}"):
+        train(TrainArgs(**{**base.__dict__, "out": str(cut("lr", lambda f: None)), "resume": "last", "lr": lr * 2}))

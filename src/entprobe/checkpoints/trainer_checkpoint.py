@@ -87,6 +87,22 @@ def read_trainer_checkpoint(folder: str | Path, optimizer, scheduler, train_batc
     if state.train_batch_size != train_batch_size:
         raise ValueError(f"{folder}: written with {state.train_batch_size} responses a step, this run takes "
                          f"{train_batch_size} (--B x --G): resume with the run's own --B and --G")
-    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True))
+    step = checkpoint_step(folder) if CHECKPOINT_RE.match(folder.name) else None
+    if step is not None and int(state.global_step) != step:
+        raise ValueError(f"{folder / 'trainer_state.json'}: global_step {state.global_step} in the folder of step "
+                         f"{step}: the files are not one checkpoint; resume from a checkpoint written whole")
+    opt_state = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True)
+    bad = [k for st in opt_state.get("state", {}).values() for k, v in st.items()
+           if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise ValueError(f"{folder / 'optimizer.pt'}: NaN/Inf in the AdamW state ({sorted(set(bad))}): a step from "
+                         "it would make every weight NaN; resume from an earlier checkpoint")
+    run_lrs = list(getattr(scheduler, "base_lrs", []))
+    optimizer.load_state_dict(opt_state)
     scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+    saved_lrs = list(getattr(scheduler, "base_lrs", []))
+    if run_lrs and saved_lrs and any(abs(a - b) > 1e-12 * max(abs(a), abs(b)) for a, b in zip(run_lrs, saved_lrs)):
+        raise ValueError(f"{folder / 'scheduler.pt'}: the run was trained at lr {saved_lrs[0]:g}, this command says "
+                         f"--lr {run_lrs[0]:g}: give the run's own --lr {saved_lrs[0]:g} to resume it (a new lr "
+                         "is a new run: train into a new --out from --model)")
     return int(state.global_step), [dict(e) for e in state.log_history]
