@@ -1,15 +1,10 @@
 """``python -m entprobe.plan RUN_DIR target_se=...``: the batch-size planner's command line
 (the planning itself: reporting/planning.py, math/planning.py)."""
 from __future__ import annotations
+
 import argparse
-import json
-import math
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-import torch
-from entprobe.math import planning as pm
-from entprobe.reporting.tables import PER_UNIT_FILE
 
 from entprobe.reporting.planning import PlanError, plan_directory
 

@@ -13,7 +13,6 @@ shares everything after the loading.
 """
 from __future__ import annotations
 
-import sys
 import time
 import warnings
 from pathlib import Path

@@ -42,7 +42,6 @@ The estimate is ``mean_n psi_n`` and its SE ``sd(psi) / sqrt(B)``.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import NamedTuple
 
 import torch

@@ -14,10 +14,8 @@ a larger G does not reduce) and its within-prompt part (which it does). docs/pla
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 

@@ -1,11 +1,10 @@
-"""The task protocol and the builder that instantiates ``task._target_``."""
+"""The task protocol (the builder that instantiates ``task._target_``: build.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
-from hydra.utils import get_class
 
 
 @dataclass(frozen=True)

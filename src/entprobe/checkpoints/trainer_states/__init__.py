@@ -21,9 +21,7 @@ from entprobe.checkpoints.errors import OptimizerStateError
 from entprobe.checkpoints.trainer_states.named import NamedAdamState, check_moments
 from entprobe.checkpoints.trainer_states.dcp import find_dcp_folder, read_dcp
 from entprobe.checkpoints.trainer_states.deepspeed import find_deepspeed_folder, read_deepspeed
-from entprobe.checkpoints.trainer_states.verl import find_verl_folder, read_verl
-from entprobe.checkpoints.trainer_states.deepspeed import find_deepspeed_folder
-from entprobe.checkpoints.trainer_states.verl import MERGE, find_verl_folder
+from entprobe.checkpoints.trainer_states.verl import MERGE, find_verl_folder, read_verl
 
 FORMATS = ("an HF Trainer optimizer.pt (or its checkpoint folder), a torch.distributed.checkpoint folder "
            "(accelerate FSDP: the folder with optimizer_0/), a verl FSDP2 checkpoint (global_step_N/actor) or a "
