@@ -270,6 +270,25 @@ CASES = [
      ValueError, False),
 ]
 
+# Round two (issue 24): each group of rows in its own list, joined into CASES below.
+# saved batches and their fingerprint
+BATCH_CASES: list = [
+]
+
+# checkpoints, sharded optimizer states, adapters, GGUF, entprobe.train --resume
+CHECKPOINT_CASES: list = [
+]
+
+# run dirs, signals, disk and file-size limits
+RUN_CASES: list = [
+]
+
+# tasks, prompts, reward functions, the planner
+TASK_CASES: list = [
+]
+
+CASES += BATCH_CASES + CHECKPOINT_CASES + RUN_CASES + TASK_CASES
+
 
 @pytest.fixture(scope="module")
 def saved_src(tmp_path_factory) -> Path:
