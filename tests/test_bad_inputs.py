@@ -27,6 +27,7 @@ from entprobe.cli.probe_job import run
 from entprobe.checkpoints.optim_state import OptimizerStateError
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
+from entprobe.tasks.base import RewardFunctionError
 
 
 @dataclass
@@ -284,7 +285,36 @@ RUN_CASES: list = [
 ]
 
 # tasks, prompts, reward functions, the planner
+def latin1_jsonl(e: Env):
+    """A JSONL exported as Latin-1: its second line's 'é' is the byte 0xe9, not UTF-8."""
+    f = e.tmp / "latin1.jsonl"
+    f.write_bytes('{"prompt": "2+2=", "answer": 4}\n{"prompt": "café: 1+1=", "answer": 2}\n'.encode("latin-1"))
+    return ["task=jsonl", f"task.path='{f}'"], [str(f), "line 2", "not UTF-8", "re-encode"]
+
+
+def reward_func(name: str, *says: str):
+    return lambda e: ([f"task.reward_funcs=[user_rewards:{name}]"], [f"task.reward_funcs: user_rewards:{name}", *says])
+
+
 TASK_CASES: list = [
+    ("jsonl_prompt_longer_than_the_context",  # the built-in model's context is 64 positions
+     lambda e: (e.jsonl(JSONL_HEAD + json.dumps({"prompt": "1+" * 100 + "1=", "answer": 101}) + "\n"),
+                ["data.jsonl:3:", "203 tokens (202 characters)", "sampling.max_new_tokens=4", "context of 64 tokens"]),
+     InputFileError, False),
+    ("task_prompt_longer_than_the_context",
+     lambda e: (["task._target_=user_rewards.NanRewardTask", "task.num_prompts=4", "sampling.max_new_tokens=60"],
+                ["task._target_=user_rewards.NanRewardTask, prompt 0", "5 tokens", "needs 65 > the model's context of 64"]),
+     ConfigError, False),
+    ("jsonl_latin1", latin1_jsonl, InputFileError, True),
+    ("reward_func_sys_exit", reward_func("exits_3", "called sys.exit(3)"), RewardFunctionError, False),
+    ("reward_func_raises", reward_func("raises_key_error", "raised KeyError: 'no_such_column'"),
+     RewardFunctionError, False),
+    ("reward_func_nan", reward_func("nan_for_second", "returned nan for row 1 (prompt", "finite"),
+     RewardFunctionError, False),
+    ("reward_func_inf", reward_func("inf_reward", "returned inf for row 0"), RewardFunctionError, False),
+    ("task_reward_nan", lambda e: (["task._target_=user_rewards.NanRewardTask"],
+                                   ["user_rewards.NanRewardTask: its reward(response, prompt) returned nan for row 0"]),
+     RewardFunctionError, False),
 ]
 
 CASES += BATCH_CASES + CHECKPOINT_CASES + RUN_CASES + TASK_CASES

@@ -47,3 +47,39 @@ def rewmod(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "rewmod", raising=False)
     yield importlib.import_module("rewmod")
     sys.modules.pop("rewmod", None)
+
+
+# Module-level reward functions, importable as ``user_rewards:NAME`` (tests/ is on sys.path), for the
+# faults of a user's function run through ``run(cfg)`` (test_bad_inputs.py's TASK_CASES).
+def exits_3(prompts, completions, **kwargs):
+    """A function that ends the process: without the guard the run would exit 3 and print nothing."""
+    sys.exit(3)
+
+
+def raises_key_error(prompts, completions, **kwargs):
+    return [kwargs["no_such_column"] for _ in completions]
+
+
+def nan_for_second(prompts, completions, **kwargs):
+    """A finite reward, then NaN (0/0 in a user's normalisation), then finite ones."""
+    return [float("nan") if i == 1 else 1.0 for i in range(len(completions))]
+
+
+def inf_reward(prompts, completions, **kwargs):
+    return [float("inf")] * len(completions)
+
+
+def always_none(prompts, completions, **kwargs):
+    """No reward for any completion (every row unscorable)."""
+    return [None] * len(completions)
+
+
+class NanRewardTask:
+    """A user's task class whose ``reward`` gives NaN for a response without a digit."""
+
+    def __init__(self, num_prompts: int = 4):
+        from entprobe.tasks.base import Prompt
+        self.prompts = [Prompt(f"{i}+1=", str(i + 1)) for i in range(num_prompts)]
+
+    def reward(self, response, prompt):
+        return float("nan")

@@ -38,6 +38,7 @@ from entprobe.pipeline.lr_share import ShareSource
 from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.tasks import Task, build_task
 from entprobe.tasks.base import check_encodable
+from entprobe.tasks.lengths import check_prompt_lengths
 
 register_configs()
 
@@ -55,6 +56,7 @@ def load_probe(cfg: EntprobeConfig) -> tuple[LoadedModel, Task, ProbeContext]:
     def check_tokenizer(tok) -> None:
         check_encodable(task, tok, where)
         check_template(tok, [p.source for p in task.prompts[:1]], style, where)
+        check_prompt_lengths(task, tok, cfg, where)
 
     lm = load_model(cfg.model, check_tokenizer=check_tokenizer)
     # DDP (or FSDP2 sharding in place, ddp.strategy) under torchrun / SLURM

@@ -26,7 +26,13 @@ def flags(r: dict, ess_threshold: float = 0.3, truncated_sampling: bool = False)
     out: list[Flag] = []
     pred, se = r.get("deltaH_pred"), r.get("SE_deltaH_pred")
     H = r.get("H_orig")
-    if r.get("batch_U/frac_zero_var_groups") == 1.0:
+    mean_U = r.get("batch_U/reward_mean")  # NaN: every U row unscorable
+    if r.get("batch_U/frac_zero_var_groups") == 1.0 and isinstance(mean_U, float) and math.isnan(mean_U):
+        out.append(("empty_gradient", "no U response has a reward (every reward function returned None for every "
+                    "row: task.reward_funcs), so every advantage is 0 and the update's gradient is zero: the step is "
+                    "AdamW's momentum and weight decay only (deltaH1 is 0). Check the functions' keyword columns "
+                    "against the task's fields."))
+    elif r.get("batch_U/frac_zero_var_groups") == 1.0:
         out.append(("empty_gradient", "every U group has equal rewards, so the update's gradient is zero: the "
                     "step is AdamW's momentum and weight decay only (deltaH1 is 0). Raise B_U or G, or use "
                     "prompts the policy sometimes solves."))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from entprobe.runtime.input_files import InputFileError
+
 from entprobe.tasks.prompt_ids import is_conversational
 from entprobe.tasks.base import Prompt
 from entprobe.tasks.rewards import REWARDS
@@ -29,6 +31,19 @@ def _messages(value, where: str) -> tuple | None:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"{where}: message {m!r} needs a string 'role' and a string 'content'")
     return tuple(dict(m) for m in value)
+
+
+def read_utf8(path: Path, key: str = "task.path") -> str:
+    """The file's text; an InputFileError naming the file, the line and the byte offset of the first
+    byte that is not UTF-8 (a Latin-1 or cp1252 export) and how to re-encode it."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise InputFileError(f"{key}={path}: line {line} (byte {e.start}, 0x{data[e.start]:02x}) is not UTF-8; "
+                             f"JSONL is UTF-8: re-encode the file (e.g. iconv -f latin1 -t utf-8 {path.name} "
+                             f"> {path.stem}.utf8.jsonl) and point {key} at the result") from None
 
 
 def _answer(rec: dict, where: str, required: bool) -> str:
@@ -53,7 +68,7 @@ class JsonlTask:
             raise FileNotFoundError(f"task.path={path!r} does not exist")
         need_answer = not reward_funcs
         records = []
-        for lineno, line in enumerate(p.read_text(encoding="utf-8").split("\n"), 1):  # not splitlines: U+2028 etc. are not line ends in JSONL
+        for lineno, line in enumerate(read_utf8(p).split("\n"), 1):  # not splitlines: U+2028 etc. are not line ends in JSONL
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
@@ -75,7 +90,7 @@ class JsonlTask:
         for where, rec, msgs in records:
             text = rec["prompt"] if msgs is None else "\n".join(m["content"] for m in msgs)
             self.prompts.append(Prompt(text=text, answer=_answer(rec, where, need_answer), messages=msgs,
-                                       columns={k: rec.get(k) for k in keys}))
+                                       columns={k: rec.get(k) for k in keys}, origin=where))
         if num_prompts:
             self.prompts = self.prompts[:num_prompts]
         self._reward = REWARDS[reward]

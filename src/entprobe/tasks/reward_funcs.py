@@ -15,7 +15,9 @@ import path (``my_pkg.rewards:accuracy``, or ``my_pkg.rewards.accuracy``). It is
 The functions' values are combined as TRL's default ``sum_then_normalize``: ``None`` becomes NaN,
 the reward is ``nansum_k w_k r_k`` (``reward_weights``, default all 1); a row every function
 returned None for is unscorable: its reward is NaN, it is left out of its group's mean and std,
-and its advantage is 0.
+and its advantage is 0. A function that raises (or calls ``sys.exit``), returns a list of another
+length, or a value that is not a number, or NaN / inf (TRL would silently read NaN as None) is a
+``RewardFunctionError`` naming it and the row.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from entprobe.config import ConfigError
-from entprobe.tasks.base import Prompt
+from entprobe.tasks.base import Prompt, RewardFunctionError, as_reward, call_user, row_label
 
 _KEY = "task.reward_funcs"
 
@@ -76,17 +78,6 @@ def check_weights(funcs: list, weights: list | None) -> list[float]:
     return [1.0] * len(funcs) if weights is None else [float(w) for w in weights]
 
 
-def _as_reward(value: Any, name: str, i: int) -> float:
-    if value is None:
-        return math.nan
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{_KEY}: {name} returned {value!r} ({type(value).__name__}) for row {i}; a reward "
-                         "function returns one float (or None: no reward) per completion")
-    return float(value)
-
-
 def combine(values: torch.Tensor, weights: list[float]) -> torch.Tensor:
     """TRL's ``sum_then_normalize`` reward of rows [N, K] of function values (NaN = None):
     ``nansum_k w_k r_k``, NaN where every function gave None."""
@@ -117,16 +108,19 @@ class WithRewardFuncs:
                       log_extra=lambda *a, **k: None, log_metric=lambda *a, **k: None)
         values = torch.empty(n, len(self.funcs), dtype=torch.float32)
         for j, (f, name) in enumerate(zip(self.funcs, self.paths)):
-            out = f(prompts=[p.source for p in prompts], completions=completions, **kwargs)
+            label = f"{_KEY}: {name}"
+            out = call_user(f, label, lambda: f"the {n} completions of a batch",
+                            prompts=[p.source for p in prompts], completions=completions, **kwargs)
             try:
                 out = list(out)
             except TypeError:
-                raise ValueError(f"{_KEY}: {name} returned {type(out).__name__}; it must return a list with one "
-                                 f"reward per completion ({n})") from None
+                raise RewardFunctionError(f"{label} returned {type(out).__name__}; it must return a list with one "
+                                          f"reward per completion ({n})") from None
             if len(out) != n:
-                raise ValueError(f"{_KEY}: {name} returned {len(out)} rewards for {n} completions; it must return "
-                                 "exactly one per completion")
-            values[:, j] = torch.tensor([_as_reward(v, name, i) for i, v in enumerate(out)], dtype=torch.float32)
+                raise RewardFunctionError(f"{label} returned {len(out)} rewards for {n} completions; it must "
+                                          "return exactly one per completion")
+            values[:, j] = torch.tensor([as_reward(v, label, lambda i=i: row_label(prompts, responses, i), none_ok=True)
+                                         for i, v in enumerate(out)], dtype=torch.float32)
         return combine(values, self.weights)
 
     def reward(self, response: str, prompt: Prompt) -> float:
