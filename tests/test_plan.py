@@ -65,6 +65,26 @@ def test_fixed_sides_spend_the_budget_first_and_bad_targets_fail():
     assert pm.optimal_sizes([pm.Side("B_E", 10, 0.0, 1.0)], 0.1) == {"B_E": pm.MIN_UNITS}
 
 
+def test_extreme_targets_and_variances_say_why_instead_of_overflowing():
+    """target_se whose square overflows or rounds to 0 (1e300 was an OverflowError), a plan beyond
+    MAX_UNITS, non-finite variances and (t r)^2 overflowing in se_rel_error: ValueErrors that say why."""
+    sides = [pm.Side("B_E", 8, 3.0, 4.0), pm.Side("B_U", 8, 0.5, 1.0)]
+    for bad in (1e300, 1e151, 1e-151, 1e-300):
+        with pytest.raises(ValueError, match=r"target_se=.* is outside \[1e-150, 1e\+150\]"):
+            pm.optimal_sizes(sides, bad)
+    with pytest.raises(ValueError, match=r"would need B_E = .* units .*not reachable"):
+        pm.optimal_sizes(sides, 1e-140)  # about 1e280 units
+    with pytest.raises(ValueError, match=r"variance of B_E \(inf\) is not finite"):
+        pm.optimal_sizes([pm.Side("B_E", 8, math.inf, 4.0)], 0.1)
+    assert pm.optimal_sizes([pm.Side("B_E", 8, 1e200, 4.0)], 1e100) == {"B_E": pm.MIN_UNITS}
+    assert pm.se_rel_error([pm.Side("B_E", 8, 1e300, 1.0, rel_se_var=0.5)], {"B_E": 2}) == pytest.approx(0.25)
+    assert pm.ustat_size_for(2.0, 30.0, math.inf) == 3
+    with pytest.raises(ValueError, match="not reachable"):
+        pm.ustat_size_for(2.0, 30.0, 1e-300)
+    with pytest.raises(ValueError, match="not finite"):
+        pm.ustat_size_for(math.nan, 30.0, 1.0)
+
+
 def test_variance_rel_se_is_the_spread_of_the_sample_variance_and_a_floor_for_heavy_tails():
     """Normal units: the sample variance's actual spread over 4000 draws, sqrt(2/(B-1)), within 10%.
     Exponential units (excess kurtosis 6): above the normal value, below the actual spread (B
@@ -285,6 +305,9 @@ def test_bad_inputs_say_what_to_change(run_dir, tmp_path, capsys):
     fails([str(tmp_path), "target_se=0.1"], "not a finished run or sweep")
     fails([str(run_dir), "target_se=0"], "must be a positive number")
     fails([str(run_dir), "target_se=-1"], "must be a positive number")
+    fails([str(run_dir), "target_se=1e300"], "target_se=1e+300 is outside [1e-150, 1e+150]")  # was an OverflowError
+    assert main([str(run_dir), "target_se=1e-140"]) == 0  # in range, but no batch gets there: each row says so
+    assert capsys.readouterr().out.count("not reachable: target_se=1e-140 would need") == 3
     old = tmp_path / "old_run"
     shutil.copytree(run_dir, old)
     (old / PER_UNIT_FILE).unlink()
@@ -333,6 +356,8 @@ def test_verdict_row_says_what_resolves_the_sign():
     assert row is not None and row[1] == f"B_E = {math.ceil(8 * 0.02 ** 2 / 0.005 ** 2)}"  # 128
     assert "B_U = 8" in row[3] and f"{(128 + 8) / 16:.3g}x" in row[3]
     assert row in verdict_lines(r)
+    tiny = sign_plan_row({**r, "deltaH_pred": 1e-200})  # no batch resolves it: said, not raised
+    assert tiny[1] == "not reachable" and "target_se=5e-201" in tiny[3]
     for resolved in ({**r, "SE_deltaH_pred": 0.004}, {**r, "deltaH_pred": 0.0}, {**r, "SE_deltaH_pred": math.nan},
                      {k: v for k, v in r.items() if k != "B_E"}):
         assert sign_plan_row(resolved) is None and not any(x[0] == "to resolve its sign" for x in verdict_lines(resolved))

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from entprobe.config import ConfigError
 from entprobe.reporting.planning import PlanError, plan_directory
 
 
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir, target = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         lines = plan_directory(run_dir, target)
-    except PlanError as exc:
+    except (ConfigError, PlanError) as exc:
         print(f"entprobe.plan: {exc}", file=sys.stderr)
         return 2
     print("\n".join(lines))

@@ -28,6 +28,29 @@ import torch
 from entprobe.math import estimators as est
 
 MIN_UNITS = 2  # a sample variance needs two units
+MAX_UNITS = 2 ** 53  # a plan needing more units than this (exact float integers) is not reachable
+TARGET_SE_RANGE = (1e-150, 1e150)  # its square (the variance budget) is a positive, finite float
+
+
+def target_se_problem(target_se: float) -> str | None:
+    """Why ``target_se`` cannot be planned for (not a finite positive number in ``TARGET_SE_RANGE``,
+    where its square neither overflows nor rounds to 0), or None."""
+    lo, hi = TARGET_SE_RANGE
+    if not (isinstance(target_se, (int, float)) and math.isfinite(target_se) and target_se > 0):
+        return f"target_se={target_se} must be a positive number (the standard error wanted, in nats)"
+    if not lo <= target_se <= hi:
+        return (f"target_se={target_se:.3g} is outside [{lo:.0e}, {hi:.0e}] (its square, the variance budget, "
+                "would overflow or round to 0); give the standard error wanted in nats, e.g. target_se=0.01")
+    return None
+
+
+def _units(exact: float, name: str, target_se: float) -> int:
+    """``exact`` units rounded up (at least ``MIN_UNITS``); a ValueError when it is not finite or
+    above ``MAX_UNITS`` (no batch reaches such a target)."""
+    if not exact <= MAX_UNITS:  # inf and nan too
+        raise ValueError(f"target_se={target_se:.3g} would need {name} = {exact:.3g} units (more than "
+                         f"{MAX_UNITS:.3g}): not reachable; ask for a larger target_se")
+    return max(MIN_UNITS, math.ceil(exact * (1 - 1e-12)))  # no extra unit from rounding noise
 
 
 @dataclass(frozen=True)
@@ -78,28 +101,32 @@ def se_rel_error(sides: Sequence[Side], sizes: dict[str, int]) -> float:
     total = sum(t for t, _ in terms)
     if total <= 0:
         return math.nan
-    return 0.5 * math.sqrt(sum((t * r) ** 2 for t, r in terms if t > 0)) / total
+    return 0.5 * math.hypot(*(t * r for t, r in terms if t > 0)) / total  # hypot: no overflow of (t r)^2
 
 
 def optimal_sizes(sides: Sequence[Side], target_se: float) -> dict[str, int]:
     """The sizes of the non-fixed sides that reach ``SE <= target_se`` at the least cost
-    ``sum c_i B_i`` (closed form above; each at least ``MIN_UNITS``). Raises ValueError when the
-    fixed sides alone exceed the target (then only those sides can lower the SE)."""
-    if not (target_se > 0 and math.isfinite(target_se)):
-        raise ValueError(f"target_se must be a positive number, got {target_se}")
+    ``sum c_i B_i`` (closed form above; each at least ``MIN_UNITS``). Raises ValueError, saying
+    why, when the fixed sides alone exceed the target (then only those sides can lower the SE), when
+    ``target_se`` is outside ``TARGET_SE_RANGE``, a variance is not finite, or a size would exceed
+    ``MAX_UNITS``."""
+    problem = target_se_problem(target_se)
+    if problem:
+        raise ValueError(problem)
     free = [s for s in sides if not s.fixed]
     if not free:
         raise ValueError("no batch size to plan: every side is held fixed")
-    budget = target_se ** 2 - sum(max(s.var_unit, 0.0) / s.B for s in sides if s.fixed)
+    bad = [f"{s.name} ({s.var_unit})" for s in sides if not math.isfinite(s.var_unit)]
+    if bad:
+        raise ValueError(f"the per-unit variance of {', '.join(bad)} is not finite: the run's per-unit values "
+                         "overflow or hold nan; rerun it")
+    budget = target_se * target_se - sum(max(s.var_unit, 0.0) / s.B for s in sides if s.fixed)
     if budget <= 0:
         held = ", ".join(f"{s.name}={s.B}" for s in sides if s.fixed)
         raise ValueError(f"target_se={target_se:.3g} is below what the sides held fixed ({held}) give alone")
-    total = sum(math.sqrt(max(s.var_unit, 0.0) * s.cost_unit) for s in free)
-    sizes = {}
-    for s in free:
-        exact = math.sqrt(max(s.var_unit, 0.0) / s.cost_unit) * total / budget
-        sizes[s.name] = max(MIN_UNITS, math.ceil(exact * (1 - 1e-12)))  # no extra unit from rounding noise
-    return sizes
+    total = sum(math.sqrt(max(s.var_unit, 0.0)) * math.sqrt(s.cost_unit) for s in free)
+    return {s.name: _units(math.sqrt(max(s.var_unit, 0.0) / s.cost_unit) * total / budget, s.name, target_se)
+            for s in free}
 
 
 def cost_ratio(sides: Sequence[Side], sizes: dict[str, int]) -> float:
@@ -166,9 +193,17 @@ def ustat_size_for(zeta1: float, zeta2: float, target_var: float) -> int:
     root of ``t B^2 - (t + 4 zeta1) B + 8 zeta1 - 2 zeta2 = 0``, rounded up."""
     if not target_var > 0:
         raise ValueError(f"target variance must be positive, got {target_var}")
+    if not (math.isfinite(zeta1) and math.isfinite(zeta2)):
+        raise ValueError(f"the fitted zeta1 = {zeta1}, zeta2 = {zeta2} are not finite: the runs' SEs overflow or hold nan")
     t = target_var
-    disc = (t + 4 * zeta1) ** 2 - 4 * t * (8 * zeta1 - 2 * zeta2)
-    root = ((t + 4 * zeta1) + math.sqrt(max(disc, 0.0))) / (2 * t)
+    if t == math.inf:  # any B meets it
+        return 3
+    b = t + 4 * zeta1
+    disc = b * b - 4 * t * (8 * zeta1 - 2 * zeta2)
+    root = (b + math.sqrt(max(disc, 0.0))) / (2 * t)
+    if not root <= MAX_UNITS:
+        raise ValueError(f"it would need B = {root:.3g} units (more than {MAX_UNITS:.3g}): not reachable; ask for a "
+                         "larger target_se")
     B = max(3, math.ceil(root * (1 - 1e-12)))
     while ustat_variance(zeta1, zeta2, B) > target_var:  # guards rounding at the root
         B += 1

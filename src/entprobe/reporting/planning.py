@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from entprobe.config import ConfigError
 from entprobe.math import planning as pm
 from entprobe.reporting.tables import PER_UNIT_FILE
 
@@ -108,7 +109,10 @@ def sign_plan_row(r: dict) -> tuple[str, str, str, str] | None:
     if pred == 0 or se <= abs(pred) / 2:
         return None
     sides = prediction_sides(B_E, B_U, G, B_E * se * se)
-    n = pm.optimal_sizes(sides, abs(pred) / 2)["B_E"]
+    try:
+        n = pm.optimal_sizes(sides, abs(pred) / 2)["B_E"]
+    except ValueError as exc:  # |deltaH_pred| so small (or the SE so large) that no batch resolves it
+        return ("to resolve its sign", "not reachable", "", str(exc))
     return ("to resolve its sign", f"B_E = {n}", "",
             f"for SE = |predicted|/2 at B_U = {B_U}: {pm.cost_ratio(sides, {'B_E': n}):.3g}x this run's batches "
             "(python -m entprobe.plan)")
@@ -196,6 +200,7 @@ class SweepFit:
     lr: float  # nan when the runs differ in lr
     prompts_per_unit: int
     M_planned: int = 0
+    problem: str = ""  # why there is no M_planned although the runs share one lr
 
 
 def zeta_sweep(results: list[dict], target_se: float) -> SweepFit:
@@ -218,7 +223,11 @@ def zeta_sweep(results: list[dict], target_se: float) -> SweepFit:
     lrs = {float(r["lr"]) for r in runs}
     out = SweepFit(fit, points, lrs.pop() if len(lrs) == 1 else math.nan, ks.pop())
     if math.isfinite(out.lr):
-        out.M_planned = pm.ustat_size_for(fit.zeta1, fit.zeta2, (target_se / out.lr) ** 2)
+        per_lr = target_se / out.lr
+        try:
+            out.M_planned = pm.ustat_size_for(fit.zeta1, fit.zeta2, per_lr * per_lr)  # x*x: inf, not OverflowError
+        except ValueError as exc:
+            out.problem = f"no B for SE(deltaH1) <= {target_se:.3g}: {exc}"
     return out
 
 
@@ -259,6 +268,8 @@ def format_sweep_fit(sf: SweepFit, target_se: float) -> list[str]:
     if sf.M_planned:
         se = sf.lr * math.sqrt(pm.ustat_variance(f.zeta1, f.zeta2, sf.M_planned))
         lines.append(f"  SE(deltaH1) <= {target_se:.3g} at B = {sf.M_planned * k} prompts (SE {se:.3g}; lr {sf.lr:.3g})")
+    elif sf.problem:
+        lines.append(f"  {sf.problem}")
     else:
         lines.append("  the runs differ in lr: no B for a target SE of deltaH1 (zeta1, zeta2 are lr-free)")
     return lines
@@ -268,8 +279,9 @@ def plan_directory(path: Path, target_se: float) -> list[str]:
     """The planner's report for a run or a sweep directory, as lines."""
     if not path.is_dir():
         raise PlanError(f"{path} is not a directory: pass a run directory (with {RESULTS_FILE}) or a sweep directory")
-    if not math.isfinite(target_se) or target_se <= 0:
-        raise PlanError(f"target_se={target_se}: must be a positive number (the standard error wanted, in nats)")
+    problem = pm.target_se_problem(target_se)
+    if problem:
+        raise ConfigError(problem)
     if (path / RESULTS_FILE).is_file():
         res, targets = run_targets(path)
         G = res.get("G")
