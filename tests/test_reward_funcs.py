@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -153,3 +154,29 @@ def test_a_model_in_memory_is_not_the_built_in_checkpoint(tmp_path):
     assert style_of(cfg) == "entprobe" and style_of(cfg, "builtin:/cache/default") == "entprobe"
     assert style_of(cfg, "memory:LlamaForCausalLM") == "trl"
     assert prompt_kwargs(cfg, "memory:LlamaForCausalLM")["style"] == "trl"
+
+
+def test_a_reward_function_that_exits_raises_or_returns_nan_is_named_with_the_row(monkeypatch):
+    """sys.exit inside a user's function ended the run with its code and no message; NaN was read
+    as None (and all-None rewards reported as 'equal rewards'). Now each names the function."""
+    import math
+    from entprobe.reporting.verdict import flags
+    from entprobe.tasks.base import RewardFunctionError, score_rows
+    import user_rewards
+    task = build_task({"_target_": "entprobe.tasks.arithmetic.ArithmeticTask", "num_prompts": 2})
+    rows, texts = task.prompts[:2], ["7", "8"]
+    for name, says in (("exits_3", "user_rewards:exits_3 called sys.exit(3) while scoring the 2 completions"),
+                       ("raises_key_error", "raised KeyError: 'no_such_column'"),
+                       ("nan_for_second", f"returned nan for row 1 (prompt {rows[1].text!r}, response '8')"),
+                       ("inf_reward", "returned inf for row 0")):
+        with pytest.raises(RewardFunctionError, match=re.escape(says)):
+            WithRewardFuncs(task, [f"user_rewards:{name}"]).score(rows, texts, [[4], [5]])
+    assert WithRewardFuncs(task, ["user_rewards:always_none"]).score(rows, texts, [[4], [5]]).isnan().all()
+    nan_task = user_rewards.NanRewardTask(2)
+    with pytest.raises(RewardFunctionError, match=r"NanRewardTask: its reward\(response, prompt\) returned nan for row 0"):
+        score_rows(nan_task, nan_task.prompts, texts, [[4], [5]])
+    monkeypatch.setattr(nan_task, "reward", lambda r, p: "1")  # a string is not a reward either
+    with pytest.raises(RewardFunctionError, match=r"returned '1' \(str\) for row 0"):
+        score_rows(nan_task, nan_task.prompts, texts, [[4], [5]])
+    (flag,) = flags({"batch_U/frac_zero_var_groups": 1.0, "batch_U/reward_mean": math.nan})
+    assert flag[0] == "empty_gradient" and "no U response has a reward" in flag[1]

@@ -124,3 +124,26 @@ def test_chat_template_applied_when_the_tokenizer_has_one():
         b = sample_batch(model, tok, task, torch.tensor([0]), 2, s, 0, "dr_grpo", 1e-6, chat_template=mode)
         P = int((b.attention_mask[0, 0] * (1 - b.response_mask[0, 0])).sum())
         assert b.input_ids[0, 0, :P].tolist() == [bos] + ids(text), mode
+
+
+def test_model_context_comes_from_the_config_then_the_tokenizer_then_the_cap(tmp_path):
+    from types import SimpleNamespace
+    from entprobe.tasks.lengths import UNKNOWN_CONTEXT_CAP, config_context, model_context
+    assert config_context({"max_position_embeddings": 4096}) == 4096
+    assert config_context({"n_positions": 1024}) == 1024  # GPT-2
+    assert config_context({"text_config": {"max_position_embeddings": 8192}}) == 8192  # multimodal
+    assert config_context({"max_position_embeddings": True, "seq_length": 0}) is None
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
+    tok = SimpleNamespace(model_max_length=512)
+    assert model_context(tok, [None, tmp_path]) == (2048, str(tmp_path / "config.json"))
+    assert model_context(tok, [tmp_path / "none"]) == (512, "the tokenizer's model_max_length")
+    no_limit = SimpleNamespace(model_max_length=int(1e30))  # transformers' VERY_LARGE_INTEGER
+    assert model_context(no_limit, [])[0] == UNKNOWN_CONTEXT_CAP
+
+
+def test_longest_prompt_is_counted_as_the_sampler_tokenizes_it():
+    from entprobe.tasks.lengths import longest_prompt
+    tok = build_char_tokenizer()
+    prompts = [Prompt(t, "0") for t in ("1+2=", "33+3=", "4+4=")] * 100  # past one ENCODE_CHUNK
+    prompts[290] = Prompt("123+456=", "579")
+    assert longest_prompt(tok, prompts, chat_template="never") == (290, 9)  # BOS + 8 characters
