@@ -136,6 +136,7 @@ def test_model_context_comes_from_the_config_then_the_tokenizer_then_the_cap(tmp
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
     tok = SimpleNamespace(model_max_length=512)
     assert model_context(tok, [None, tmp_path]) == (2048, str(tmp_path / "config.json"))
+    assert model_context(tok, [tmp_path], {"max_position_embeddings": 128}) == (128, "the model's config")
     assert model_context(tok, [tmp_path / "none"]) == (512, "the tokenizer's model_max_length")
     no_limit = SimpleNamespace(model_max_length=int(1e30))  # transformers' VERY_LARGE_INTEGER
     assert model_context(no_limit, [])[0] == UNKNOWN_CONTEXT_CAP

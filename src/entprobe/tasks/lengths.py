@@ -34,9 +34,13 @@ def config_context(config: dict) -> int | None:
     return None
 
 
-def model_context(tokenizer: Any, folders: list) -> tuple[int, str]:
-    """``(tokens, where the number comes from)``: the first ``config.json`` in ``folders`` that
-    states a context, else the tokenizer's sane ``model_max_length``, else ``UNKNOWN_CONTEXT_CAP``."""
+def model_context(tokenizer: Any, folders: list, config: dict | None = None) -> tuple[int, str]:
+    """``(tokens, where the number comes from)``: the model's ``config`` (a loaded model's
+    ``config.to_dict()``) or the first ``config.json`` in ``folders`` that states a context, else
+    the tokenizer's sane ``model_max_length``, else ``UNKNOWN_CONTEXT_CAP``."""
+    n = config_context(config) if config else None
+    if n is not None:
+        return n, "the model's config"
     for folder in folders:
         f = Path(str(folder)).expanduser() / "config.json" if folder else None
         if f is None or not f.is_file():
@@ -64,12 +68,15 @@ def longest_prompt(tokenizer, prompts: list, **encode_kwargs) -> tuple[int, int]
     return best_i, best_n
 
 
-def check_prompt_lengths(task, tokenizer, cfg, where: str, loaded: str | None = None) -> None:
+def check_prompt_lengths(task, tokenizer, cfg, where: str, loaded: str | None = None,
+                         config: dict | None = None) -> None:
     """Refuse, before the weights load, a task whose longest prompt plus ``sampling.max_new_tokens``
-    exceeds the model's context (``model_context``), naming the prompt (file:line) and its length."""
+    exceeds the model's context (``model_context``: ``config``, a model's in memory, else the
+    config.json of model.path, model.base_path or the tokenizer's folder), naming the prompt
+    (file:line, or the task and its index) and its length."""
     kw = prompt_kwargs(cfg, loaded)
     context, source = model_context(tokenizer, [cfg.model.path, cfg.model.base_path, getattr(
-        tokenizer, "name_or_path", None)])
+        tokenizer, "name_or_path", None)], config)
     new = int(cfg.sampling.max_new_tokens)
     i, n = longest_prompt(tokenizer, task.prompts, **kw)
     if n + new <= context:
