@@ -61,6 +61,38 @@ def test_jsonl_task(tmp_path):
     assert JsonlTask(str(f)).reward("2 apples", task.prompts[0]) == 1.0  # numeric by default
 
 
+def test_jsonl_encodings(tmp_path):
+    """A byte-order mark is dropped; UTF-16 and Latin-1 files are named with what to do (the Latin-1
+    line and byte: test_bad_inputs.py's jsonl_latin1)."""
+    from entprobe.runtime.input_files import InputFileError
+    f = tmp_path / "t.jsonl"
+    text = '{"prompt": "caf\u00e9 1+1=", "answer": 2}\n'
+    f.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    assert JsonlTask(str(f)).prompts[0].text == "caf\u00e9 1+1="
+    f.write_bytes(text.encode("utf-16"))
+    with pytest.raises(InputFileError, match=r"t\.jsonl: is UTF-16 .*iconv -f UTF-16 -t UTF-8"):
+        JsonlTask(str(f))
+    f.write_bytes(('{"prompt": "2+2=", "answer": 4}\n' + text).encode("latin-1"))
+    with pytest.raises(InputFileError, match=r"line 2 \(byte 47, 0xe9\) is not UTF-8.*iconv -f LATIN1"):
+        JsonlTask(str(f))
+
+
+def test_a_task_or_reward_module_that_calls_sys_exit_is_named(tmp_path, monkeypatch):
+    """sys.exit while a user's module is imported, or in a task class's constructor, ended the run
+    with its code and no message."""
+    (tmp_path / "exiting_mod.py").write_text("import sys\nsys.exit(4)\n")
+    (tmp_path / "exiting_task.py").write_text("import sys\nclass T:\n    def __init__(self):\n        sys.exit(5)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from entprobe.config import ConfigError
+    from entprobe.tasks.reward_funcs import load_reward_func
+    with pytest.raises(ConfigError, match=r"module 'exiting_mod' cannot be imported \(it called sys\.exit\(4\)\)"):
+        load_reward_func("exiting_mod:f")
+    with pytest.raises(ValueError, match=r"task\._target_='exiting_mod\.T' cannot be imported: called sys\.exit\(4\)"):
+        build_task({"_target_": "exiting_mod.T"})
+    with pytest.raises(ValueError, match=r"task\._target_='exiting_task\.T' called sys\.exit\(5\) while building"):
+        build_task({"_target_": "exiting_task.T"})
+
+
 def test_jsonl_task_errors(tmp_path):
     f = tmp_path / "bad.jsonl"
     f.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
@@ -133,6 +165,12 @@ def test_model_context_comes_from_the_config_then_the_tokenizer_then_the_cap(tmp
     assert config_context({"n_positions": 1024}) == 1024  # GPT-2
     assert config_context({"text_config": {"max_position_embeddings": 8192}}) == 8192  # multimodal
     assert config_context({"max_position_embeddings": True, "seq_length": 0}) is None
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}  # Qwen2.5's long context
+    assert config_context({"max_position_embeddings": 32768, "rope_scaling": yarn}) == 131072
+    llama31 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+    assert config_context({"max_position_embeddings": 131072, "rope_scaling": llama31}) == 131072
+    assert config_context({"max_position_embeddings": 2048, "rope_parameters": {"factor": 2.0}}) == 4096  # linear
+    assert config_context({"max_position_embeddings": 2048, "rope_parameters": {"rope_type": "default"}}) == 2048
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
     tok = SimpleNamespace(model_max_length=512)
     assert model_context(tok, [None, tmp_path]) == (2048, str(tmp_path / "config.json"))

@@ -37,7 +37,7 @@ def target_se_problem(target_se: float) -> str | None:
     where its square neither overflows nor rounds to 0), or None."""
     lo, hi = TARGET_SE_RANGE
     if not (isinstance(target_se, (int, float)) and math.isfinite(target_se) and target_se > 0):
-        return f"target_se={target_se} must be a positive number (the standard error wanted, in nats)"
+        return f"target_se={target_se} must be a positive number (finite: the standard error wanted, in nats)"
     if not lo <= target_se <= hi:
         return (f"target_se={target_se:.3g} is outside [{lo:.0e}, {hi:.0e}] (its square, the variance budget, "
                 "would overflow or round to 0); give the standard error wanted in nats, e.g. target_se=0.01")

@@ -38,12 +38,16 @@ def read_utf8(path: Path, key: str = "task.path") -> str:
     byte that is not UTF-8 (a Latin-1 or cp1252 export) and how to re-encode it."""
     data = path.read_bytes()
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a leading byte-order mark (Windows editors write one) is dropped
     except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise InputFileError(f"{key}={path}: line {line} (byte {e.start}, 0x{data[e.start]:02x}) is not UTF-8; "
-                             f"JSONL is UTF-8: re-encode the file (e.g. iconv -f latin1 -t utf-8 {path.name} "
-                             f"> {path.stem}.utf8.jsonl) and point {key} at the result") from None
+        if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+            what, src = "is UTF-16 (its byte-order mark)", "UTF-16"
+        else:
+            line = data.count(b"\n", 0, e.start) + 1
+            what, src = f"line {line} (byte {e.start}, 0x{data[e.start]:02x}) is not UTF-8", "LATIN1"
+        raise InputFileError(f"{key}={path}: {what}; JSONL is UTF-8: re-encode the file (e.g. iconv -f {src} "
+                             f"-t UTF-8 {path.name} > {path.stem}.utf8.jsonl, with the encoding it was written in) "
+                             f"and point {key} at the result") from None
 
 
 def _answer(rec: dict, where: str, required: bool) -> str:

@@ -2,8 +2,8 @@
 otherwise reach the sampler and ask for tens of GB for its attention).
 
 The model's context is, in order: ``max_position_embeddings`` (or ``n_positions``,
-``max_sequence_length``, ``seq_length``; a multimodal config's ``text_config``) of the
-``config.json`` beside the weights; else the tokenizer's ``model_max_length`` when it is a real
+``max_sequence_length``, ``seq_length``; a multimodal config's ``text_config``; extended by its
+RoPE scaling) of the ``config.json`` beside the weights; else the tokenizer's ``model_max_length`` when it is a real
 length (not transformers' 1e30 "no limit"); else ``UNKNOWN_CONTEXT_CAP`` tokens. A prompt's token
 count (as the sampler tokenizes it, ``prompt_ids.encode_prompts``) plus ``sampling.max_new_tokens``
 must fit in it.
@@ -24,13 +24,30 @@ CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length",
 ENCODE_CHUNK = 256  # prompts tokenized per call
 
 
+def _positive(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+
+def rope_scaled(config: dict, n: int) -> int:
+    """``n`` positions extended by the config's RoPE scaling (``rope_scaling``, or transformers 5's
+    ``rope_parameters``): ``original_max_position_embeddings * factor`` when it names the original
+    length (YaRN, Llama 3.1: the larger of that and ``n``), else ``n * factor`` (linear, dynamic)."""
+    rs = config.get("rope_scaling") or config.get("rope_parameters")
+    factor = rs.get("factor") if isinstance(rs, dict) else None
+    if not _positive(factor) or factor <= 1:
+        return n
+    orig = rs.get("original_max_position_embeddings")
+    return max(n, int(orig * factor)) if _positive(orig) else int(n * factor)
+
+
 def config_context(config: dict) -> int | None:
-    """The context length a model's ``config.json`` states (``CONTEXT_KEYS``), or None."""
+    """The context length a model's ``config.json`` states (``CONTEXT_KEYS``; RoPE scaling
+    included, ``rope_scaled``), or None."""
     for c in (config, config.get("text_config") or {}):
         for key in CONTEXT_KEYS:
             v = c.get(key) if isinstance(c, dict) else None
             if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                return v
+                return rope_scaled(c, v)
     return None
 
 

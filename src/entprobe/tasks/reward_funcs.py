@@ -44,8 +44,9 @@ def load_reward_func(path: str) -> Callable:
         raise ConfigError(f"{_KEY}: {spec!r} is not an import path; write module:function, e.g. my_pkg.rewards:accuracy")
     try:
         obj: Any = importlib.import_module(module)
-    except Exception as exc:  # ImportError or an error raised while the module runs
-        raise ConfigError(f"{_KEY}: {spec!r}: module {module!r} cannot be imported ({type(exc).__name__}: {exc}); "
+    except (Exception, SystemExit) as exc:  # ImportError, or an error (or sys.exit) while the module runs
+        said = f"it called sys.exit({exc.code!r})" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
+        raise ConfigError(f"{_KEY}: {spec!r}: module {module!r} cannot be imported ({said}); "
                           "make it importable (installed, or its folder on PYTHONPATH)") from exc
     for part in attr.split("."):
         if not hasattr(obj, part):
