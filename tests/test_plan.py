@@ -85,6 +85,31 @@ def test_extreme_targets_and_variances_say_why_instead_of_overflowing():
         pm.ustat_size_for(math.nan, 30.0, 1.0)
 
 
+def test_damaged_or_extreme_run_records_are_named(tmp_path):
+    """An SE of 1e200 (its square was an OverflowError), a missing key, a record that is not an
+    object, bytes that are not UTF-8, a sweep job without SE_jack: each says which file."""
+    from entprobe.reporting.planning import PlanError
+    run = tmp_path / "0"
+    run.mkdir()
+    res = {"mode": "single_batch", "M": 8, "B": 8, "unit_size": 1, "G": 4, "lr": 1e-3, "SE_deltaH1": 1e200,
+           "pairs_per_block": 0}
+    (run / "results.json").write_text(json.dumps(res))
+    assert "not reachable: the per-unit variance of B (inf) is not finite" in "\n".join(plan_directory(run, 0.01))
+    for record, says in (({k: v for k, v in res.items() if k != "G"}, "KeyError 'G'"),
+                         ({**res, "M": "eight"}, "ValueError"), ([1], "holds a list")):
+        (run / "results.json").write_text(json.dumps(record))
+        with pytest.raises(PlanError, match=f"{run / 'results.json'}:? .*{says}"):
+            plan_directory(run, 0.01)
+    (run / "results.json").write_bytes(b'{"mode": "caf\xe9"}')
+    with pytest.raises(PlanError, match="is not valid JSON"):
+        plan_directory(run, 0.01)
+    for job, M in ((0, 4), (1, 8)):  # a sweep of single_batch jobs, one without its jackknife SE
+        (tmp_path / str(job)).mkdir(exist_ok=True)
+        (tmp_path / str(job) / "results.json").write_text(json.dumps({**res, "M": M, **({"SE_jack": 0.1} if job else {})}))
+    with pytest.raises(PlanError, match="KeyError 'SE_jack'"):
+        plan_directory(tmp_path, 0.01)
+
+
 def test_variance_rel_se_is_the_spread_of_the_sample_variance_and_a_floor_for_heavy_tails():
     """Normal units: the sample variance's actual spread over 4000 draws, sqrt(2/(B-1)), within 10%.
     Exponential units (excess kurtosis 6): above the normal value, below the actual spread (B

@@ -81,17 +81,23 @@ def two_batch_targets(proj: dict) -> list[Target]:
     return out
 
 
+def _sq(x) -> float:
+    """``x * x`` as a float: inf where ``x ** 2`` would raise OverflowError (an SE of 1e200)."""
+    x = float(x)
+    return x * x
+
+
 def single_batch_targets(res: dict) -> list[Target]:
     """The plans of a single-batch run from its results: deltaH1's jackknife SE over M units of k
     prompts (``B * SE_jack^2`` as the per-unit variance counts the U-statistic's degenerate part at
     this B: conservative for a larger B), and the held-out prediction's E side when measured."""
     M, k, G = int(res["M"]), int(res.get("unit_size", 1)), int(res["G"])
-    out = [Target("deltaH1", [pm.Side("B", M, M * res["SE_deltaH1"] ** 2, k * G)],
+    out = [Target("deltaH1", [pm.Side("B", M, M * _sq(res["SE_deltaH1"]), k * G)],
                   "conservative for larger B", prompts_per_unit=k)]
     if math.isfinite(res.get("SE_deltaH_pred", math.nan)):
         B_E = int(res["gt/B_E"])
         out.append(Target("deltaH_pred", prediction_sides(
-            B_E, int(res["B"]), G, B_E * res["SE_deltaH_pred"] ** 2, held="B"), "B held: the SE is E's given the step"))
+            B_E, int(res["B"]), G, B_E * _sq(res["SE_deltaH_pred"]), held="B"), "B held: the SE is E's given the step"))
     return out
 
 
@@ -151,13 +157,32 @@ def plan_rows(targets: list[Target], target_se: float) -> list[PlanRow]:
 # ---------------------------------------------------------------- reading run and sweep directories
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        out = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # both ValueErrors; bytes that are not UTF-8 too
         raise PlanError(f"{path} is not valid JSON ({exc}): the file is damaged; rerun the job") from exc
+    if not isinstance(out, dict):
+        raise PlanError(f"{path} holds a {type(out).__name__}, not the run's record: the file is damaged; rerun the job")
+    return out
 
 
 class PlanError(ValueError):
     """A run or sweep directory the planner cannot use; the message says what to change."""
+
+
+def _targets(make, record, path: Path):
+    """``make(record)``; a PlanError naming ``path`` when a value it needs is missing or not a number."""
+    try:
+        return make(record)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PlanError(f"{path}: {type(exc).__name__} {exc} reading the run's numbers: the file is damaged or "
+                        "from another entprobe version; rerun the job") from exc
+
+
+def _number_of(r: dict, key: str, path: Path) -> int:
+    try:
+        return int(r[key])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PlanError(f"{path}: '{key}' is {r.get(key)!r}, not a number: the file is damaged; rerun the job") from exc
 
 
 def run_targets(run_dir: Path) -> tuple[dict, list[Target]]:
@@ -171,7 +196,7 @@ def run_targets(run_dir: Path) -> tuple[dict, list[Target]]:
         if res.get("pairs_per_block", 0) or not math.isfinite(res.get("SE_deltaH1", math.nan)):
             raise PlanError(f"{run_dir}: a single_batch run with an incomplete design (pairs_per_block > 0) "
                             "or no SE: plan from a complete-design run (probe.pairs_per_block=0)")
-        return res, single_batch_targets(res)
+        return res, _targets(single_batch_targets, res, res_path)
     proj_path = run_dir / PER_UNIT_FILE
     proj = _read_json(proj_path) if proj_path.is_file() else {}
     if "a" not in proj:
@@ -181,7 +206,7 @@ def run_targets(run_dir: Path) -> tuple[dict, list[Target]]:
     missing = [k for k in ("B_E", "B_U", "G", "lr", "a", "b", "e") if k not in proj]
     if missing:
         raise PlanError(f"{proj_path} lacks {missing}: incomplete; rerun the job")
-    return res, two_batch_targets(proj)
+    return res, _targets(two_batch_targets, proj, proj_path)
 
 
 def sweep_jobs(sweep_dir: Path) -> list[Path]:
@@ -211,13 +236,13 @@ def zeta_sweep(results: list[dict], target_se: float) -> SweepFit:
         raise PlanError(f"the single_batch runs use different unit sizes {sorted(ks)}: fit runs with one block_size")
     M = [int(r["M"]) for r in runs]
     try:
-        fit = pm.fit_zeta(M, [r["SE_jack"] ** 2 for r in runs], "jackknife")
+        fit = pm.fit_zeta(M, [_sq(r["SE_jack"]) for r in runs], "jackknife")
     except ValueError as exc:
         raise PlanError(f"the zeta fit: {exc}") from exc
     points = []
     for m in sorted(set(M)):
         at = [r for r in runs if int(r["M"]) == m]
-        jack = sum(m * r["SE_jack"] ** 2 for r in at) / len(at)
+        jack = sum(m * _sq(r["SE_jack"]) for r in at) / len(at)
         rep = m * float(torch.tensor([r["U_cross"] for r in at], dtype=torch.float64).var()) if len(at) > 1 else math.nan
         points.append((m, len(at), jack, rep))
     lrs = {float(r["lr"]) for r in runs}
@@ -296,10 +321,11 @@ def plan_directory(path: Path, target_se: float) -> list[str]:
         raise PlanError(f"{path} has no {RESULTS_FILE} and no job directories with one: not a finished run or sweep")
     results = {j: _read_json(j / RESULTS_FILE) for j in jobs}
     lines = [f"{path}: sweep of {len(jobs)} jobs; target SE {target_se:.3g}"]
-    single = [r for r in results.values() if r.get("mode") == "single_batch" and not r.get("pairs_per_block", 0)]
-    fitted = len({int(r["M"]) for r in single}) >= 2
+    single = {j: r for j, r in results.items() if r.get("mode") == "single_batch" and not r.get("pairs_per_block", 0)}
+    fitted = len({_number_of(r, "M", j / RESULTS_FILE) for j, r in single.items()}) >= 2
     if fitted:
-        lines += format_sweep_fit(zeta_sweep(single, target_se), target_se)
+        fit = _targets(lambda rs: zeta_sweep(rs, target_se), list(single.values()), path / "*" / RESULTS_FILE)
+        lines += format_sweep_fit(fit, target_se)
     for j in jobs:
         if fitted and results[j].get("mode") == "single_batch":
             continue
