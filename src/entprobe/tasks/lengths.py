@@ -3,10 +3,10 @@ otherwise reach the sampler and ask for tens of GB for its attention).
 
 The model's context is, in order: ``max_position_embeddings`` (or ``n_positions``,
 ``max_sequence_length``, ``seq_length``; a multimodal config's ``text_config``; extended by its
-RoPE scaling) of the ``config.json`` beside the weights; else the tokenizer's ``model_max_length`` when it is a real
-length (not transformers' 1e30 "no limit"); else ``UNKNOWN_CONTEXT_CAP`` tokens. A prompt's token
-count (as the sampler tokenizes it, ``prompt_ids.encode_prompts``) plus ``sampling.max_new_tokens``
-must fit in it.
+RoPE scaling) of the ``config.json`` beside the weights; else the tokenizer's ``model_max_length``
+when it is a real length (not transformers' 1e30 "no limit"); else ``UNKNOWN_CONTEXT_CAP`` tokens.
+A prompt's token count (as the sampler tokenizes it, ``prompt_ids.encode_prompts``: every prompt
+of the task, about 0.1 ms each on a CPU core) plus ``sampling.max_new_tokens`` must fit in it.
 """
 from __future__ import annotations
 
