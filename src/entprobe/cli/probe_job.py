@@ -137,7 +137,7 @@ def hydra_job(cfg: DictConfig) -> float | None:
         with marks_failure(run_dir, enabled=D.is_main()):
             with_dir = OmegaConf.to_container(cfg, resolve=True)
             with_dir["run_dir"] = str(run_dir)
-            typed = to_typed(OmegaConf.create(with_dir))
+            typed = to_typed(OmegaConf.create(with_dir), explicit=list(hc.overrides.task))
             cache = None
             multirun = hc.mode == RunMode.MULTIRUN
             if multirun:  # batches (unless batch.load) and lr-independent Stages 1-2 (pipeline/lr_share.py)
