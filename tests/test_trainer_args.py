@@ -162,7 +162,12 @@ def test_cli_probes_a_trl_checkpoint_by_its_path(ckpt, tmp_path, monkeypatch, ca
     """``python -m entprobe.main model=hf model.path=<checkpoint>`` end to end (Hydra's entry point, in
     this process): the run's G in the results, the command line's keys win over the file's."""
     from hydra.core.global_hydra import GlobalHydra
+    import entprobe.cli.probe_job as job
     from entprobe.main import main
+
+    logged = {}
+    make_logger = job.make_logger
+    monkeypatch.setattr(job, "make_logger", lambda *a: logged.setdefault("config", a[2]) and make_logger(*a))
 
     monkeypatch.setattr(sys, "argv", ["entprobe", "model=hf", f"model.path={ckpt}", "batch.B_E=2", "batch.B_U=2",
                                       "sampling.max_new_tokens=2", "importance.enabled=false", "logging.logger=none",
@@ -178,3 +183,5 @@ def test_cli_probes_a_trl_checkpoint_by_its_path(ckpt, tmp_path, monkeypatch, ca
     assert "sampling.max_new_tokens as given (the file has 5" in out
     res = json.loads((tmp_path / "run" / "results.json").read_text())
     assert (res["B_E"], res["B_U"], res["G"]) == (2, 2, 3)
+    c = logged["config"]  # the logger's (wandb's) config is what ran, the file's settings included
+    assert (c["objective"]["preset"], c["objective"]["loss_type"], c["batch"]["G"]) == ("trl", "dr_grpo", 3)

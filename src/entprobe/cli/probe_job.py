@@ -143,7 +143,8 @@ def hydra_job(cfg: DictConfig) -> float | None:
             if multirun:  # batches (unless batch.load) and lr-independent Stages 1-2 (pipeline/lr_share.py)
                 sweep_dir = Path(hc.runtime.cwd) / hc.sweep.dir  # absolute, also with hydra.job.chdir
                 cache = D.broadcast_object(str(sweep.batch_cache_dir(sweep_dir, typed, D.world())))
-            logger = make_logger(typed.logging, run_dir, with_dir, D.is_main(), list(hc.overrides.task),
+            config = OmegaConf.to_container(OmegaConf.structured(typed), enum_to_str=True)  # with training_args.bin's
+            logger = make_logger(typed.logging, run_dir, config, D.is_main(), list(hc.overrides.task),
                                  str(hc.sweep.dir) if multirun else None, typed)
             results = run(typed, batch_cache=cache, set_aside=False)
             logger.log(results, {n: run_dir / f for n, f in PLOT_FILES.items() if (run_dir / f).is_file()})
