@@ -58,7 +58,8 @@ def test_path_alone_gives_the_runs_settings_and_prints_each(ckpt, tmp_path, caps
     out = capsys.readouterr().out
     head = f"entprobe: from {ckpt / FILE}: "
     for line in ("batch.G=3 (num_generations)", "objective.preset=trl (GRPOConfig)",
-                 "sampling.max_new_tokens=5 (max_completion_length)", "optimizer.betas=[0.9,0.98] (adam_beta1, adam_beta2)",
+                 "sampling.max_new_tokens=5 (max_completion_length)",
+                 "optimizer.betas=[0.9,0.98] (adam_beta1, adam_beta2)",
                  "importance.max_grad_norm=0.5 (max_grad_norm)", "reward_weights=[1.0, 0.5] not taken"):
         assert head + line in out, line
     assert "learning_rate" not in out
@@ -68,7 +69,8 @@ def test_keys_the_user_sets_win(ckpt, tmp_path, capsys):
     cfg = typed(tmp_path, ckpt, "batch.G=2", "sampling.temperature=1.0", "objective.loss_type=grpo",
                 "+task.chat_template_kwargs.x=1")
     assert (cfg.batch.G, cfg.sampling.temperature, cfg.objective.loss_type) == (2, 1.0, "grpo")
-    assert cfg.objective.preset == ObjectivePreset.trl and cfg.objective.scale_rewards == "batch"  # the rest: the file's
+    # the rest: the file's
+    assert cfg.objective.preset == ObjectivePreset.trl and cfg.objective.scale_rewards == "batch"
     assert cfg.task.chat_template_kwargs == {"x": 1}
     out = capsys.readouterr().out
     assert "batch.G as given (the file has 3, num_generations)" in out and "batch.G=3" not in out

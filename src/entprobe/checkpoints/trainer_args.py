@@ -106,7 +106,7 @@ def read_args(path: str | Path) -> tuple[str, dict[str, Any]]:
     try:
         with zipfile.ZipFile(path) as z:
             name = next((n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
-            data = z.read(name) if name else None
+            data = z.read(name) if name and z.getinfo(name).file_size <= MAX_BYTES else None
     except zipfile.BadZipFile:
         data = None
     if data is None:
@@ -151,57 +151,71 @@ def _number(fields: dict, name: str, kind: type, path: Path):
     return kind(v)
 
 
-def settings(kind: str, fields: dict[str, Any], path: Path, reward_funcs: int) -> tuple[list[Setting], list[str]]:
-    """The entprobe settings a GRPOConfig / TrainingArguments' ``fields`` give (pure), and notes:
-    what the file says that entprobe does not model or cannot take. ``reward_funcs``: how many
-    ``task.reward_funcs`` the config names (``reward_weights`` needs as many)."""
-    out: list[Setting] = []
-    notes: list[str] = []
+def _objective(fields: dict, path: Path) -> list[Setting]:
+    """``objective=trl`` and its keys from a GRPOConfig's fields (older TRL: ``TRL_BEFORE_FIELDS``)."""
+    out = [Setting("objective.preset", "trl", "GRPOConfig")]
+    for name in ("loss_type", "scale_rewards"):
+        if name in fields:
+            v = _value(fields[name])
+            out.append(Setting(f"objective.{name}", {True: "group", False: "none"}[v] if isinstance(v, bool)
+                               else str(v), name))
+        else:
+            out.append(Setting(f"objective.{name}", TRL_BEFORE_FIELDS[name], f"no {name}: TRL < 0.16"))
+    for name, typ in (("beta", float), ("num_iterations", int), ("epsilon", float), ("epsilon_high", float)):
+        if name in fields:
+            out.append(Setting(f"objective.{name}", _number(fields, name, typ, path), name))
+        elif name in TRL_BEFORE_FIELDS:
+            out.append(Setting(f"objective.{name}", TRL_BEFORE_FIELDS[name], f"no {name}: an older TRL"))
+    return out
+
+
+def _sampling(fields: dict, path: Path) -> list[Setting]:
+    """The group size and generation settings: ``max_completion_length`` is both the sampling cap
+    and dr_grpo's constant normaliser."""
+    out = []
+    length = _number(fields, "max_completion_length", int, path) if "max_completion_length" in fields else None
+    if length is not None:
+        out += [Setting("objective.max_completion_length", length, "max_completion_length"),
+                Setting("sampling.max_new_tokens", length, "max_completion_length")]
+    for name, key, typ, if_none in (("num_generations", "batch.G", int, None),
+                                    ("temperature", "sampling.temperature", float, None),
+                                    ("top_k", "sampling.top_k", int, 0), ("top_p", "sampling.top_p", float, None)):
+        v = _number(fields, name, typ, path) if name in fields else None
+        if v is not None or (name in fields and if_none is not None):
+            out.append(Setting(key, if_none if v is None else v, name))
+    return out
+
+
+def _task(fields: dict, reward_funcs: int) -> tuple[list[Setting], list[str]]:
+    """``reward_weights`` (when ``reward_funcs`` functions are named, as many) and the template kwargs."""
+    out, notes = [], []
+    weights = _value(fields.get("reward_weights"))
+    if weights is not None and reward_funcs == len(weights):
+        out.append(Setting("task.reward_weights", [float(w) for w in weights], "reward_weights"))
+    elif weights is not None:
+        notes.append(f"reward_weights={list(weights)} not taken: the reward functions are not in the file; "
+                     "name them with task.reward_funcs (one per weight) to use the weights")
+    kwargs = _value(fields.get("chat_template_kwargs"))
+    if isinstance(kwargs, dict) and kwargs:
+        out.append(Setting("task.chat_template_kwargs", dict(kwargs), "chat_template_kwargs"))
+    return out, notes
+
+
+def _not_modelled(fields: dict) -> list[str]:
+    """A note for each field set away from its default in a way the probe does not model."""
     get = fields.get
-    if kind == "GRPOConfig":
-        out.append(Setting("objective.preset", "trl", "GRPOConfig"))
-        for name, key in (("loss_type", "objective.loss_type"), ("scale_rewards", "objective.scale_rewards")):
-            if name in fields:
-                v = _value(fields[name])
-                v = {True: "group", False: "none"}.get(v, v) if isinstance(v, bool) else str(v)
-                out.append(Setting(key, v, name))
-            else:
-                out.append(Setting(key, TRL_BEFORE_FIELDS[name], f"no {name}: TRL < 0.16"))
-        for name, key, typ in (("beta", "objective.beta", float), ("num_iterations", "objective.num_iterations", int),
-                               ("epsilon", "objective.epsilon", float),
-                               ("epsilon_high", "objective.epsilon_high", float)):
-            if name in fields:
-                out.append(Setting(key, _number(fields, name, typ, path), name))
-            elif name in TRL_BEFORE_FIELDS:
-                out.append(Setting(key, TRL_BEFORE_FIELDS[name], f"no {name}: an older TRL"))
-        length = _number(fields, "max_completion_length", int, path) if "max_completion_length" in fields else None
-        if length is not None:
-            out += [Setting("objective.max_completion_length", length, "max_completion_length"),
-                    Setting("sampling.max_new_tokens", length, "max_completion_length")]
-        for name, key, typ, none in (("num_generations", "batch.G", int, None),
-                                     ("temperature", "sampling.temperature", float, None),
-                                     ("top_k", "sampling.top_k", int, 0), ("top_p", "sampling.top_p", float, None)):
-            if name in fields:
-                v = _number(fields, name, typ, path)
-                if v is not None or none is not None:
-                    out.append(Setting(key, none if v is None else v, name))
-        weights = _value(get("reward_weights"))
-        if weights is not None:
-            if reward_funcs == len(weights):
-                out.append(Setting("task.reward_weights", [float(w) for w in weights], "reward_weights"))
-            else:
-                notes.append(f"reward_weights={list(weights)} not taken: the reward functions are not in the file; "
-                             "name them with task.reward_funcs (one per weight) to use the weights")
-        kwargs = _value(get("chat_template_kwargs"))
-        if isinstance(kwargs, dict) and kwargs:
-            out.append(Setting("task.chat_template_kwargs", dict(kwargs), "chat_template_kwargs"))
-        odd = [(n, _value(fields[n])) for n, d in NOT_MODELLED.items() if n in fields and _value(fields[n]) not in (d, None)]
-        if _value(get("use_vllm")) and _value(get("vllm_importance_sampling_correction")):
-            odd.append(("vllm_importance_sampling_correction", True))
-        odd += [("multi_objective_aggregation", v) for v in [_value(get("multi_objective_aggregation"))]
-                if v not in (None, "sum_then_normalize")]
-        notes += [f"{n}={v!r} is not modelled (docs/objectives.md): the probed step is not the run's" for n, v in odd]
-    if str(_value(get("optim", "adamw"))).startswith("adamw"):
+    odd = [(n, _value(get(n))) for n, d in NOT_MODELLED.items() if _value(get(n)) not in (d, None)]
+    if _value(get("use_vllm")) and _value(get("vllm_importance_sampling_correction")):
+        odd.append(("vllm_importance_sampling_correction", True))
+    if _value(get("multi_objective_aggregation")) not in (None, "sum_then_normalize"):
+        odd.append(("multi_objective_aggregation", _value(get("multi_objective_aggregation"))))
+    return [f"{n}={v!r} is not modelled (docs/objectives.md): the probed step is not the run's" for n, v in odd]
+
+
+def _optimizer(fields: dict, path: Path) -> list[Setting]:
+    """AdamW's betas, eps and weight decay (an ``adamw*`` ``optim`` only) and the clipping norm."""
+    out = []
+    if str(_value(fields.get("optim", "adamw"))).startswith("adamw"):
         if "adam_beta1" in fields and "adam_beta2" in fields:
             out.append(Setting("optimizer.betas", [_number(fields, "adam_beta1", float, path),
                                                    _number(fields, "adam_beta2", float, path)],
@@ -212,7 +226,18 @@ def settings(kind: str, fields: dict[str, Any], path: Path, reward_funcs: int) -
     if "max_grad_norm" in fields:
         norm = _number(fields, "max_grad_norm", float, path)
         out.append(Setting("importance.max_grad_norm", norm if norm else None, "max_grad_norm"))
-    return out, notes
+    return out
+
+
+def settings(kind: str, fields: dict[str, Any], path: Path, reward_funcs: int) -> tuple[list[Setting], list[str]]:
+    """The entprobe settings a GRPOConfig / TrainingArguments' ``fields`` give (pure), and notes:
+    what the file says that entprobe does not model or cannot take. ``reward_funcs``: how many
+    ``task.reward_funcs`` the config names (``reward_weights`` needs as many)."""
+    if kind != "GRPOConfig":
+        return _optimizer(fields, path), []
+    task, notes = _task(fields, reward_funcs)
+    return (_objective(fields, path) + _sampling(fields, path) + task + _optimizer(fields, path),
+            notes + _not_modelled(fields))
 
 
 def explicit_keys(overrides: Iterable[str]) -> set[str]:
