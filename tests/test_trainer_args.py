@@ -187,3 +187,32 @@ def test_cli_probes_a_trl_checkpoint_by_its_path(ckpt, tmp_path, monkeypatch, ca
     assert (res["B_E"], res["B_U"], res["G"]) == (2, 2, 3)
     c = logged["config"]  # the logger's (wandb's) config is what ran, the file's settings included
     assert (c["objective"]["preset"], c["objective"]["loss_type"], c["batch"]["G"]) == ("trl", "dr_grpo", 3)
+
+
+def test_keys_an_experiment_preset_or_local_config_sets_win(ckpt, tmp_path, monkeypatch, capsys):
+    """An experiment preset and a local config of the user's (in their config folder,
+    ``hydra.searchpath``) count as given, also where they write the default value: their batch.G,
+    sampling.temperature and sampling.top_p stay, the file fills the rest (the job up to the probe)."""
+    from hydra.core.global_hydra import GlobalHydra
+    import entprobe.cli.probe_job as job
+    from entprobe.main import main
+
+    conf = tmp_path / "conf" / "experiment"
+    conf.mkdir(parents=True)
+    (conf / "mine.yaml").write_text("# @package _global_\nbatch:\n  G: 2\nsampling:\n  temperature: 1.0\n")
+    (conf.parent / "local").mkdir()
+    (conf.parent / "local" / "default.yaml").write_text("# @package _global_\nsampling:\n  top_p: 1.0\n")
+    seen = {}
+    monkeypatch.setattr(job, "run", lambda typed, **kw: seen.setdefault("cfg", typed) and {})
+    monkeypatch.setattr(sys, "argv", ["entprobe", "model=hf", f"model.path={ckpt}", "experiment=mine",
+                                      f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "logging.logger=none",
+                                      f"hydra.run.dir={tmp_path / 'run'}"])
+    GlobalHydra.instance().clear()
+    try:
+        main()
+    finally:
+        GlobalHydra.instance().clear()
+    cfg = seen["cfg"]
+    assert (cfg.batch.G, cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k) == (2, 1.0, 1.0, 7)
+    assert cfg.objective.loss_type == "dr_grpo"
+    assert "batch.G as given (the file has 3" in capsys.readouterr().out

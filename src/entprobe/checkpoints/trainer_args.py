@@ -6,8 +6,8 @@ model.path=<checkpoint-N>`` then needs nothing else: the objective (``objective=
 ``loss_type``, ``scale_rewards``, ...), the sampling (``num_generations``, ``max_completion_length``,
 ``temperature``, ``top_k``, ``top_p``), the reward weights and AdamW's settings are read from the
 file, and each key taken is printed (``entprobe: from .../training_args.bin: batch.G=8
-(num_generations)``). A key set on the command line wins over the file; ``model.trainer_args=ignore``
-does not read it.
+(num_generations)``). A key set on the command line, or in the chosen experiment preset or local
+config (``set_in_config_files``), wins over the file; ``model.trainer_args=ignore`` does not read it.
 
 Nothing is executed: the pickle is read by ``SafeArgsUnpickler``, whose ``find_class`` gives an
 inert record (``_Record``: constructor arguments and state, no code) for GRPOConfig /
@@ -322,3 +322,39 @@ def _shown(v) -> str:
     if isinstance(v, dict):
         return "{" + ",".join(f"{k}:{_shown(x)}" for k, x in v.items()) + "}"
     return str(v)
+
+
+def set_in_config_files(runtime) -> list[str]:
+    """The dotted keys the chosen experiment preset and ``local`` config file write (they win over
+    training_args.bin, as the command line's keys do), read from the files themselves: the first of
+    Hydra's ``runtime.config_sources`` (file:// and pkg://, the user's search path included) that
+    has ``<group>/<choice>.yaml``; [] when neither is chosen."""
+    import re
+    from importlib import resources
+
+    from omegaconf import OmegaConf
+
+    choices = dict(runtime.choices or {})
+    keys: list[str] = []
+    for group in ("experiment", "local"):
+        if choices.get(group) is None:
+            continue
+        for src in runtime.config_sources:
+            root = {"file": Path, "pkg": resources.files}.get(src.schema)
+            f = root(src.path) / group / f"{choices[group]}.yaml" if root else None
+            if f is None or not f.is_file():
+                continue
+            text = f.read_text()
+            package = (re.search(r"^#\s*@package\s+(\S+)", text, re.M) or [None, group])[1]
+            tree = OmegaConf.to_container(OmegaConf.create(text)) or {}
+            tree.pop("defaults", None)
+            keys += _leaf_keys(tree, "" if package == "_global_" else package + ".")
+            break
+    return keys
+
+
+def _leaf_keys(tree: dict, prefix: str) -> list[str]:
+    out = []
+    for k, v in tree.items():
+        out += _leaf_keys(v, f"{prefix}{k}.") if isinstance(v, dict) and v else [f"{prefix}{k}"]
+    return out
