@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
+import zipfile
 import sys
 from pathlib import Path
 
@@ -116,8 +118,12 @@ def test_a_pickle_that_runs_code_is_refused_unrun(tmp_path):
     assert typed(tmp_path, ck, "model.trainer_args=ignore").batch.G == 4  # the switch gets past it
     for bad in (b"", b"not a zip", (ck / FILE).read_bytes()[:200]):  # empty, not torch.save, truncated
         (ck / FILE).write_bytes(bad)
-        with pytest.raises(InputFileError, match="training_args.bin"):
+        with pytest.raises(InputFileError, match="training_args.bin: not a file torch.save wrote"):
             read_args(ck / FILE)
+    with zipfile.ZipFile(ck / FILE, "w") as z:  # a zip whose pickle is cut short / garbage: not "refused"
+        z.writestr("training_args/data.pkl", pickle.dumps({"a": [1, 2]})[:-3])
+    with pytest.raises(InputFileError, match="cannot be read .* while unpickling"):
+        read_args(ck / FILE)
 
 
 def test_other_trl_versions_read_by_field_name(tmp_path):

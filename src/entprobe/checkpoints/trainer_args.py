@@ -82,6 +82,10 @@ def _standin(full_name: str) -> type:
     return _STANDINS[full_name]
 
 
+class _Refused(pickle.UnpicklingError):
+    """The pickle asks for something outside the allowlist (its message says what)."""
+
+
 class SafeArgsUnpickler(pickle.Unpickler):
     """Unpickles a TrainingArguments / GRPOConfig into records: only those two and the classes of
     transformers, accelerate and TRL inside them become (inert) records; any other global raises."""
@@ -90,10 +94,10 @@ class SafeArgsUnpickler(pickle.Unpickler):
         full = f"{module}.{name}"
         if full in TOP_CLASSES or full in INNER_GLOBALS or module.startswith(INNER_MODULES):
             return _standin(full)
-        raise pickle.UnpicklingError(f"global {full}")
+        raise _Refused(f"global {full}")
 
     def persistent_load(self, pid):
-        raise pickle.UnpicklingError("a tensor")
+        raise _Refused("a tensor")
 
 
 def read_args(path: str | Path) -> tuple[str, dict[str, Any]]:
@@ -113,11 +117,11 @@ def read_args(path: str | Path) -> tuple[str, dict[str, Any]]:
         raise InputFileError(f"{path}: not a file torch.save wrote (no zip archive with data.pkl); {IGNORE}")
     try:
         top = SafeArgsUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as exc:
+    except _Refused as exc:
         raise InputFileError(f"{path}: refused: it holds {exc}, which is not part of TRL's GRPOConfig or "
                              "transformers' TrainingArguments (nothing from a checkpoint is executed); "
                              f"{IGNORE}") from None
-    except Exception as exc:  # truncated or corrupt pickles: EOFError, ValueError, ...
+    except Exception as exc:  # truncated or corrupt pickles: UnpicklingError, EOFError, ValueError, ...
         raise InputFileError(f"{path}: cannot be read ({type(exc).__name__} while unpickling; a truncated "
                              f"copy?); {IGNORE}") from None
     kind = TOP_CLASSES.get(getattr(top, "qualname", ""))
