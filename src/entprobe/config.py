@@ -91,6 +91,11 @@ class PromptTokenization(str, Enum):
     verl = "verl"  # verl RLHFDataset's: every prompt through the chat template (a text as one user message)
 
 
+class TrainerArgs(str, Enum):
+    auto = "auto"  # model=hf: read the run's settings from the checkpoint's training_args.bin (TRL GRPOConfig)
+    ignore = "ignore"  # do not read it
+
+
 class ModelSource(str, Enum):
     builtin = "builtin"
     hf = "hf"
@@ -221,6 +226,7 @@ class ModelConfig:
     gguf_package: Optional[str] = None
     tokenizer_path: Optional[str] = None
     base_path: Optional[str] = None  # a PEFT adapter's base model folder (checkpoints/peft.py)
+    trainer_args: TrainerArgs = TrainerArgs.auto  # training_args.bin -> config keys (checkpoints/trainer_args.py)
     dtype: DType = DType.float32
     device: str = "auto"
     autocast_bf16: bool = True

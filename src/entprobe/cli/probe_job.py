@@ -30,6 +30,7 @@ from entprobe.pipeline.geometry import build_geometry
 from entprobe.reporting.loggers import make_logger
 from entprobe.checkpoints.models import LoadedModel, load_model
 from entprobe.checkpoints.preflight import check_inputs
+from entprobe.checkpoints.trainer_args import set_in_config_files
 from entprobe.tasks.prompt_ids import check_template, style_of
 from entprobe.reporting.markdown import PLOT_FILES
 from entprobe.rollouts.sampling import RolloutBatch
@@ -139,13 +140,15 @@ def hydra_job(cfg: DictConfig) -> float | None:
         with marks_failure(run_dir, enabled=D.is_main()):
             with_dir = OmegaConf.to_container(cfg, resolve=True)
             with_dir["run_dir"] = str(run_dir)
-            typed = to_typed(OmegaConf.create(with_dir))
+            given = list(hc.overrides.task) + set_in_config_files(hc.runtime)  # win over training_args.bin
+            typed = to_typed(OmegaConf.create(with_dir), explicit=given)
             cache = None
             multirun = hc.mode == RunMode.MULTIRUN
             if multirun:  # batches (unless batch.load) and lr-independent Stages 1-2 (pipeline/lr_share.py)
                 sweep_dir = Path(hc.runtime.cwd) / hc.sweep.dir  # absolute, also with hydra.job.chdir
                 cache = D.broadcast_object(str(sweep.batch_cache_dir(sweep_dir, typed, D.world())))
-            logger = make_logger(typed.logging, run_dir, with_dir, D.is_main(), list(hc.overrides.task),
+            config = OmegaConf.to_container(OmegaConf.structured(typed), enum_to_str=True)  # with training_args.bin's
+            logger = make_logger(typed.logging, run_dir, config, D.is_main(), list(hc.overrides.task),
                                  str(hc.sweep.dir) if multirun else None, typed)
             results = run(typed, batch_cache=cache, set_aside=False)
             logger.log(results, {n: run_dir / f for n, f in PLOT_FILES.items() if (run_dir / f).is_file()})

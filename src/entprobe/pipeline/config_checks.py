@@ -12,6 +12,9 @@ from entprobe.rollouts.objectives import config_errors
 from entprobe.tasks.prompt_ids import style_errors
 from entprobe.runtime.sharding import config_errors as sharding_errors
 from entprobe.tasks.reward_funcs import weight_errors
+from entprobe.checkpoints.trainer_args import with_trainer_args
+from entprobe.runtime import distributed as D
+from omegaconf import DictConfig
 
 
 def _require(ok: bool, key: str, msg: str) -> None:
@@ -124,9 +127,13 @@ def validate(cfg: Any) -> None:
              "or drop logging.wandb.mode=online")
 
 
-def to_typed(cfg) -> EntprobeConfig:
+def to_typed(cfg, explicit: list[str] | None = None) -> EntprobeConfig:
     """The typed config of a composed one (``config.structured``: the schema merge), range-checked
-    (``validate``): what every entry point runs first."""
+    (``validate``): what every entry point runs first. ``explicit``: the overrides the user gave (the
+    command line's); with them, a model=hf checkpoint's training_args.bin fills the keys they leave
+    (``checkpoints.trainer_args``; None: not read)."""
+    if explicit is not None and isinstance(cfg, DictConfig):
+        cfg = with_trainer_args(cfg, explicit, show=D.env_rank() == 0)
     obj = structured(cfg)
     validate(obj)
     return obj
