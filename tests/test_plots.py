@@ -177,3 +177,37 @@ def test_symlog_ticks_leave_the_band_around_zero_to_zero(figs):
     assert all(abs(t) > thresh for t in ticks if t)  # nothing crowds the 0 label
     assert min(abs(t) for t in ticks if t) > 0.002 and max(ticks) >= 7.0
     assert not plots.symlog_y(Figure().subplots(), [0.1, -0.2, 0.5])  # one decade: stays linear
+
+
+# ----------------------------------------------------------------------------- benchmarks/lr_sweep.py
+def test_lr_sweep_figure_titles_by_folder_name_and_redraws_from_its_csv(tmp_path, figs):
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "lr_sweep.py"
+    spec = importlib.util.spec_from_file_location("lr_sweep_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    a = argparse.Namespace(builtin=False, checkpoint=str(tmp_path / "ck" / "smollm2_adamw"), B_E=6, B_U=6, G=4,
+                           max_new_tokens=8, weighting_mode="sequence")
+    header = bench.header_of(a)
+    assert header.startswith("smollm2_adamw:") and str(tmp_path) not in header
+    rows = []
+    for lr, p, t in ((1e-6, -0.07, -0.071), (1e-4, -7.0, -5.2), (1e-3, -70.0, 0.28)):
+        r = {**{k: math.nan for k in bench.KEYS}, **{k: "" for k in bench.EXTRA}, "lr": lr, "status": "ok",
+             "error": "", "wall_s": 1.0, "stage12_s": 0.0, "deltaH_pred": p, "SE_deltaH_pred": abs(p),
+             "ci95_pred_low": p - 3 * abs(p), "ci95_pred_high": p + 3 * abs(p), "deltaH_true": t,
+             "SE_deltaH_true": math.nan, "deltaH1": 25 * p, "deltaH_true_minus_pred": t - p}
+        rows.append(r)
+    bench.write_csv(rows, tmp_path / "lr_sweep.csv")
+    back = bench.read_csv(tmp_path / "lr_sweep.csv")
+    assert back[0]["deltaH_pred"] == -0.07 and back[0]["status"] == "ok"
+    bench.write_png(back, tmp_path / "lr_sweep.png", header)
+    assert (tmp_path / "lr_sweep.png").read_bytes()[:8] == PNG
+    ax = figs[-1].axes[0]
+    assert ax.get_title() == header and "nats" in ax.get_ylabel() and ax.get_yscale() == "symlog"
+    thresh = ax.yaxis.get_transform().linthresh
+    assert all(abs(t) > thresh for t in ax.get_yticks() if t)  # no label beside 0's
+    seg = ax.containers[0].lines[2][0].get_segments()[0]  # the run's own 95% interval
+    assert (seg[0][1], seg[1][1]) == pytest.approx((-0.07 - 0.21, -0.07 + 0.21))
