@@ -81,6 +81,9 @@ def test_attribution_plot_bars_sum_to_the_headline_and_a_zero_step_says_so(tmp_p
     made, _ = markdown.make_plots(zero, tmp_path)
     assert made["attribution"].read_bytes()[:8] == PNG
     assert "no U group has reward variance" in texts(figs[-1])  # the note on the empty plot
+    momentum_only = {**flat, "deltaH_pred": -0.02981, "norm_PYbar": 0.0}  # no gradient, a momentum step
+    markdown.make_plots(momentum_only, tmp_path)
+    assert "momentum and weight decay only" in figs[-1].get_suptitle() and "every part" not in texts(figs[-1])
     plots.attribution({}, {}, tmp_path / "empty.png")
     assert "every part is 0" in texts(figs[-1])
 
@@ -113,6 +116,9 @@ def test_projections_bands_are_95_percent_and_E_and_U_prompts_get_their_own_axes
     assert ax_e.get_xlabel() == "prompt of E" and ax_u.get_xlabel() == "prompt of U"
     assert not ax_u.patches  # NaN SE: no band, still a figure
     assert len(step.lines) >= 2 + len(E)  # the pairs: one thin line per prompt
+    assert not texts(figs[0])
+    plots.projections([[("zero gradient", "prompt of U", {"U": [0.0] * 4}, {})]], tmp_path / "z.png")
+    assert "every value is exactly 0" in texts(figs[-1]) and figs[-1].axes[0].get_ylim() == (-1, 1)
 
 
 # ----------------------------------------------------------------------------- sweep

@@ -35,8 +35,11 @@ def _plot_attribution(results: dict, per_unit: dict, path: Path) -> Path | None:
     by_layer, by_kind = _prefixed(results, "attr_pred/layer/"), _prefixed(results, "attr_pred/kind/")
     if not by_kind:
         return None
-    note = ("deltaH_pred = 0: the update is zero (no U group has reward variance, and the optimizer has no "
-            "momentum or weight decay to apply)" if results.get("norm_PYbar") == 0 else "")
+    note = ""
+    if results.get("norm_PYbar") == 0:  # the verdict's empty_gradient
+        note = ("no U group has reward variance, so the gradient is zero: this step is AdamW's momentum and "
+                "weight decay only" if any(by_kind.values()) else "every part is 0: no U group has reward "
+                "variance (zero gradient) and the optimizer has no momentum or weight decay to apply")
     return plots.attribution(by_layer, by_kind, path, float(results.get("deltaH_pred", math.nan)), note)
 
 

@@ -62,9 +62,9 @@ def ci95(mean: float, se: float, n: float) -> tuple[float, float]:
     return mean - h, mean + h
 
 
-def _note(ax, text: str) -> None:
-    """A boxed note in the middle of ``ax`` (why a panel is empty)."""
-    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=9, wrap=True,
+def _note(ax, text: str, y: float = 0.5) -> None:
+    """A boxed note across ``ax`` at height ``y`` (axes fraction): why a panel is empty."""
+    ax.text(0.5, y, text, transform=ax.transAxes, ha="center", va="center", fontsize=9, wrap=True,
             bbox=dict(boxstyle="round", fc="lightyellow", ec="gray"))
 
 
@@ -102,8 +102,9 @@ def attribution(by_layer: Mapping[str, float], by_kind: Mapping[str, float], pat
                 total: float = math.nan, note: str = "") -> Path:
     """Two bar charts of each parameter tensor's part of ``deltaH_pred`` (nats, negative: entropy
     falls), summed by layer (in layer order; embeddings, final norm and head are "outside layers")
-    and by module kind; the bars of each panel sum to ``total``. When every part is 0, a note
-    (``note``, or a default) says so on the figure."""
+    and by module kind; the bars of each panel sum to ``total``. ``note`` (why the step is what it
+    is, e.g. no gradient) goes under the title; when every part is 0 it (or a default) is boxed in
+    the empty panel instead."""
     layers = sorted((k for k in by_layer if k != "non_layer")) + (["non_layer"] if "non_layer" in by_layer else [])
     kinds = [k for k in KIND_ORDER if k in by_kind] + sorted(k for k in by_kind if k not in KIND_ORDER)
     fig = Figure(figsize=(11, 4.2))
@@ -124,12 +125,12 @@ def attribution(by_layer: Mapping[str, float], by_kind: Mapping[str, float], pat
         if empty:
             ax.set_ylim(-1, 1)
     if empty:
-        _note(ax_l, note or "every part is 0: the AdamW step does not change the entropy to first order")
+        _note(ax_l, note or "every part is 0: the AdamW step does not change the entropy to first order", 0.75)
     ax_k.legend(handles=[Patch(color=c, label=t) for c, t in (
         (FALLS, "entropy falls (< 0)"), (RISES, "entropy rises (> 0)"))], loc="best", fontsize=7)
     tot = f"ΔH_pred = {total:+.3g} nats (each panel's bars sum to it)" if math.isfinite(total) else "ΔH_pred"
-    fig.suptitle(f"Predicted entropy change of the next AdamW step, by layer and by module kind: {tot}",
-                 fontsize=10)
+    fig.suptitle(f"Predicted entropy change of the next AdamW step, by layer and by module kind: {tot}"
+                 + (f"\n{note}" if note and not empty else ""), fontsize=10)
     return _save(fig, path)
 
 
@@ -201,6 +202,10 @@ def _panel(ax, title: str, xlabel: str, series: Mapping[str, Sequence[float]],
         for a, b, c, d in zip(xa, xb, ya, yb):
             ax.plot([a, b], [c, d], color="gray", lw=0.5, zorder=0)
     ax.axhline(0, color="black", lw=0.5)
+    flat = [v for vals in series.values() for v in vals if math.isfinite(v)]
+    if flat and not any(flat):  # e.g. the seeds' projections of a zero gradient
+        ax.set_ylim(-1, 1)
+        _note(ax, "every value is exactly 0", 0.75)
     ax.set_title(title, fontsize=9)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(xlabel)
