@@ -62,7 +62,8 @@ def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Ge
     terms = pv.dot_terms(Xbar, PY)  # Xbar . P Ybar per parameter: bars_dot and the attribution table
     step_dots = pv.dot_set(Xbar, dirE)[1:].tolist()  # Xbar . Delta theta_part
     # Xbar_i . Delta theta_i per parameter tensor, all parts summed: the headline's attribution
-    step_terms = sum(pv.dot_terms(Xbar, dirE.column(j)) for j in range(1, dirE.k))
+    # (on the directions' device: Xbar's tensors move to it, the update's parts stay)
+    step_terms = sum(pv.dot_terms(dirE.column(j), Xbar) for j in range(1, dirE.k)).to(terms.device)
     nX, nPY = pv.norm(Xbar), pv.norm(PY)
     # coordinates Adam never updated (v = 0: P = 1/eps there) inflate the seeds' deltaH1, not
     # the real step, which moves them by about lr
