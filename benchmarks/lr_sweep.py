@@ -19,10 +19,11 @@ deltaH_true_minus_pred, SE_deltaH_true_minus_pred, ESS_frac, H_orig and the part
 - ``<out>/lr_sweep.csv``: one row per lr (plus wall time, lr_source, batch_source, status, error);
 - ``<out>/lr_sweep.md``: lr, prediction +- SE, measured +- SE, difference +- SE, z, ESS_frac (and
   deltaH1 +- SE beside); "prediction" is deltaH_pred, or deltaH1 where deltaH_pred is absent;
-- ``<out>/lr_sweep.png``: prediction and measured with 1.96 SE error bars against lr (log x,
-  symlog y), and (measured - predicted) / |predicted| with its paired 95% interval in a second
-  panel: where it leaves 0, first order stops holding (needs matplotlib: ``pip install
-  matplotlib``; without it the PNG is skipped with a message).
+- ``<out>/lr_sweep.png``: prediction and measured with their 95% intervals (the runs' own,
+  Student-t) against lr (log x, symmetric-log y in nats), and (measured - predicted) / |predicted|
+  with its paired 95% interval in a second panel: where it leaves 0, first order stops holding
+  (needs matplotlib: ``pip install matplotlib``; without it the PNG is skipped with a message).
+  ``--replot`` redraws the PNG and the table from ``<out>/lr_sweep.csv`` without running.
 
 A failing lr is recorded (status ``error`` and the message) and the sweep goes on; the exit status
 is always 0 (a measurement, not a test). Commands (from the repository root):
@@ -71,6 +72,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--weighting-mode", default="sequence", choices=["sequence", "dr_grpo", "per_token_avg"])
     ap.add_argument("--reuse-batches", action="store_true",
                     help="load <out>/batches for every lr when E.pt and U.pt are already there")
+    ap.add_argument("--replot", action="store_true",
+                    help="run nothing: redraw lr_sweep.png and lr_sweep.md from <out>/lr_sweep.csv")
     ap.add_argument("--table", action="store_true", help="print entprobe's full results table per lr")
     ap.add_argument("--own-stage12", action="store_true",
                     help="every lr computes its own Stages 1-2 (batch.share_across_lr=false)")
@@ -184,11 +187,23 @@ def write_md(rows: list[dict], path: Path, header: str) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def interval(r: dict, which: str, p: float, se: float) -> tuple[float, float]:
+    """The run's own 95% interval (``ci95_pred_*`` / ``ci95_true_*``, Student-t as the verdict
+    quotes it), else ``p -+ 1.96 se``."""
+    tag = {"deltaH_pred": "pred", "deltaH_true": "true"}.get(which)
+    lo, hi = (r.get(f"ci95_{tag}_low", NAN), r.get(f"ci95_{tag}_high", NAN)) if tag else (NAN, NAN)
+    if math.isfinite(lo) and math.isfinite(hi):
+        return lo, hi
+    return p - 1.96 * se, p + 1.96 * se
+
+
 def write_png(rows: list[dict], path: Path, header: str) -> None:
+    """Prediction and measurement with their 95% intervals against lr (symmetric-log y in nats,
+    ticks clear of 0: ``plots.symlog_y``), and (measured - predicted) / |predicted| with the paired
+    95% interval below: where it leaves 0, first order stops holding."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from entprobe.reporting import plots
+        from matplotlib.figure import Figure
     except ImportError:
         print(f"matplotlib is not installed: no {path.name} (pip install matplotlib)", flush=True)
         return
@@ -196,24 +211,33 @@ def write_png(rows: list[dict], path: Path, header: str) -> None:
     if not ok:
         print(f"no successful lr: no {path.name}", flush=True)
         return
+    ok.sort(key=lambda r: r["lr"])
     lr = [r["lr"] for r in ok]
     pred = [prediction(r) for r in ok]
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(7, 7), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    fig = Figure(figsize=(7, 7))
+    ax, ax2 = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
     shift = 1.04  # nudge the two series apart on the log axis
-    ax.errorbar([x / shift for x in lr], [p for p, _, _ in pred], yerr=[1.96 * s for _, s, _ in pred],
-                fmt="o-", capsize=3, label=f"prediction ({pred[0][2]}) ± 1.96 SE")
-    ax.errorbar([x * shift for x in lr], [r["deltaH_true"] for r in ok],
-                yerr=[1.96 * r["SE_deltaH_true"] for r in ok], fmt="s-", capsize=3, label="measured deltaH_true ± 1.96 SE")
+    shown = []
+    for j, (name, vals, style) in enumerate((
+            (pred[0][2], [(p, se) for p, se, _ in pred], plots.PRED_STYLE),
+            ("deltaH_true", [(r["deltaH_true"], r["SE_deltaH_true"]) for r in ok], plots.TRUE_STYLE))):
+        y = [v for v, _ in vals]
+        lo, hi = zip(*(interval(r, name, v, se) for r, (v, se) in zip(ok, vals)))
+        err = [[v - a if math.isfinite(a) else 0 for v, a in zip(y, lo)], [b - v if math.isfinite(b) else 0 for v, b in zip(y, hi)]]
+        label = {"deltaH_pred": "predicted deltaH_pred", "deltaH1": "predicted deltaH1 (no deltaH_pred)",
+                 "deltaH_true": "measured deltaH_true"}[name]
+        ax.errorbar([x * shift ** (2 * j - 1) for x in lr], y, yerr=err, marker=style["marker"], ls=style["ls"],
+                    mfc=style["mfc"] or f"C{j}", color=f"C{j}", capsize=3, label=f"{label}, 95% interval")
+        shown += [*y, *lo, *hi]
     if pred[0][2] == "deltaH_pred" and any(math.isfinite(r["deltaH1"]) for r in ok):
-        ax.plot(lr, [r["deltaH1"] for r in ok], "x:", color="grey", label="deltaH1 (first order, lr P Ybar)")
-    vals = [abs(v) for r, (p, _, _) in zip(ok, pred) for v in (p, r["deltaH_true"]) if math.isfinite(v) and v != 0]
+        ax.plot(lr, [r["deltaH1"] for r in ok], "x:", color="grey", label="seeds' deltaH1 = -lr Xbar.P.Ybar (not the AdamW step)")
+        shown += [r["deltaH1"] for r in ok]
     ax.set_xscale("log")
-    if vals:
-        ax.set_yscale("symlog", linthresh=min(vals))
+    plots.symlog_y(ax, shown)
     ax.axhline(0, color="k", lw=0.5)
-    ax.set_ylabel("entropy change")
+    ax.set_ylabel("entropy change of the step (nats)")
     ax.set_title(header, fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     # where first order stops holding: the paired difference relative to the prediction, 95% interval
     rel, err = [], []
     for r, (p, _, _) in zip(ok, pred):
@@ -221,14 +245,26 @@ def write_png(rows: list[dict], path: Path, header: str) -> None:
         ok_p = math.isfinite(p) and p != 0
         rel.append(d / abs(p) if ok_p and math.isfinite(d) else NAN)
         err.append((hi - lo) / 2 / abs(p) if ok_p and math.isfinite(lo) and math.isfinite(hi) else 0.0)
-    ax2.errorbar(lr, rel, yerr=err, fmt="o-", capsize=3)
+    ax2.errorbar(lr, rel, yerr=err, fmt="o-", capsize=3, color="C2")
     ax2.axhline(0, color="k", lw=0.5, ls="--")
     ax2.set_xscale("log")
     ax2.set_xlabel("lr")
-    ax2.set_ylabel("(measured - predicted) / |predicted|\n95% interval (paired)", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax2.set_ylabel("(measured - predicted) / |predicted|\n95% interval (paired), a fraction", fontsize=8)
+    plots._save(fig, path)
+
+
+def header_of(a: argparse.Namespace) -> str:
+    """The figure's and table's title: the checkpoint by its folder name (never a full path)."""
+    name = "built-in model" if a.builtin else Path(a.checkpoint).expanduser().resolve().name
+    return (f"{name}: B_E={a.B_E} B_U={a.B_U} G={a.G}, {a.max_new_tokens} new tokens, "
+            f"{a.weighting_mode} entropy")
+
+
+def read_csv(path: Path) -> list[dict]:
+    """The rows ``write_csv`` wrote (numbers back as floats), for ``--replot``."""
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [{k: (v if k in ("status", "error", *EXTRA) else fnum(v)) for k, v in r.items()} for r in rows]
 
 
 def main() -> int:
@@ -236,11 +272,10 @@ def main() -> int:
     lrs = [float(x) for x in (a.lrs or (BUILTIN_LRS if a.builtin else DEFAULT_LRS)).split(",") if x.strip()]
     out = Path(a.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
-    header = (f"{'builtin' if a.builtin else a.checkpoint}, B_E={a.B_E} B_U={a.B_U} G={a.G} "
-              f"max_new_tokens={a.max_new_tokens} weighting={a.weighting_mode}")
+    header = header_of(a)
     t0 = time.perf_counter()
     try:
-        rows = run_sweep(a, lrs, out)
+        rows = read_csv(out / "lr_sweep.csv") if a.replot else run_sweep(a, lrs, out)
     except Exception:  # set-up failed (imports, config): report, still exit 0
         traceback.print_exc()
         return 0

@@ -26,6 +26,12 @@ def test_report_md_with_plots_and_the_per_prompt_values_behind_the_ses(tmp_path)
         assert (tmp_path / file).read_bytes()[:8] == PNG, name
         assert f"![{name}]({file})" in text
 
+    # the attribution plot's numbers: the headline split by module kind and by layer, in nats; each
+    # split sums to deltaH_pred (per-tensor fp32 dots against the fp64 dot of the whole: ~1e-6)
+    for split in ("attr_pred/kind/", "attr_pred/layer/"):
+        parts = [v for k, v in res.items() if k.startswith(split)]
+        assert len(parts) >= 2 and sum(parts) == pytest.approx(res["deltaH_pred"], rel=1e-5), split
+
     pu = json.loads((tmp_path / "per_unit.json").read_text())
     # the SEs are these values' sd / sqrt(n); the prediction itself is the fp64 dot of the means, the
     # per-prompt values are fp32 projections (agree to ~1e-6 of their scale)

@@ -74,9 +74,10 @@ class Stage12:
     Independent of the lr: Ybar, Xbar (buffers device), the per-parameter terms of
     ``Xbar . P Ybar``, the norms, the dot over never-updated coordinates, the local E / U
     log-probs and entropies, column 0 of ``a`` (``X_u . P Ybar``) and of ``b`` (``Y_v . P Xbar``).
-    Linear in the lr: ``step_dots`` (``Xbar . Delta theta_part``), ``a[:, 1:]`` (``X_u . Delta
-    theta_part``) and ``b[:, 1:]`` (``Y_v . J Xbar``). ``a``, ``b``: gathered over ranks, ``b``
-    linearised by the objective; None without the variance."""
+    Linear in the lr: ``step_dots`` (``Xbar . Delta theta_part``), ``step_terms`` (per parameter
+    tensor, ``Xbar_i . Delta theta_i``), ``a[:, 1:]`` (``X_u . Delta theta_part``) and ``b[:, 1:]``
+    (``Y_v . J Xbar``). ``a``, ``b``: gathered over ranks, ``b`` linearised by the objective; None
+    without the variance."""
     lr: float
     names: list[str]
     Ybar: pv.Buffer
@@ -98,6 +99,7 @@ class Stage12:
     b: torch.Tensor | None  # [B_U, 1 or 2]
     projection: str | None
     unit_backward: str | None  # set when per-unit gradients were taken in the X pass
+    step_terms: torch.Tensor  # per parameter tensor: Xbar . Delta theta (all parts; the attribution)
 
     def at_lr(self, lr: float) -> "Stage12":
         """The same Stages 1-2 at another lr: the lr-linear values times ``lr / self.lr``."""
@@ -106,7 +108,7 @@ class Stage12:
         def scaled(m: torch.Tensor | None) -> torch.Tensor | None:
             return None if m is None else torch.cat([m[:, :1], m[:, 1:] * r], 1)
         return dataclasses.replace(self, lr=lr, step_dots=[d * r for d in self.step_dots],
-                                   a=scaled(self.a), b=scaled(self.b))
+                                   a=scaled(self.a), b=scaled(self.b), step_terms=self.step_terms * r)
 
 
 def _json(obj) -> dict:

@@ -1,5 +1,15 @@
-"""Which parameters drive the prediction: bars_dot split by parameter, layer and module kind; for a
-PEFT adapter also by adapted module (a LoRA module's lora_A and lora_B terms summed)."""
+"""Which parameters drive the prediction, split by parameter, layer and module kind (for a PEFT
+adapter also by adapted module: a LoRA module's lora_A and lora_B terms summed).
+
+Two breakdowns:
+- the headline's, ``attr_pred/*``: each parameter tensor's part of ``deltaH_pred = -Xbar . Delta
+  theta`` (the AdamW step the optimizer will take), ``-Xbar_i . Delta theta_i`` in nats with the
+  sign of the entropy change (negative: entropy falls); they sum to ``deltaH_pred``. This is what
+  attribution.png draws;
+- the seeds', ``attr/*``: the terms ``Xbar_i . P_i . Ybar_i`` of ``bars_dot`` (the Adam-preconditioned
+  gradient step, not the one AdamW takes; ``deltaH1 = -lr bars_dot``), raw, positive = entropy
+  falls. attribution.csv gives both per parameter, and the seeds' also in nats (``deltaH1_term``).
+"""
 from __future__ import annotations
 
 import csv
@@ -41,12 +51,17 @@ def module_of(name: str) -> str:
     return adapter_module(name) or name.rpartition(".")[0] or name
 
 
-def summarize(names: list[str], terms: list[float], top_k: int = 10) -> tuple[dict[str, float], list[dict]]:
+def summarize(names: list[str], terms: list[float], top_k: int = 10, step_terms: list[float] | None = None,
+              lr: float = float("nan")) -> tuple[dict[str, float], list[dict]]:
     """Flat results (top-k by |term| per parameter, per layer, per kind; with adapter parameters
     also top-k by |term| per adapted module) and the full table rows (with each row's module and
     its module's summed term).
 
     ``terms[i] = Xbar_i . P_i . Ybar_i``; they sum to bars_dot. Shares are term / bars_dot.
+    ``step_terms[i] = Xbar_i . Delta theta_i`` (the whole update, every part), when given: the
+    headline's breakdown ``attr_pred/*`` (``headline``) and the rows' ``deltaH_pred_term``
+    (``-step_terms[i]``, nats) and ``pred_share``; ``lr`` gives the rows' ``deltaH1_term``
+    (``-lr terms[i]``, nats).
     """
     total = sum(terms)
     by_kind, by_layer, by_module = defaultdict(float), defaultdict(float), defaultdict(float)
@@ -56,10 +71,17 @@ def summarize(names: list[str], terms: list[float], top_k: int = 10) -> tuple[di
         by_layer[layer_of(n)] += t
         by_module[module_of(n)] += t
         rows.append({"parameter": n, "module": module_of(n), "layer": layer_of(n), "kind": module_kind(n),
-                     "bars_dot_term": t, "share": t / total if total else float("nan")})
+                     "bars_dot_term": t, "share": t / total if total else float("nan"), "deltaH1_term": -lr * t})
     for r in rows:
         r["module_bars_dot_term"] = by_module[r["module"]]
-    flat = {f"attr/kind/{k}": v for k, v in sorted(by_kind.items())}
+    flat = {}
+    if step_terms is not None:
+        contrib = [-float(t) for t in step_terms]
+        pred = sum(contrib)
+        for r, c in zip(rows, contrib):
+            r.update(deltaH_pred_term=c, pred_share=c / pred if pred else float("nan"))
+        flat.update(headline(names, contrib, top_k))
+    flat.update({f"attr/kind/{k}": v for k, v in sorted(by_kind.items())})
     flat.update({f"attr/layer/{k}": v for k, v in sorted(by_layer.items())})
     flat.update(_top("top", [(r["parameter"], r["bars_dot_term"]) for r in rows], top_k))
     if any(adapter_module(n) for n in names):
@@ -67,17 +89,40 @@ def summarize(names: list[str], terms: list[float], top_k: int = 10) -> tuple[di
     return flat, rows
 
 
-def _top(label: str, items: list[tuple[str, float]], top_k: int) -> dict:
-    """``attr/<label>NN/name`` and ``/bars_dot_term`` of the top_k items by |term|."""
-    out = {}
-    for i, (name, t) in enumerate(sorted(items, key=lambda it: -abs(it[1]))[:top_k]):
-        out[f"attr/{label}{i + 1:02d}/name"] = name
-        out[f"attr/{label}{i + 1:02d}/bars_dot_term"] = t
+def headline(names: list[str], contrib: list[float], top_k: int = 10) -> dict:
+    """``attr_pred/kind/<kind>``, ``attr_pred/layer/<layer>`` (sums of ``contrib``, each parameter's
+    part of ``deltaH_pred`` in nats) and ``attr_pred/topNN/{name,deltaH_pred}`` by |part|. Every
+    kind of ``KINDS`` appears (0 when the model has none), so runs compare key by key."""
+    by_kind, by_layer = dict.fromkeys(KINDS, 0.0), defaultdict(float)
+    for n, c in zip(names, contrib):
+        by_kind[module_kind(n)] += c
+        by_layer[layer_of(n)] += c
+    out = {f"attr_pred/kind/{k}": v for k, v in by_kind.items() if k != "other" or v}
+    out.update({f"attr_pred/layer/{k}": v for k, v in sorted(by_layer.items())})
+    out.update(_top("top", list(zip(names, contrib)), top_k, "attr_pred", "deltaH_pred"))
     return out
 
 
+KINDS = ("attention", "mlp", "embeddings", "norms", "lm_head", "other")  # module_kind's, in plot order
+
+
+def _top(label: str, items: list[tuple[str, float]], top_k: int, prefix: str = "attr",
+         value: str = "bars_dot_term") -> dict:
+    """``<prefix>/<label>NN/name`` and ``/<value>`` of the top_k items by |term|."""
+    out = {}
+    for i, (name, t) in enumerate(sorted(items, key=lambda it: -abs(it[1]))[:top_k]):
+        out[f"{prefix}/{label}{i + 1:02d}/name"] = name
+        out[f"{prefix}/{label}{i + 1:02d}/{value}"] = t
+    return out
+
+
+CSV_FIRST = ("parameter", "module", "layer", "kind", "deltaH_pred_term", "pred_share", "deltaH1_term")
+
+
 def write_csv(rows: list[dict], path: str | Path) -> None:
+    """attribution.csv: one row per parameter tensor, the headline's part (nats) first."""
+    first = [c for c in CSV_FIRST if c in rows[0]]
     with atomic_open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=first + [c for c in rows[0] if c not in first])
         w.writeheader()
         w.writerows(rows)

@@ -1,9 +1,9 @@
 """``report.md`` in the run dir: the verdict (reporting/verdict.py's text, as markdown), a table of the
 headline values and the PNG plots (reporting/plots.py) of this run.
 
-    attribution.png         bars_dot by layer and module kind (two_batch: attr/layer/*, attr/kind/*)
+    attribution.png         deltaH_pred by layer and module kind, nats (two_batch: attr_pred/layer/*, attr_pred/kind/*)
     importance_weights.png  log importance weights of the measured step, PSIS k-hat, ESS/N
-    projections.png         per-prompt contributions to deltaH_pred / deltaH_true / deltaH1, mean +- SE
+    projections.png         per-prompt contributions to deltaH_pred / deltaH_true / deltaH1, mean and 95% interval
 
 Plots never cost a run: a plot that fails (or whose data is absent) is skipped with a warning and
 the report says so; results.json is written before any of this.
@@ -32,10 +32,15 @@ def _prefixed(results: dict, prefix: str) -> dict[str, float]:
 def _plot_attribution(results: dict, per_unit: dict, path: Path) -> Path | None:
     from entprobe.reporting import plots  # here, not at import: without matplotlib only the plots are lost
 
-    by_layer, by_kind = _prefixed(results, "attr/layer/"), _prefixed(results, "attr/kind/")
+    by_layer, by_kind = _prefixed(results, "attr_pred/layer/"), _prefixed(results, "attr_pred/kind/")
     if not by_kind:
         return None
-    return plots.attribution(by_layer, by_kind, path)
+    note = ""
+    if results.get("norm_PYbar") == 0:  # the verdict's empty_gradient
+        note = ("no U group has reward variance, so the gradient is zero: this step is AdamW's momentum and "
+                "weight decay only" if any(by_kind.values()) else "every part is 0: no U group has reward "
+                "variance (zero gradient) and the optimizer has no momentum or weight decay to apply")
+    return plots.attribution(by_layer, by_kind, path, float(results.get("deltaH_pred", math.nan)), note)
 
 
 def _plot_weights(results: dict, per_unit: dict, path: Path) -> Path | None:
@@ -53,13 +58,22 @@ def _plot_weights(results: dict, per_unit: dict, path: Path) -> Path | None:
 def _plot_projections(results: dict, per_unit: dict, path: Path) -> Path | None:
     from entprobe.reporting import plots
 
-    step = {label: per_unit[k] for k, label in (("E/deltaH_pred", "predicted"), ("E/deltaH_true", "measured"))
-            if per_unit.get(k)}
-    seeds = {label: per_unit[k] for k, label in (("E/deltaH1", "E: -lr X_u.P.Ybar"),
-                                                 ("U/deltaH1", "U: -lr Y_v.P.Xbar")) if per_unit.get(k)}
-    panels = [(t, s) for t, s in (("the step: each prompt of E's contribution to the entropy change", step),
-                                  ("the seeds' deltaH1: per-unit projections", seeds)) if s]
-    return plots.projections(panels, path) if panels else None
+    def given(tag: str) -> tuple[float, float] | None:  # the verdict's interval, where the run has it
+        lo, hi = results.get(f"ci95_{tag}_low", math.nan), results.get(f"ci95_{tag}_high", math.nan)
+        return (lo, hi) if math.isfinite(lo) and math.isfinite(hi) else None
+
+    step, ci = {}, {}
+    for k, label, tag in (("E/deltaH_pred", "predicted", "pred"), ("E/deltaH_true", "measured", "true")):
+        if per_unit.get(k):
+            step[label] = per_unit[k]
+            if given(tag):
+                ci[label] = given(tag)
+    rows = [[("the step: each prompt of E's contribution to the entropy change", "prompt of E", step, ci)]
+            if step else []]
+    rows.append([(f"the seeds' deltaH1, {side}'s prompts: {what}", f"prompt of {side}", {side: per_unit[k]}, {})
+                 for k, side, what in (("E/deltaH1", "E", "-lr X_u.P.Ybar"), ("U/deltaH1", "U", "-lr Y_v.P.Xbar"))
+                 if per_unit.get(k)])
+    return plots.projections(rows, path) if any(rows) else None
 
 
 PLOTTERS: dict[str, Callable[[dict, dict, Path], Path | None]] = {

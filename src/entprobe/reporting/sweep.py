@@ -9,7 +9,7 @@
     #                            the lr, rescaled by the others (pipeline/lr_share.py)
     #   sweep_summary.csv / .md  one row per job, rewritten as each job ends (``stage12``: reused /
     #                            computed / off)
-    #   sweep_summary.png        predicted vs measured +- SE over lr (and over B when it varies)
+    #   sweep_summary.png        predicted vs measured (95% intervals) over lr, one colour per B
 
 Cache key: everything the sampled batches depend on (batch minus save/load, sampling, model,
 task, probe mode, seed, world size), hashed; never the optimizer, so lr sweeps share batches.
@@ -132,21 +132,20 @@ def _finite(v) -> bool:
 
 
 def plot_summary(rows: list[dict], path: str | Path) -> Path | None:
-    """sweep_summary.png: predicted and measured change +- SE against lr, and against B_E / B_U
-    when they vary, one line per setting of the others (plots.sweep). None when no job has both
-    numbers yet."""
+    """sweep_summary.png: predicted and measured change with 95% intervals against lr, as they
+    are and per unit lr, one colour per setting of B_E / B_U when they vary (plots.sweep: lines
+    only along lr). None when no job has a prediction yet."""
     ok = [r for r in rows if r["status"] == "ok" and all(_finite(r.get(k)) for k in SETTINGS)
           and _finite(r.get("deltaH_pred"))]
     if not ok:
         return None
-    varying = [k for k in SETTINGS if len({r[k] for r in ok}) > 1]
-    x_keys = varying or ["lr"]
+    varying = [k for k in SETTINGS if k != "lr" and len({r[k] for r in ok}) > 1]
 
-    def series(row: dict, x: str) -> str:
-        return ",".join(f"{k}={row[k]:g}" for k in varying if k != x)
+    def series(row: dict) -> str:
+        return ",".join(f"{k}={row[k]:g}" for k in varying)
 
     from entprobe.reporting import plots  # here: a missing matplotlib costs the plot, not the summary
-    return plots.sweep(ok, path, x_keys, series)
+    return plots.sweep(ok, path, series)
 
 
 def write_summary(sweep_dir: str | Path) -> tuple[Path, Path]:

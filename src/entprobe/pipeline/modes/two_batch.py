@@ -61,6 +61,9 @@ def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Ge
         Xbar, B_E = global_mean(accX.sum_buf, accX.B)
     terms = pv.dot_terms(Xbar, PY)  # Xbar . P Ybar per parameter: bars_dot and the attribution table
     step_dots = pv.dot_set(Xbar, dirE)[1:].tolist()  # Xbar . Delta theta_part
+    # Xbar_i . Delta theta_i per parameter tensor, all parts summed: the headline's attribution
+    # (on the directions' device: Xbar's tensors move to it, the update's parts stay)
+    step_terms = sum(pv.dot_terms(dirE.column(j), Xbar) for j in range(1, dirE.k)).to(terms.device)
     nX, nPY = pv.norm(Xbar), pv.norm(PY)
     # coordinates Adam never updated (v = 0: P = 1/eps there) inflate the seeds' deltaH1, not
     # the real step, which moves them by about lr
@@ -94,7 +97,7 @@ def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Ge
     del dirE
     return Stage12(geo.lr, list(ctx.names), Ybar, Xbar, B_E, B_U, accY.S, accY.token_logp, accX.S, accX.entropy,
                    terms, nX, nPY, nh_dot, step.names, step.kind, step_dots, a, b, mode,
-                   unit_bwd if fused and pcfg.variance_enabled else None)
+                   unit_bwd if fused and pcfg.variance_enabled else None, step_terms)
 
 
 def stage12_of(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry, pcfg, icfg,
@@ -154,7 +157,7 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
     flat, e, u = stage12_results(st, ctx, E, U, geo)
     res.update(flat)
     names = ctx.names
-    flat, rows = summarize(names, st.terms.tolist(), pcfg.top_k_params)
+    flat, rows = summarize(names, st.terms.tolist(), pcfg.top_k_params, st.step_terms.tolist(), st.lr)
     res.update(flat)
     if D.is_main():
         write_csv(rows, run_dir / "attribution.csv")
