@@ -3,7 +3,7 @@
     python -m entprobe.main -m batch.B_E=8,16 batch.B_U=8,16 optimizer.lr=1e-6,1e-5
     # multirun/<date>/<time>/
     #   0/ .. 7/                 one run directory per job (results.json, attribution.csv, ...)
-    #   batch_cache/<key>/       E.pt, U.pt: sampled by the first job that needs them, loaded by
+    #   batch_cache/<key>/       E.pt, U.pt, batches.json: sampled by the first job that needs them, loaded by
     #                            every other job with the same key (here: once per (B_E, B_U))
     #     stage12/<key>/         Stages 1-2, computed by the first of the jobs that differ only in
     #                            the lr, rescaled by the others (pipeline/lr_share.py)
@@ -69,8 +69,10 @@ def batch_cache_dir(sweep_dir: str | Path, cfg, world: int) -> Path:
 
 
 def cache_complete(folder: str | Path) -> bool:
-    """Both batches are there (each file is written atomically, E before U)."""
-    return (Path(folder) / "E.pt").is_file() and (Path(folder) / "U.pt").is_file()
+    """A pair of batches was committed there (``saved_batches.is_complete``: saved as one unit)."""
+    from entprobe.rollouts.saved_batches import is_complete
+
+    return is_complete(folder)
 
 
 # ----------------------------------------------------------------------------- summary
