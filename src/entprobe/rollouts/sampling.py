@@ -107,8 +107,9 @@ class RolloutBatch:
         for name, want in (("attention_mask", (B, G, T)), ("response_mask", (B, G, T)),
                            ("sampler_logprobs", (B, G, T)), ("rewards", (B, G)), ("advantages", (B, G)),
                            ("prompt_index", (B,))):
-            if tuple(getattr(self, name).shape) != want:
-                return f"{name} has shape {tuple(getattr(self, name).shape)}, input_ids [B, G, T] = {(B, G, T)} needs {want}"
+            got = tuple(getattr(self, name).shape)
+            if got != want:
+                return f"{name} has shape {got}, input_ids [B, G, T] = {(B, G, T)} needs {want}"
         for name in ("sampler_logprobs", "rewards", "advantages"):
             if not getattr(self, name).dtype.is_floating_point:
                 return f"{name} must be floating point, not {getattr(self, name).dtype}"
@@ -117,7 +118,8 @@ class RolloutBatch:
                 return f"{name} holds values other than 0 and 1"
         empty = (self.response_mask.sum(-1) == 0).nonzero()
         if len(empty):
-            return f"response {int(empty[0, 1])} of prompt {int(empty[0, 0])} has no response tokens (response_mask all 0)"
+            b, g = (int(i) for i in empty[0])
+            return f"response {g} of prompt {b} has no response tokens (response_mask all 0)"
         if ids.numel() and int(ids.min()) < 0:
             return f"negative token id {int(ids.min())} in input_ids"
         lp = self.sampler_logprobs
@@ -128,7 +130,8 @@ class RolloutBatch:
             return f"advantages hold non-finite values or values beyond +-{ABSURD:g}"
         if bool(r.isinf().any()) or bool((r.abs() > ABSURD).any()):
             return f"rewards hold infinite values or values beyond +-{ABSURD:g}"
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0):
+        t = self.temperature
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
             return f"temperature {self.temperature!r} is not a positive number"
         return None
 
