@@ -249,3 +249,23 @@ def test_token_ids_beyond_the_vocabulary_name_the_file(tmp_path):
     check_tokens(tmp_path, E, E, 18)
     with pytest.raises(InputFileError, match=r"E\.pt: token id 17 is outside this model's vocabulary \(0\.\.16\)"):
         check_tokens(tmp_path, E, E, 17)
+
+
+def test_concurrent_writers_leave_a_readable_digest_cache(tmp_path, monkeypatch):
+    """Eight threads hashing eight files into one cache: each gets its file's digest, the cache
+    stays valid JSON (atomic replaces; a lost entry is only hashed again)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from entprobe.runtime import file_digest as fd
+
+    cache = tmp_path / "digests.json"
+    monkeypatch.setenv("ENTPROBE_DIGEST_CACHE", str(cache))
+    files = []
+    for i in range(8):
+        files.append(tmp_path / f"f{i}")
+        files[-1].write_bytes(bytes([i]) * 10_000)
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(fd.sha256_file, files * 3))
+    assert got == [hashlib.sha256(f.read_bytes()).hexdigest() for f in files * 3]
+    assert set(json.loads(cache.read_text())) <= {str(f.resolve()) for f in files}
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
