@@ -269,3 +269,17 @@ def test_concurrent_writers_leave_a_readable_digest_cache(tmp_path, monkeypatch)
     assert got == [hashlib.sha256(f.read_bytes()).hexdigest() for f in files * 3]
     assert set(json.loads(cache.read_text())) <= {str(f.resolve()) for f in files}
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_the_sweep_cache_key_separates_what_the_fingerprint_refuses(tmp_path):
+    """A single_batch job without importance saves E = U, and objective=trl tokenizes as TRL: a
+    job that needs E drawn on its own, or tokenizes otherwise, must not hit that cache entry
+    (check_saved would refuse it mid-sweep)."""
+    from entprobe.cli.probe_job import to_typed
+    from entprobe.reporting import sweep
+
+    def key(*o: str) -> str:
+        return sweep.batch_cache_key(to_typed(compose_cfg(tmp_path, *o)), 1)
+    single = ("probe.mode=single_batch",)
+    assert key(*single, "importance.enabled=false") != key(*single, "importance.enabled=true")
+    assert key("model=hf", "model.path=/m", "objective=trl") != key("model=hf", "model.path=/m")

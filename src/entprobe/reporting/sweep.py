@@ -12,7 +12,9 @@
     #   sweep_summary.png        predicted vs measured +- SE over lr (and over B when it varies)
 
 Cache key: everything the sampled batches depend on (batch minus save/load, sampling, model,
-task, probe mode, seed, world size), hashed; never the optimizer, so lr sweeps share batches.
+task, probe mode, seed, world size, and where they are not the default whether E is drawn on its
+own and the prompt tokenization the objective resolves), hashed; never the optimizer, so lr sweeps
+share batches.
 Jobs running in parallel (submitit) take a file lock per key (``<key>.lock``, ``entprobe.runtime.locks``): one
 samples, the others wait (printing who holds the lock, up to ``batch.lock_timeout_s``) and load.
 
@@ -57,9 +59,14 @@ def batch_cache_key(cfg, world: int) -> str:
     """Hash of what determines the sampled E and U (``cfg`` is a typed EntprobeConfig)."""
     skip = ("save", "load", "lock_timeout_s", "share_across_lr")
     batch = {k: v for k, v in dataclasses.asdict(cfg.batch).items() if k not in skip}
+    from entprobe.rollouts.saved_batches import e_drawn
+    from entprobe.tasks.prompt_ids import style_of
+
     parts = {"batch": batch, "sampling": dataclasses.asdict(cfg.sampling),
              "model": dataclasses.asdict(cfg.model), "task": dataclasses.asdict(cfg.task),
              "mode": cfg.probe.mode, "seed": cfg.seed, "world": world}
+    if not e_drawn(cfg) or style_of(cfg) != "entprobe":  # E is U / prompts tokenized as the objective's trainer
+        parts.update(E_drawn=e_drawn(cfg), tokenize=style_of(cfg))
     blob = json.dumps(parts, sort_keys=True, default=lambda v: getattr(v, "value", str(v)))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
