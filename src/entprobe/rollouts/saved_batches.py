@@ -7,8 +7,9 @@ one does not), the task, every sampling and batch key that changes what is drawn
 stored with it (``SAMPLED_KEYS``), and ``sha256`` of ``E.pt`` / ``U.pt``. Loading compares each key
 with the config and refuses batches of another distribution with a message naming the key, and
 refuses an ``E.pt`` / ``U.pt`` that is not the file ``batches.json`` recorded. Folders saved before
-a key existed read as that key's behaviour then (``_TASK_BEFORE``, ``_BEFORE``; identities hashed
-from 16 chunks of each file); folders without fingerprint are checked on what the tensors carry.
+a key existed read as that key's behaviour then (``_TASK_BEFORE``; a sampling key not recorded is
+not compared; identities hashed from 16 chunks of each file, ``identity["before"]``); folders
+without fingerprint are checked on what the tensors carry.
 
 A pair is replaced as one unit: ``save_batches`` writes the three files into a fresh folder
 ``.saving-<id>`` beside them, renames it ``.ready-<id>`` (the commit point), then moves E, U and
@@ -150,10 +151,6 @@ def e_drawn(cfg: EntprobeConfig) -> bool:
     return cfg.probe.mode.value == "two_batch" or cfg.importance.enabled
 
 
-# the value a key had in effect before the fingerprint recorded it (not compared: seeds, adv_eps)
-_BEFORE = {"E_drawn": None}
-
-
 def fingerprint(cfg: EntprobeConfig, identity: dict) -> dict:
     """What the batches ``cfg`` samples depend on, for ``batches.json`` (``save_batches`` adds the
     files' sha256)."""
@@ -262,10 +259,10 @@ def check_saved(src: Path, E: RolloutBatch, U: RolloutBatch, meta: dict | None, 
         return
     if isinstance(meta.get("task"), dict):  # saved before a task key existed: that key's then behaviour
         meta = {**meta, "task": {**_TASK_BEFORE, **meta["task"]}}
-    meta = {**_BEFORE, **meta}
     for name, (cfg_key, want) in sampled_keys(cfg).items():
         if name not in meta or meta[name] == want or name in ("G", "B_E", "B_U", "temperature"):
-            continue  # absent: not recorded then; the tensors' G, B, temperature are checked above
+            continue  # absent (saved before adv_eps / E_drawn were recorded): not compared, as then;
+            # the tensors' G, B, temperature are checked above
         if name == "adv_eps" and b.advantage.value != "grpo":
             continue  # dr_grpo advantages do not involve it
         if name == "E_drawn":
