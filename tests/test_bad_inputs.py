@@ -8,6 +8,7 @@ batches, so the table costs a config composition and a preflight per row, not a 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -273,7 +274,64 @@ CASES = [
 
 # Round two (issue 24): each group of rows in its own list, joined into CASES below.
 # saved batches and their fingerprint
+def edit_meta(**keys):
+    """The saved copy's batches.json with ``keys`` set (the files' sha256 still theirs)."""
+    def make(e):
+        f = e.saved() / "batches.json"
+        f.write_text(json.dumps({**json.loads(f.read_text()), **keys}))
+        return e.saved()
+    return make
+
+
+def edit_batch(name: str, fn: Callable[[dict], None]):
+    """``fn`` applied to the saved copy's ``name`` tensors, its sha256 in batches.json updated: a
+    file that is what the fingerprint records, with bad contents."""
+    def make(p: Path) -> Path:
+        data = torch.load(p, weights_only=True)
+        fn(data)
+        torch.save(data, p)
+        meta = json.loads((p.parent / "batches.json").read_text())
+        meta["sha256"][name] = hashlib.sha256(p.read_bytes()).hexdigest()
+        (p.parent / "batches.json").write_text(json.dumps(meta))
+        return p
+    return batch_file(name, make)
+
+
+def also(make, *says: str):
+    """``make`` whose message must also contain ``says`` (the reason, beside the file)."""
+    return lambda e: (lambda r: (r[0], [*r[1], *says]))(make(e))
+
+
+def set_first(field: str, value: float) -> Callable[[dict], None]:
+    return lambda d: d[field].view(-1).__setitem__(0, value)
+
+
 BATCH_CASES: list = [
+    ("saved_E_of_another_pair",  # another run's E.pt copied beside this pair's batches.json
+     also(batch_file("E.pt", lambda p: (shutil.copy(p.parent / "U.pt", p), p)[1]), "sha256"),
+     InputFileError, True),
+    ("saved_seed_E_mismatch", saved_with("batch.seed_E=5", says="batch.seed_E=5"), ConfigError, True),
+    ("saved_adv_eps_mismatch", lambda e: (edit_meta(advantage="grpo", adv_eps=1e-3)(e) and
+                                          [f"batch.load='{e.saved()}'", "batch.advantage=grpo"],
+                                          ["batch.adv_eps=0.001", "batch.adv_eps=1e-06"]), ConfigError, True),
+    ("saved_E_is_U", lambda e: (edit_meta(E_drawn=False)(e) and [f"batch.load='{e.saved()}'"],
+                                ["the saved E is U", "probe.mode=two_batch"]), ConfigError, True),
+    ("saved_E_token_beyond_vocab", also(edit_batch("E.pt", set_first("input_ids", 10**6)), "vocabulary"),
+     InputFileError, False),
+    ("saved_U_negative_token", also(edit_batch("U.pt", set_first("input_ids", -5)), "negative token id"),
+     InputFileError, True),
+    ("saved_U_advantages_shape", also(edit_batch("U.pt", lambda d: d.update(advantages=d["advantages"][:, :2])),
+                                      "advantages has shape"), InputFileError, True),
+    ("saved_E_no_response_tokens", also(edit_batch("E.pt", lambda d: d["response_mask"].zero_()), "no response tokens"),
+     InputFileError, True),
+    ("saved_U_advantage_nan", also(edit_batch("U.pt", set_first("advantages", float("nan"))), "non-finite"),
+     InputFileError, True),
+    ("saved_U_advantage_absurd", also(edit_batch("U.pt", set_first("advantages", 1e9)), "beyond"),
+     InputFileError, True),
+    ("saved_E_reward_inf", also(edit_batch("E.pt", set_first("rewards", float("inf"))), "rewards hold infinite"),
+     InputFileError, True),
+    ("saved_U_logprob_positive", also(edit_batch("U.pt", lambda d: d["sampler_logprobs"].masked_fill_(
+        d["response_mask"].bool(), 0.5)), "positive log-probabilities"), InputFileError, True),
 ]
 
 # checkpoints, sharded optimizer states, adapters, GGUF, entprobe.train --resume

@@ -184,3 +184,25 @@ def test_a_sharded_optimizer_state_folder_enters_the_key_by_its_files(tmp_path):
     (tmp_path / "optimizer_0" / "rank1.pt").write_bytes(b"c" * 100)
     assert file_digest(tmp_path) != before
     assert file_digest(tmp_path / "optimizer_0" / "rank0.pt") != file_digest(tmp_path / "optimizer_0" / "rank1.pt")
+
+
+def test_the_optimizer_scheduler_and_trainer_state_enter_the_key_by_their_whole_contents(tmp_path, monkeypatch):
+    """A byte changed between the chunks the old digest sampled, or another scheduler.pt beside
+    optimizer.pt, is another key (a stale entry would be reused otherwise)."""
+    from entprobe.pipeline.lr_share import state_files_digest
+
+    monkeypatch.setenv("ENTPROBE_DIGEST_CACHE", "")
+    opt = tmp_path / "optimizer.pt"
+    opt.write_bytes(bytes(3_000_000))
+    (tmp_path / "scheduler.pt").write_bytes(b"s1")
+    before = state_files_digest(opt)
+    assert set(before) == {"optimizer.pt", "scheduler.pt"} and state_files_digest(None) is None
+    with open(opt, "r+b") as f:
+        f.seek(1_500_000 + 12_345)
+        f.write(b"\x01")
+    moved = state_files_digest(opt)
+    assert moved["optimizer.pt"] != before["optimizer.pt"]
+    (tmp_path / "scheduler.pt").write_bytes(b"s2")
+    (tmp_path / "trainer_state.json").write_text("{}")
+    again = state_files_digest(opt)
+    assert again["scheduler.pt"] != moved["scheduler.pt"] and "trainer_state.json" in again

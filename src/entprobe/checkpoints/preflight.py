@@ -115,8 +115,7 @@ def check_inputs(cfg: EntprobeConfig) -> CheckedInputs:
     tok_dir = Path(cfg.model.tokenizer_path).expanduser() if cfg.model.tokenizer_path else None
     if model_dir is not None and is_adapter_dir(model_dir):  # the policy is the base and the adapter
         adapter = resolve_adapter(model_dir, cfg.model.base_path)
-        identity = model_identity(adapter.base_dir, None, tok_dir or adapter.tokenizer_dir)
-        identity["model"] += "+" + model_identity(model_dir, None, None)["model"]
+        identity = model_identity(adapter.base_dir, None, tok_dir or adapter.tokenizer_dir, adapter_dir=model_dir)
     else:
         identity = model_identity(model_dir, gguf, tok_dir)
     loaded = None

@@ -22,7 +22,8 @@ On disk, in a sweep's batch cache (reporting/sweep.py)::
 The key is everything the job's Stage 1-2 numbers depend on except ``optimizer.lr``: the whole
 config (less ``optimizer.lr``, ``run_dir``, ``logging``, ``batch.save`` / ``batch.load`` -- the E
 and U batches enter by their contents -- ``batch.lock_timeout_s`` and the switch itself), the
-model / tokenizer / optimizer-state file digests, the batches' contents, the devices and dtypes
+full-content sha256 of the model / tokenizer files and of the optimizer, scheduler and trainer
+state files (``state_files_digest``), the batches' contents, the devices and dtypes
 the passes run in, the world size and the entprobe source. The first job takes the lock, computes
 and writes (``entry.json`` last, every file atomically); the others wait on the lock, verify the
 entry (the key in full, the checksums -- of Xbar's and Ybar's bytes once loaded, so the big file
@@ -143,6 +144,23 @@ def batches_digest(*batches: RolloutBatch) -> str:
     return h.hexdigest()[:16]
 
 
+STATE_BESIDE = ("scheduler.pt", "trainer_state.json")  # read with the optimizer state (its lr, its step)
+
+
+def state_files_digest(state: Path | None) -> dict | None:
+    """Full-content digests (``saved_batches.file_digest``) of the optimizer state (``optimizer.pt``
+    or a sharded trainer's folder, every file under it) and of the scheduler / trainer state beside
+    it, by name; None without a state."""
+    if state is None:
+        return None
+    state = Path(state)
+    out = {state.name: file_digest(state)}
+    for name in STATE_BESIDE:
+        if (state.parent / name).is_file():
+            out[name] = file_digest(state.parent / name)
+    return out
+
+
 def share_key(cfg, identity: dict, optimizer_file: Path | None, ctx: ProbeContext, E: RolloutBatch,
               U: RolloutBatch) -> dict:
     """Everything the job's Stage 1-2 numbers depend on except the lr (module docstring)."""
@@ -152,8 +170,8 @@ def share_key(cfg, identity: dict, optimizer_file: Path | None, ctx: ProbeContex
     c["optimizer"].pop("lr")
     for k in ("save", "load", "lock_timeout_s", "share_across_lr"):  # the batches: by content
         c["batch"].pop(k)
-    return _json({"format": FORMAT, "config": c, "identity": identity,
-                  "optimizer_file": file_digest(optimizer_file) if optimizer_file else None,
+    return _json({"format": FORMAT, "config": c, "identity": {k: v for k, v in identity.items() if k != "before"},
+                  "optimizer_files": state_files_digest(optimizer_file),
                   "batches": batches_digest(E, U), "device": str(ctx.device.type),
                   "autocast": str(ctx.autocast_dtype), "buffers": [str(ctx.buffers_device.type),
                                                                     str(ctx.buffers_dtype)],

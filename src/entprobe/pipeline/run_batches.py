@@ -10,7 +10,7 @@ import torch
 
 from entprobe.runtime import distributed as D
 from entprobe.reporting import sweep
-from entprobe.rollouts.saved_batches import check_saved, fingerprint, load_batches, save_batches
+from entprobe.rollouts.saved_batches import check_saved, check_tokens, fingerprint, load_batches, save_batches
 from entprobe.config import ConfigError, EntprobeConfig
 from entprobe.runtime.locks import file_lock
 from entprobe.checkpoints.preflight import CheckedInputs
@@ -32,6 +32,7 @@ def get_batches(cfg: EntprobeConfig, lm, task, ctx: ProbeContext, inputs: Checke
     b = cfg.batch
     if inputs.loaded is not None:
         E, U, _ = inputs.loaded
+        check_tokens(Path(b.load), E, U, vocab_size(lm.model))
         return E, U, "load"
     meta = fingerprint(cfg, inputs.identity)
     lock = (file_lock(Path(str(cache) + ".lock"), b.lock_timeout_s, f"sweep batch cache {cache}")
@@ -41,13 +42,21 @@ def get_batches(cfg: EntprobeConfig, lm, task, ctx: ProbeContext, inputs: Checke
         if hit:
             E, U, saved = load_batches(cache, b.lock_timeout_s, key="the sweep's batch cache")
             check_saved(cache, E, U, saved, cfg, inputs.identity)
+            check_tokens(cache, E, U, vocab_size(lm.model))
             return E, U, "cache"
         E, U = sample_global(cfg, lm, task, ctx)
         if D.is_main():
-            for folder in (b.save, cache):
+            for folder, key in ((b.save, "batch.save"), (cache, "the sweep's batch cache")):
                 if folder:
-                    save_batches(folder, E, U, meta, b.lock_timeout_s)
+                    save_batches(folder, E, U, meta, b.lock_timeout_s, key)
     return E, U, "sampled"
+
+
+def vocab_size(model) -> int | None:
+    """How many token ids the model embeds (its input embeddings' rows; else ``config.vocab_size``)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    n = getattr(emb, "num_embeddings", None)
+    return int(n) if n is not None else getattr(getattr(model, "config", None), "vocab_size", None)
 
 
 def rank_seed(seed: int) -> int:

@@ -3,7 +3,7 @@
     python -m entprobe.main -m batch.B_E=8,16 batch.B_U=8,16 optimizer.lr=1e-6,1e-5
     # multirun/<date>/<time>/
     #   0/ .. 7/                 one run directory per job (results.json, attribution.csv, ...)
-    #   batch_cache/<key>/       E.pt, U.pt: sampled by the first job that needs them, loaded by
+    #   batch_cache/<key>/       E.pt, U.pt, batches.json: sampled by the first job that needs them, loaded by
     #                            every other job with the same key (here: once per (B_E, B_U))
     #     stage12/<key>/         Stages 1-2, computed by the first of the jobs that differ only in
     #                            the lr, rescaled by the others (pipeline/lr_share.py)
@@ -12,7 +12,9 @@
     #   sweep_summary.png        predicted vs measured (95% intervals) over lr, one colour per B
 
 Cache key: everything the sampled batches depend on (batch minus save/load, sampling, model,
-task, probe mode, seed, world size), hashed; never the optimizer, so lr sweeps share batches.
+task, probe mode, seed, world size, and where they are not the default whether E is drawn on its
+own and the prompt tokenization the objective resolves), hashed; never the optimizer, so lr sweeps
+share batches.
 Jobs running in parallel (submitit) take a file lock per key (``<key>.lock``, ``entprobe.runtime.locks``): one
 samples, the others wait (printing who holds the lock, up to ``batch.lock_timeout_s``) and load.
 
@@ -57,9 +59,14 @@ def batch_cache_key(cfg, world: int) -> str:
     """Hash of what determines the sampled E and U (``cfg`` is a typed EntprobeConfig)."""
     skip = ("save", "load", "lock_timeout_s", "share_across_lr")
     batch = {k: v for k, v in dataclasses.asdict(cfg.batch).items() if k not in skip}
+    from entprobe.rollouts.saved_batches import e_drawn
+    from entprobe.tasks.prompt_ids import style_of
+
     parts = {"batch": batch, "sampling": dataclasses.asdict(cfg.sampling),
              "model": dataclasses.asdict(cfg.model), "task": dataclasses.asdict(cfg.task),
              "mode": cfg.probe.mode, "seed": cfg.seed, "world": world}
+    if not e_drawn(cfg) or style_of(cfg) != "entprobe":  # E is U / prompts tokenized as the objective's trainer
+        parts.update(E_drawn=e_drawn(cfg), tokenize=style_of(cfg))
     blob = json.dumps(parts, sort_keys=True, default=lambda v: getattr(v, "value", str(v)))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -69,8 +76,10 @@ def batch_cache_dir(sweep_dir: str | Path, cfg, world: int) -> Path:
 
 
 def cache_complete(folder: str | Path) -> bool:
-    """Both batches are there (each file is written atomically, E before U)."""
-    return (Path(folder) / "E.pt").is_file() and (Path(folder) / "U.pt").is_file()
+    """A pair of batches was committed there (``saved_batches.is_complete``: saved as one unit)."""
+    from entprobe.rollouts.saved_batches import is_complete
+
+    return is_complete(folder)
 
 
 # ----------------------------------------------------------------------------- summary

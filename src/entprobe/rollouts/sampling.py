@@ -20,6 +20,10 @@ from entprobe.tasks.prompt_ids import encode_prompts
 from entprobe.tasks.base import score_rows
 
 
+ABSURD = 1e6  # |advantage| or |reward| beyond it: a corrupt file, not a reward scale
+LOGP_TOL = 1e-5  # a log-probability above it is not one (log_softmax is <= 0 up to rounding)
+
+
 @dataclass
 class RolloutBatch:
     input_ids: torch.Tensor  # [B, G, T] long
@@ -84,7 +88,52 @@ class RolloutBatch:
         if not isinstance(data, dict) or not names >= set(data) or any(
                 not isinstance(data.get(f.name), torch.Tensor) for f in fields(cls) if f.name != "temperature"):
             raise InputFileError(f"{path}: not a batch written by entprobe (fields {sorted(names)}); {todo}")
-        return cls(**data)
+        batch = cls(**data)
+        wrong = batch.problem()
+        if wrong:
+            raise InputFileError(f"{path}: not a usable saved batch: {wrong}; {todo}")
+        return batch
+
+    def problem(self) -> str | None:
+        """What makes this batch unusable, in words (None: nothing): shapes that do not fit
+        ``[B, G, T]`` / ``[B, G]`` / ``[B]``, dtypes, masks other than 0/1, a response without
+        tokens, negative token ids, sampler log-probs NaN or positive, advantages non-finite or
+        beyond ``ABSURD``, rewards infinite or beyond it (NaN rewards are unscorable responses),
+        a temperature that is not a positive number."""
+        ids = self.input_ids
+        if ids.dim() != 3 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            return f"input_ids must be integer token ids [B, G, T], not {ids.dtype} {tuple(ids.shape)}"
+        B, G, T = ids.shape
+        for name, want in (("attention_mask", (B, G, T)), ("response_mask", (B, G, T)),
+                           ("sampler_logprobs", (B, G, T)), ("rewards", (B, G)), ("advantages", (B, G)),
+                           ("prompt_index", (B,))):
+            got = tuple(getattr(self, name).shape)
+            if got != want:
+                return f"{name} has shape {got}, input_ids [B, G, T] = {(B, G, T)} needs {want}"
+        for name in ("sampler_logprobs", "rewards", "advantages"):
+            if not getattr(self, name).dtype.is_floating_point:
+                return f"{name} must be floating point, not {getattr(self, name).dtype}"
+        for name in ("attention_mask", "response_mask"):
+            if not bool(((getattr(self, name) == 0) | (getattr(self, name) == 1)).all()):
+                return f"{name} holds values other than 0 and 1"
+        empty = (self.response_mask.sum(-1) == 0).nonzero()
+        if len(empty):
+            b, g = (int(i) for i in empty[0])
+            return f"response {g} of prompt {b} has no response tokens (response_mask all 0)"
+        if ids.numel() and int(ids.min()) < 0:
+            return f"negative token id {int(ids.min())} in input_ids"
+        lp = self.sampler_logprobs
+        if bool(lp.isnan().any()) or bool((lp > LOGP_TOL).any()):
+            return "sampler_logprobs holds NaN or positive log-probabilities"
+        A, r = self.advantages, self.rewards
+        if not bool(A.isfinite().all()) or bool((A.abs() > ABSURD).any()):
+            return f"advantages hold non-finite values or values beyond +-{ABSURD:g}"
+        if bool(r.isinf().any()) or bool((r.abs() > ABSURD).any()):
+            return f"rewards hold infinite values or values beyond +-{ABSURD:g}"
+        t = self.temperature
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+            return f"temperature {self.temperature!r} is not a positive number"
+        return None
 
     def stats(self, prefix: str) -> dict[str, float]:
         """Reward mean/std, fraction of groups with zero reward variance, mean generated length."""
