@@ -59,3 +59,208 @@ def test_a_non_finite_headline_is_warned_about_and_flagged_in_the_results(tmp_pa
         res = run(compose_cfg(tmp_path, *QUICK))
     assert "non_finite" in res["flags"].split(",")
     assert "non_finite" in json.loads((tmp_path / "results.json").read_text())["flags"]
+
+
+# ----------------------------------------------------------------------------- issue 24: nothing lost
+import errno  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import entprobe.runtime.atomic_io as aio  # noqa: E402
+import entprobe.runtime.rundir as rundir  # noqa: E402
+from entprobe.runtime.rundir import FAILED, RUNNING, marks_failure  # noqa: E402
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _script(code: str, *args: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh Python with entprobe importable (a tiny script, not a probe)."""
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": SRC})
+
+
+# a run that sends itself a signal: after the signal nothing more of it may run
+SIGNALLED_RUN = """
+import os, signal, sys
+from pathlib import Path
+from entprobe.runtime.atomic_io import atomic_open
+from entprobe.runtime.rundir import marks_failure, RUNNING
+run_dir = Path(sys.argv[1])
+with marks_failure(run_dir):
+    assert (run_dir / RUNNING).is_file()
+    with atomic_open(run_dir / "results.json") as f:   # a write under way when the signal comes
+        f.write("{")
+        f.flush()
+        os.kill(os.getpid(), getattr(signal, sys.argv[2]))
+        raise AssertionError("the run went on after " + sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("sig, code, says", [("SIGTERM", 143, "killed by SIGTERM (exit code 143)"),
+                                             ("SIGINT", -signal.SIGINT, "interrupted by SIGINT")])
+def test_a_run_stopped_by_sigterm_or_sigint_leaves_failed_naming_the_signal(tmp_path, sig, code, says):
+    res = _script(SIGNALLED_RUN, str(tmp_path), sig)
+    # SIGTERM: 128 + 15; SIGINT: KeyboardInterrupt, with which Python ends by SIGINT (the shell's 130)
+    assert res.returncode in (code, 130 if sig == "SIGINT" else code), res.stderr
+    failed = (tmp_path / FAILED).read_text()
+    assert says in failed and 'File "<string>", line ' in failed  # where the run was when the signal came
+    assert not (tmp_path / RUNNING).exists() and not (tmp_path / "results.json").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # the interrupted write is removed
+
+
+def test_a_run_killed_by_sigkill_leaves_running_with_its_pid_and_the_next_run_cleans_up(tmp_path, capsys):
+    res = _script(SIGNALLED_RUN, str(tmp_path), "SIGKILL")
+    assert res.returncode == -signal.SIGKILL
+    running = (tmp_path / RUNNING).read_text()
+    assert not (tmp_path / FAILED).exists()  # SIGKILL cannot be caught: RUNNING is what is left
+    assert f"host: {aio.this_host()}" in running and "pid: " in running and "started: " in running
+    pid = int(running.split("pid: ")[1].split()[0])
+    left = [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert left == [n for n in left if n.startswith(f".results.json.{aio.this_host()}.{pid}.")] and len(left) == 1
+
+    aside = rundir.set_aside_earlier_run(tmp_path, "results.json")  # the next run in this dir
+    assert (aside / RUNNING).read_text() == running  # the evidence is kept
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert left[0] in capsys.readouterr().err
+
+
+def test_only_temp_files_of_dead_or_long_silent_writers_are_removed(tmp_path):
+    host, old = aio.this_host(), time.time() - 2 * rundir.STALE_TEMP_S
+    names = {
+        "live": f".results.json.{host}.{os.getpid()}.0123abcd.tmp",  # this process: alive
+        "other_host_recent": ".results.json.elsewhere.4242.0123abcd.tmp",  # maybe alive there
+        "other_host_old": ".report.md.elsewhere.4242.0123abcd.tmp",
+        "legacy_old": ".results.json.k2_x9abz.tmp",  # mkstemp's name, before the writer was named
+        "legacy_not_ours": ".mine.abcdefgh.tmp",
+        "user_file": ".notes.tmp",
+    }
+    for key, name in names.items():
+        (tmp_path / name).write_text("x")
+        if key.endswith("old") or key in ("legacy_not_ours", "user_file"):
+            os.utime(tmp_path / name, (old, old))
+    staging = tmp_path / f".checkpoint-5.elsewhere.4242.00000000.tmp"  # a staging folder still being filled
+    (staging / "sub").mkdir(parents=True)
+    os.utime(staging, (old, old))
+    (staging / "sub" / "w.bin").write_bytes(b"1")
+    removed = {p.name for p in rundir.remove_stale_temps(tmp_path, "results.json")}
+    assert removed == {names["other_host_old"], names["legacy_old"]}
+    assert all((tmp_path / n).exists() for k, n in names.items() if n not in removed) and staging.is_dir()
+    os.utime(staging / "sub" / "w.bin", (old, old))
+    os.utime(staging / "sub", (old, old))
+    assert {p.name for p in rundir.remove_stale_temps(tmp_path, "results.json")} == {staging.name}
+
+
+def test_marks_failure_restores_the_signal_handlers_and_marks_once_when_nested(tmp_path):
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    with marks_failure(tmp_path):
+        assert signal.getsignal(signal.SIGTERM) is rundir._raise_for
+        assert signal.getsignal(signal.SIGINT) is rundir._raise_for
+        assert f"pid: {os.getpid()}" in (tmp_path / RUNNING).read_text()
+        with marks_failure(tmp_path):  # hydra_job around run(): the outer block keeps RUNNING
+            pass
+        assert (tmp_path / RUNNING).is_file()
+    assert {s: signal.getsignal(s) for s in before} == before and not (tmp_path / RUNNING).exists()
+
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job's SIGINT stays ignored
+    try:
+        with marks_failure(tmp_path):
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+    seen = []  # signal handlers can only be set from the main thread: elsewhere, nothing is set
+
+    def in_a_thread():
+        with marks_failure(tmp_path / "t"):
+            seen.append(signal.getsignal(signal.SIGTERM))
+    t = threading.Thread(target=in_a_thread)
+    t.start()
+    t.join()
+    assert seen == [before[signal.SIGTERM]]
+
+
+def test_rank_other_than_0_marks_nothing(tmp_path):
+    with pytest.raises(ValueError):
+        with marks_failure(tmp_path, enabled=False):
+            assert not (tmp_path / RUNNING).exists()
+            raise ValueError("x")
+    assert not (tmp_path / FAILED).exists()
+
+
+@pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700),
+                                                        (0o002, 0o664, 0o775)])
+def test_outputs_follow_the_umask(tmp_path, umask, file_mode, dir_mode):
+    old = os.umask(umask)
+    try:
+        aio.write_text_atomic(tmp_path / "r.json", "{}")
+        with aio.staging_dir(tmp_path / "ck") as tmp:
+            (tmp / "w").write_text("1")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "r.json").stat().st_mode & 0o777 == file_mode
+    assert (tmp_path / "ck").stat().st_mode & 0o777 == dir_mode
+
+
+def test_a_full_disk_names_the_file_and_what_to_do_and_leaves_the_target(tmp_path, monkeypatch):
+    target = tmp_path / "results.json"
+    target.write_text("old")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(aio.os, "fsync", full)
+    with pytest.raises(aio.OutputFileError) as info:
+        aio.write_json_atomic({"a": 1}, target)
+    msg = str(info.value)
+    assert str(target) in msg and "free space" in msg and "run_dir" in msg and "Errno" not in msg
+    assert info.value.errno == errno.ENOSPC and "\n" not in msg
+    assert target.read_text() == "old" and os.listdir(tmp_path) == ["results.json"]
+
+
+def test_a_full_disk_under_a_library_write_is_recognised(tmp_path, monkeypatch):
+    """torch.save re-raises a failed write as its own RuntimeError: the OSError is its context."""
+    import torch
+
+    def save(obj, f):
+        f.write(b"PK")
+        try:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc] unexpected pos")
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(aio.OutputFileError, match="quota") as info:
+        aio.torch_save_atomic({"x": 1}, tmp_path / "E.pt")
+    assert "enforce" not in str(info.value) and os.listdir(tmp_path) == []
+
+
+def test_a_file_size_limit_names_the_file_and_ulimit(tmp_path):
+    """``ulimit -f``: CPython ignores SIGXFSZ from start-up, so the write fails with EFBIG."""
+    target = tmp_path / "report.md"
+    target.write_text("old")
+    res = _script("import resource, sys\n"
+                  "from entprobe.runtime.atomic_io import write_text_atomic\n"
+                  "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+                  "try:\n    write_text_atomic(sys.argv[1], 'x' * 100_000)\n"
+                  "except Exception as e:\n    print(type(e).__name__, e.errno, e)\n", str(target))
+    assert res.stdout.startswith(f"OutputFileError {errno.EFBIG} cannot write {target}"), res.stdout + res.stderr
+    assert "ulimit -f: 4096 bytes" in res.stdout and "raise the limit" in res.stdout
+    assert target.read_text() == "old" and os.listdir(tmp_path) == ["report.md"]
+
+
+def test_a_failure_on_a_full_disk_still_raises_its_own_error(tmp_path, monkeypatch, capsys):
+    real = rundir.write_text_atomic
+
+    def no_room_for_failed(path, text):
+        if Path(path).name == FAILED:
+            raise aio.no_room_error(Path(path), errno.ENOSPC)
+        return real(path, text)
+    monkeypatch.setattr(rundir, "write_text_atomic", no_room_for_failed)
+    with pytest.raises(ValueError, match="the run's own error"):
+        with marks_failure(tmp_path):
+            raise ValueError("the run's own error")
+    assert f"could not write {tmp_path / FAILED}" in capsys.readouterr().err
+    assert not (tmp_path / RUNNING).exists()

@@ -1,7 +1,10 @@
 """Where a run's results go besides ``results.json`` and ``report.md``: ``logging.logger``.
 
 - ``wandb`` (default): a wandb run on rank 0, ``logging.wandb.mode`` offline (files under the run
-  dir, ``wandb sync`` later) or online. Every result of the probe is a one-shot value, so all go
+  dir, ``wandb sync`` later) or online. Every file wandb writes for the run lands in the run dir's
+  ``wandb/``: its staging, cache and artifact folders too (``wandb_dirs_env``; they would default
+  to ``~/.local/share/wandb``, ``~/.cache/wandb`` and ``./artifacts``), unless the user's
+  environment names them. Every result of the probe is a one-shot value, so all go
   to the run's **summary**, none to the history; the headline table (``results``) and the
   report's PNGs (``plots/<name>``) are logged once. The run is named from the command line's
   overrides (``lr=1e-05,B_E=8``), grouped by the sweep (its multirun directory), tagged with the
@@ -57,6 +60,23 @@ def offline_env(mode: str) -> None:
         os.environ["WANDB_DISABLE_GIT"] = "true"
 
 
+# wandb's folders outside its run folder, set for a run to these folders of <run_dir>/wandb/ (WANDB_CONFIG_DIR is
+# not one: it holds the user's settings, which a run reads and does not write)
+WANDB_DIRS = {"WANDB_DATA_DIR": "data", "WANDB_CACHE_DIR": "cache", "WANDB_ARTIFACT_DIR": "artifacts"}
+
+
+def wandb_dirs_env(run_dir: Path) -> list[str]:
+    """Point wandb's staging (``WANDB_DATA_DIR``: the results table is staged there), cache
+    (``WANDB_CACHE_DIR``: its service's logs too) and artifact folders into ``<run_dir>/wandb/``,
+    leaving any the environment already sets; returns the variables it set (``finish`` removes them)."""
+    added = []
+    for var, sub in WANDB_DIRS.items():
+        if var not in os.environ:
+            os.environ[var] = str(Path(run_dir).resolve() / "wandb" / sub)
+            added.append(var)
+    return added
+
+
 class WandbLogger:
     """A wandb run (rank 0 only; a no-op elsewhere). ``log`` writes the summary, the table and the
     images; ``finish`` closes the run with the job's exit code."""
@@ -67,10 +87,16 @@ class WandbLogger:
         import wandb
 
         self.wandb = wandb
-        self.run = wandb.init(mode=wcfg.mode, project=wcfg.project, entity=wcfg.entity, name=wcfg.name or name,
-                              group=wcfg.group or group, tags=list(dict.fromkeys([*wcfg.tags, *tags])),
-                              job_type=wcfg.job_type or job_type, dir=str(run_dir), config=config,
-                              reinit="finish_previous")
+        self.env_added = wandb_dirs_env(run_dir)
+        try:
+            self.run = wandb.init(mode=wcfg.mode, project=wcfg.project, entity=wcfg.entity, name=wcfg.name or name,
+                                  group=wcfg.group or group, tags=list(dict.fromkeys([*wcfg.tags, *tags])),
+                                  job_type=wcfg.job_type or job_type, dir=str(run_dir), config=config,
+                                  reinit="finish_previous")
+        except BaseException:
+            self.run = None
+            self.finish()
+            raise
 
     def log(self, results: dict, images: dict[str, Path]) -> None:
         if self.run is None:
@@ -86,6 +112,9 @@ class WandbLogger:
         if self.run is not None:
             self.run.finish(exit_code=exit_code)
             self.run = None
+        for var in self.env_added:  # the next run in this process gets its own folders
+            os.environ.pop(var, None)
+        self.env_added = []
 
 
 class CsvLogger:
