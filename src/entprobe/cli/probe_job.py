@@ -122,7 +122,8 @@ def renamed_overrides(argv: list[str]) -> list[str]:
 
 def hydra_job(cfg: DictConfig) -> float | None:
     """The job Hydra runs (``entprobe.main.hydra_main``, beside the package's conf/). Process group first (rank decides who logs), then one run dir for all ranks (rank 0's),
-    the sweep's batch cache in multirun mode, the logger on rank 0 (``logging.logger``), ``run``, teardown."""
+    the sweep's batch cache in multirun mode, the logger on rank 0 (``logging.logger``), ``run``, teardown
+    (the group outlives the jobs of a multirun: ``D.shutdown``'s ``keep_group``)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -152,5 +153,6 @@ def hydra_job(cfg: DictConfig) -> float | None:
     finally:
         if logger is not None:
             logger.finish(0 if ok else 1)
-        D.shutdown(ok)
+        # a multirun's next job reuses the group: re-initialising it on torchrun's store hangs
+        D.shutdown(ok, keep_group=hc.mode == RunMode.MULTIRUN)
 
