@@ -261,5 +261,6 @@ def test_torchrun_multirun_runs_every_job_on_both_ranks(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = [json.loads(p.read_text()) for p in sorted(sw.glob("*/results.json"))]
+    assert not list(sw.glob(".rank*"))  # rank 1's own Hydra folders (sweep.job_subdir) are removed
     assert [(r["lr"], r["world_size"], r["batch_source"]) for r in res] == [(1e-6, 2, "sampled"), (1e-5, 2, "cache")]
     assert res[1]["deltaH1"] / res[0]["deltaH1"] == pytest.approx(10.0, rel=1e-9)  # one batch, both ranks

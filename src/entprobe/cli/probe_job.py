@@ -40,6 +40,8 @@ from entprobe.tasks import Task, build_task
 from entprobe.tasks.base import check_encodable
 
 register_configs()
+# hydra.sweep.subdir (conf/config.yaml): a job folder no concurrent multirun shares (reporting/sweep.py)
+OmegaConf.register_new_resolver("entprobe_job_subdir", sweep.job_subdir, replace=True)
 
 
 
