@@ -275,3 +275,14 @@ def test_job_subdir_is_claimed_once_per_process_and_other_ranks_get_their_own(tm
     assert sweep.job_subdir(tmp_path, 2) == ".rank1/2"
     for key, (lock, _) in sweep._CLAIMED.items():
         lock.release()
+
+
+def test_plan_reads_the_job_folders_of_concurrent_multiruns(tmp_path):
+    """``entprobe.plan`` on a sweep dir takes ``<num>-<k>`` folders (sweep.job_subdir) as jobs too."""
+    from entprobe.reporting.planning import sweep_jobs
+
+    for name in ("10", "0-2", "1", "0", "0-10", "previous-0", ".jobs", "x-2", "3-", "5"):
+        (tmp_path / name).mkdir()
+        if name != "5":
+            (tmp_path / name / "results.json").write_text("{}")
+    assert [p.name for p in sweep_jobs(tmp_path)] == ["0", "0-2", "0-10", "1", "10"]
