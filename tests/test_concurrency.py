@@ -158,3 +158,22 @@ def test_a_sweep_job_behind_a_stuck_cache_lock_fails_with_the_key(tmp_path):
         holder.release()
     assert (tmp_path / "run" / "FAILED").read_text().count("LockTimeout") >= 1
     assert not (tmp_path / "run" / "results.json").exists()
+
+
+def test_file_lock_is_filelock_s_lock(tmp_path):
+    """runtime/locks.py takes the ``filelock`` package's lock: one held through filelock itself
+    keeps ``file_lock`` out (and the other way round), and waiting ends when it is released."""
+    from filelock import FileLock, Timeout
+
+    lock = tmp_path / ".lock"
+    other = FileLock(str(lock), thread_local=False)
+    other.acquire()
+    try:
+        with pytest.raises(LockTimeout, match="no holder recorded"):
+            with file_lock(lock, timeout_s=0.2, what="x"):
+                pass
+    finally:
+        other.release()
+    with file_lock(lock, timeout_s=0, what="x"):
+        with pytest.raises(Timeout):
+            FileLock(str(lock), thread_local=False).acquire(timeout=0)

@@ -17,6 +17,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -242,3 +243,24 @@ def test_torchrun_launcher_runs_two_cpu_processes_as_documented(tmp_path):
     bad = {**env, "PYTHON": "/bin/false"}
     proc = subprocess.run([str(REPO / "launchers" / "torchrun.sh"), "2"], env=bad, capture_output=True, text=True)
     assert proc.returncode == 2 and "cannot import entprobe" in proc.stderr
+
+
+def test_torchrun_multirun_runs_every_job_on_both_ranks(tmp_path):
+    """``launchers/torchrun.sh 2 -m optimizer.lr=...`` (docs/scaling.md's torchrun sweep) runs both
+    jobs: the process group of job 0 is kept for job 1 (re-initialising it on torchrun's store
+    hung at job 1 until ddp.timeout_s)."""
+    from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
+
+    ensure_default_checkpoint()  # built here, not by two ranks at once
+    sw = tmp_path / "sweep"
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHRUN_ARGS", "NPROC", "ENTPROBE_RUN_DIR")}
+    env.update(PYTHON=sys.executable, ENTPROBE_SWEEP_DIR=str(sw), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([str(REPO / "launchers" / "torchrun.sh"), "2", "-m", "optimizer.lr=1e-6,1e-5",
+                           "batch.B_E=4", "batch.B_U=4", "batch.G=4", "batch.seed_U=7", "importance.enabled=false",
+                           "probe.variance_enabled=false", "ddp.timeout_s=60", "logging.progress=false"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = [json.loads(p.read_text()) for p in sorted(sw.glob("*/results.json"))]
+    assert not list(sw.glob(".rank*"))  # rank 1's own Hydra folders (sweep.job_subdir) are removed
+    assert [(r["lr"], r["world_size"], r["batch_source"]) for r in res] == [(1e-6, 2, "sampled"), (1e-5, 2, "cache")]
+    assert res[1]["deltaH1"] / res[0]["deltaH1"] == pytest.approx(10.0, rel=1e-9)  # one batch, both ranks

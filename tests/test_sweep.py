@@ -88,7 +88,7 @@ def test_submitit_local_job_runs_ddp_over_its_tasks(tmp_path):
     rows = _rows(sw)
     assert [(r["job"], r["status"], r["batch"]) for r in rows] == [("0", "ok", "sampled")]  # rank 0 only
     assert list(sw.glob("*/results.json")) == [sw / "0" / "results.json"]
-    assert (sw / ".submitit").is_dir()
+    assert (sw / ".submitit").is_dir() and not list(sw.glob(".rank*"))  # rank 1's Hydra folder removed
     ddp = json.loads((sw / "0" / "results.json").read_text())
     assert ddp["world_size"] == 2 and ddp["B_E"] == 5 and ddp["B_U"] == 3
     assert ddp["reused_stage12"] is False and ddp["stage12_share"] == "off: 2 processes (sharing is single-process only)"
@@ -228,3 +228,61 @@ def test_documented_sweep_writes_its_plot_and_wandb_runs_are_named_grouped_and_s
         assert fin["history"] == [{"results": "Table", "plots/attribution": "Image",
                                    "plots/importance_weights": "Image", "plots/projections": "Image"}]
         assert fin["table"]["deltaH_pred"] == res["deltaH_pred"] and fin["table"]["SE_deltaH_true"] == res["SE_deltaH_true"]
+
+
+def test_a_multirun_into_a_busy_sweep_dir_takes_its_own_job_folders(tmp_path):
+    """Two multiruns into one hydra.sweep.dir: while another live multirun holds job folders 0
+    and 1 (its claims ``.jobs/<n>.lock``), this one writes 0-2 and 1-2, leaves the other's results
+    alone, and the summary has a row per folder, each with that job's own lr and numbers."""
+    from entprobe.runtime.locks import try_lock
+
+    sw = tmp_path / "sweep"
+    held = [try_lock(sw / sweep.CLAIMS_DIR / f"{n}.lock") for n in (0, 1)]  # the other multirun
+    theirs = {"lr": 1e-4, "deltaH_pred": 0.5}
+    (sw / "0").mkdir(parents=True)
+    (sw / "0" / "results.json").write_text(json.dumps(theirs))
+    other_row = {"job": "0", "status": "ok", "overrides": ["optimizer.lr=1e-4"], "lr": 1e-4, "B_E": 5, "B_U": 3,
+                 "deltaH_pred": 0.5, "time_s": 1.0, "output_dir": str(sw / "0"), "batch": "", "stage12": "", "error": ""}
+    (sw / sweep.ROWS_DIR).mkdir()
+    (sw / sweep.ROWS_DIR / "0.json").write_text(json.dumps(other_row))
+    try:
+        proc = _cli(tmp_path, "-m", *SMALL, "importance.enabled=false", "probe.variance_enabled=false",
+                    "optimizer.lr=3e-4,3e-3", f"hydra.sweep.dir={sw}")
+    finally:
+        for lock in held:
+            lock.release()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((sw / "0" / "results.json").read_text()) == theirs and not (sw / "1").exists()
+    assert not list(sw.glob("previous-*")) and not list(sw.glob("*/previous-*"))
+    rows = _rows(sw)
+    assert [(r["job"], float(r["lr"])) for r in rows] == [("0", 1e-4), ("0-2", 3e-4), ("1-2", 3e-3)]
+    for r in rows[1:]:
+        res = json.loads((sw / r["job"] / "results.json").read_text())
+        assert r["output_dir"] == str(sw / r["job"]) and res["lr"] == float(r["lr"])
+        assert float(r["deltaH_pred"]) == res["deltaH_pred"] and r["overrides"].endswith(f" optimizer.lr={r['lr']}")
+
+
+def test_job_subdir_is_claimed_once_per_process_and_other_ranks_get_their_own(tmp_path, monkeypatch):
+    from entprobe.runtime.locks import try_lock
+
+    monkeypatch.setattr(sweep, "_CLAIMED", {})
+    assert sweep.job_subdir(tmp_path, 0) == "0" == sweep.job_subdir(tmp_path, 0)  # resolved again: same
+    other = try_lock(tmp_path / sweep.CLAIMS_DIR / "1.lock")
+    third = try_lock(tmp_path / sweep.CLAIMS_DIR / "1-2.lock")
+    assert sweep.job_subdir(tmp_path, 1) == "1-3"
+    other.release(), third.release()
+    monkeypatch.setenv("RANK", "1")
+    assert sweep.job_subdir(tmp_path, 2) == ".rank1/2"
+    for key, (lock, _) in sweep._CLAIMED.items():
+        lock.release()
+
+
+def test_plan_reads_the_job_folders_of_concurrent_multiruns(tmp_path):
+    """``entprobe.plan`` on a sweep dir takes ``<num>-<k>`` folders (sweep.job_subdir) as jobs too."""
+    from entprobe.reporting.planning import sweep_jobs
+
+    for name in ("10", "0-2", "1", "0", "0-10", "previous-0", ".jobs", "x-2", "3-", "5"):
+        (tmp_path / name).mkdir()
+        if name != "5":
+            (tmp_path / name / "results.json").write_text("{}")
+    assert [p.name for p in sweep_jobs(tmp_path)] == ["0", "0-2", "0-10", "1", "10"]

@@ -42,6 +42,8 @@ from entprobe.tasks.base import check_encodable
 from entprobe.tasks.lengths import check_prompt_lengths
 
 register_configs()
+# hydra.sweep.subdir (conf/config.yaml): a job folder no concurrent multirun shares (reporting/sweep.py)
+OmegaConf.register_new_resolver("entprobe_job_subdir", sweep.job_subdir, replace=True)
 
 
 
@@ -125,7 +127,8 @@ def renamed_overrides(argv: list[str]) -> list[str]:
 
 def hydra_job(cfg: DictConfig) -> float | None:
     """The job Hydra runs (``entprobe.main.hydra_main``, beside the package's conf/). Process group first (rank decides who logs), then one run dir for all ranks (rank 0's),
-    the sweep's batch cache in multirun mode, the logger on rank 0 (``logging.logger``), ``run``, teardown."""
+    the sweep's batch cache in multirun mode, the logger on rank 0 (``logging.logger``), ``run``, teardown
+    (the group outlives the jobs of a multirun: ``D.shutdown``'s ``keep_group``)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -157,5 +160,6 @@ def hydra_job(cfg: DictConfig) -> float | None:
     finally:
         if logger is not None:
             logger.finish(0 if ok else 1)
-        D.shutdown(ok)
+        # a multirun's next job reuses the group: re-initialising it on torchrun's store hangs
+        D.shutdown(ok, keep_group=hc.mode == RunMode.MULTIRUN)
 

@@ -209,10 +209,17 @@ def run_targets(run_dir: Path) -> tuple[dict, list[Target]]:
     return res, _targets(two_batch_targets, proj, proj_path)
 
 
+def _job_number(name: str) -> tuple[int, int] | None:
+    """``<num>`` -> (num, 1), ``<num>-<k>`` (a concurrent multirun's job: reporting/sweep.py) -> (num, k)."""
+    num, _, k = name.partition("-")
+    return (int(num), int(k or 1)) if num.isdigit() and (k.isdigit() or not _) else None
+
+
 def sweep_jobs(sweep_dir: Path) -> list[Path]:
     """The job directories (numbered subfolders with a results file) of a multirun directory."""
-    jobs = [p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit() and (p / RESULTS_FILE).is_file()]
-    return sorted(jobs, key=lambda p: int(p.name))
+    jobs = [p for p in sweep_dir.iterdir()
+            if p.is_dir() and _job_number(p.name) and (p / RESULTS_FILE).is_file()]
+    return sorted(jobs, key=lambda p: _job_number(p.name))
 
 
 @dataclass

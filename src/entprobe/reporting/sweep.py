@@ -2,13 +2,15 @@
 
     python -m entprobe.main -m batch.B_E=8,16 batch.B_U=8,16 optimizer.lr=1e-6,1e-5
     # multirun/<date>/<time>/
-    #   0/ .. 7/                 one run directory per job (results.json, attribution.csv, ...)
+    #   0/ .. 7/                 one run directory per job (results.json, attribution.csv, ...);
+    #                            <num>-2/ .. while another running multirun holds <num>/ (job_subdir)
+    #   .jobs/<folder>.lock      a job folder's claim, held by its multirun's process until it exits
     #   batch_cache/<key>/       E.pt, U.pt, batches.json: sampled by the first job that needs them, loaded by
     #                            every other job with the same key (here: once per (B_E, B_U))
     #     stage12/<key>/         Stages 1-2, computed by the first of the jobs that differ only in
     #                            the lr, rescaled by the others (pipeline/lr_share.py)
-    #   sweep_summary.csv / .md  one row per job, rewritten as each job ends (``stage12``: reused /
-    #                            computed / off)
+    #   sweep_summary.csv / .md  one row per job folder (``job``), from what that job wrote,
+    #                            rewritten as each job ends (``stage12``: reused / computed / off)
     #   sweep_summary.png        predicted vs measured (95% intervals) over lr, one colour per B
 
 Cache key: everything the sampled batches depend on (batch minus save/load, sampling, model,
@@ -42,6 +44,7 @@ from omegaconf import DictConfig
 
 from entprobe.runtime.atomic_io import write_text_atomic
 from entprobe.runtime.distributed import env_rank
+from entprobe.runtime.locks import try_lock
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +85,44 @@ def cache_complete(folder: str | Path) -> bool:
     return is_complete(folder)
 
 
+# ----------------------------------------------------------------------------- job dirs
+CLAIMS_DIR = ".jobs"
+_CLAIMED: dict[tuple[str, str], tuple[object, str]] = {}  # (sweep dir, job num) -> (lock, subdir)
+
+
+def job_subdir(sweep_dir, num) -> str:
+    """``hydra.sweep.subdir`` (the ``entprobe_job_subdir`` resolver, conf/config.yaml): the job's
+    folder in the sweep dir, never one another running multirun uses.
+
+    Rank 0 claims ``<num>`` by locking ``.jobs/<num>.lock`` until its process exits; while another
+    live multirun holds it (two ``-m`` runs into one ``hydra.sweep.dir``), ``<num>-2``, ``<num>-3``
+    ... A later multirun into the same dir takes ``<num>`` again (the earlier results are moved to
+    ``previous-*``: ``runtime.rundir``). Other ranks get a folder of their own, ``.rank<r>/<num>``:
+    the job uses rank 0's (``distributed.shared_run_dir``), which removes theirs."""
+    num, rank = str(num), env_rank()
+    if rank != 0:
+        return f".rank{rank}/{num}"
+    key = (str(sweep_dir), num)
+    if key not in _CLAIMED:  # the same answer each time this process resolves it
+        claims = Path(str(sweep_dir)) / CLAIMS_DIR
+        for k in range(1, 10_000):
+            name = num if k == 1 else f"{num}-{k}"
+            lock = try_lock(claims / f"{name}.lock")
+            if lock is not None:
+                _CLAIMED[key] = (lock, name)
+                break
+        else:
+            raise RuntimeError(f"{sweep_dir}: no free job folder for job {num} (are 10,000 multiruns "
+                               f"running into it?); give this one its own hydra.sweep.dir")
+    return _CLAIMED[key][1]
+
+
 # ----------------------------------------------------------------------------- summary
 def job_row(config: DictConfig, job_return: JobReturn, seconds: float) -> dict:
     """One summary row from a finished job: its results.json when it completed, its error if not."""
     out = Path(config.hydra.runtime.output_dir)
     ok = job_return.status == JobStatus.COMPLETED
-    row = {"job": int(config.hydra.job.num), "status": "ok" if ok else "failed",
+    row = {"job": out.name, "status": "ok" if ok else "failed",
            "overrides": list(job_return.overrides or []), "time_s": round(seconds, 3),
            "output_dir": str(out), "batch": "", "stage12": "", "error": ""}
     row.update({k: float("nan") for k in (*SETTINGS, *METRICS)})
@@ -119,7 +154,13 @@ def stage12_column(res: dict) -> str:
 def read_rows(sweep_dir: str | Path) -> list[dict]:
     folder = Path(sweep_dir) / ROWS_DIR
     rows = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
-    return sorted(rows, key=lambda r: r["job"])
+    return sorted(rows, key=_order)
+
+
+def _order(row: dict) -> tuple[int, str]:
+    """Rows by job number, then folder (``3`` before ``3-2``, the concurrent multirun's)."""
+    num, _, rest = str(row["job"]).partition("-")
+    return (int(num) if num.isdigit() else -1, rest.zfill(8))
 
 
 def _varying(rows: list[dict]) -> list[list[str]]:
@@ -208,8 +249,8 @@ class SweepSummary(Callback):
             return
         num = int(config.hydra.job.num)
         row = job_row(config, job_return, time.perf_counter() - self._start.pop(num, time.perf_counter()))
-        sweep = self._sweep_dir(config)
-        write_text_atomic(sweep / ROWS_DIR / f"{num:06d}.json", json.dumps(row))
+        sweep = self._sweep_dir(config)  # a row per job folder: a concurrent multirun's are others
+        write_text_atomic(sweep / ROWS_DIR / f"{row['job']}.json", json.dumps(row))
         write_summary(sweep)
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:

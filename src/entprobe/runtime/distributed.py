@@ -12,6 +12,7 @@ Launch environments recognised by ``init_from_env`` (see docs/scaling.md for the
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import inspect
@@ -119,15 +120,33 @@ def init_from_env(backend: str = "auto", timeout_s: int = 1800, model_device: st
     return True
 
 
-def shutdown(ok: bool = True) -> None:
+def shutdown(ok: bool = True, keep_group: bool = False) -> None:
     """Tear the group down. After a failure skip the barrier: the other ranks may never reach it
-    (torchrun / srun then stop them), and a barrier would hang until the timeout."""
+    (torchrun / srun then stop them), and a barrier would hang until the timeout.
+
+    ``keep_group``: the end of one job of a multirun. The group stays for the next job and is
+    destroyed when the process exits: a second ``init_process_group`` on the same rendezvous
+    store (torchrun's) reads the first group's stale gloo / nccl addresses and hangs until
+    ``ddp.timeout_s``."""
     sharding.unshard_state()
     if not is_dist():
         return
     if ok:
         dist.barrier()
-    dist.destroy_process_group()
+    if keep_group:
+        _destroy_at_exit()
+    else:
+        dist.destroy_process_group()
+
+
+_EXIT_HOOK: list[bool] = []
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the process group (if one is left) when the interpreter exits; registered once."""
+    if not _EXIT_HOOK:
+        _EXIT_HOOK.append(True)
+        atexit.register(lambda: is_dist() and dist.destroy_process_group())
 
 
 def wrap(model: torch.nn.Module, device: torch.device, find_unused_parameters: bool = True,

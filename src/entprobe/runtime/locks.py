@@ -6,11 +6,13 @@ never write or read a half-replaced pair of batches:
     with file_lock(folder / ".lock", timeout_s=cfg.batch.lock_timeout_s, what="saved batches"):
         ...
 
-The lock is ``fcntl.flock`` on the lock file: the kernel releases it when its holder exits, so a
-lock file left by a dead process (a killed job) is free; its contents are only the last holder's
-``{"pid", "host", "since"}``, rewritten by each new holder. A waiter prints the holder once and
-raises ``LockTimeout`` after ``timeout_s`` seconds. File systems without locks (some network
-mounts) degrade to no lock, with a warning.
+The lock is the ``filelock`` package's ``FileLock`` (``flock`` on POSIX): the kernel releases it
+when its holder exits, so a lock file left by a dead process (a killed job) is free. The lock
+file's contents are only the last holder's ``{"pid", "host", "since"}``, written by each new
+holder and read by a waiter before it first tries (``filelock`` < 4 empties the file when it
+opens it). A waiter prints the holder once and raises ``LockTimeout`` after ``timeout_s``
+seconds. Where the file system has no locks, ``filelock`` >= 4 falls back to its own lock files;
+an older one raises, and the block then runs unlocked, with a warning.
 """
 from __future__ import annotations
 
@@ -25,19 +27,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
 
+from filelock import FileLock, Timeout
+
 
 class LockTimeout(TimeoutError):
     """A lock stayed held longer than the configured timeout; the message names the holder."""
 
 
-def _holder(f) -> str:
-    """The holder recorded in an open lock file, in words."""
-    f.seek(0)
+def holder_of(path: str | Path) -> str:
+    """The holder recorded in the lock file ``path``, in words."""
     try:
-        h = json.loads(f.read() or "{}")
-    except ValueError:
+        h = json.loads(Path(path).read_text() or "{}")
+    except (OSError, ValueError):
         h = {}
-    if not h:
+    if not isinstance(h, dict) or not h:
         return "another process (no holder recorded)"
     since = h.get("since", "?")
     try:
@@ -45,6 +48,28 @@ def _holder(f) -> str:
     except (TypeError, ValueError):
         age = ""
     return f"pid {h.get('pid', '?')} on host {h.get('host', '?')} since {since}{age}"
+
+
+def _record(path: Path, text: str) -> None:
+    """Replace the lock file's contents in place (the lock is on this inode: never a new file)."""
+    with open(path, "r+") as f:
+        f.truncate(0)
+        f.write(text)
+
+
+def try_lock(path: str | Path) -> FileLock | None:
+    """The lock on ``path`` held by this process when no one else holds it, else None (no wait);
+    ``release()`` it, or let the process end. The holder record is written as by ``file_lock``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path), thread_local=False)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return None
+    _record(path, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                              "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}))
+    return lock
 
 
 @contextlib.contextmanager
@@ -57,42 +82,33 @@ def file_lock(path: str | Path, timeout_s: float, what: str, key: str = "batch.l
     holder and the config ``key`` that sets the timeout."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
-        fcntl = None
-    with open(path, "a+") as f:  # "a+": opening must not erase the holder's record
-        locked = False
-        if fcntl is not None:
-            start, told = time.monotonic(), False
-            while not locked:
-                try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    locked = True
-                except BlockingIOError:
-                    waited = time.monotonic() - start
-                    if waited >= timeout_s:
-                        raise LockTimeout(
-                            f"{what}: gave up after {waited:.0f} s waiting for the lock {path}, held by "
-                            f"{_holder(f)}. Raise {key} to wait longer; if that process is gone (a "
-                            f"network file system may keep a dead holder's lock), delete {path}.") from None
-                    if not told:
-                        print(f"[entprobe] {what}: waiting for the lock {path}, held by {_holder(f)} "
-                              f"(timeout {timeout_s:g} s: {key})", file=sys.stderr, flush=True)
-                        told = True
-                    time.sleep(poll_s)
-                except OSError as exc:  # no locks on this file system
-                    warnings.warn(f"{what}: no file lock on {path} ({exc}); concurrent runs may both "
-                                  "write and the last one wins", stacklevel=3)
-                    break
-        if locked:
-            f.truncate(0)  # append mode: the record is written at offset 0
-            f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}))
-            f.flush()
+    start, told, lock, holder = time.monotonic(), False, None, holder_of(path)
+    while lock is None:
+        now = holder_of(path)  # before each try: an old filelock empties the file as it opens it
+        holder = now if now.startswith("pid ") else holder
         try:
-            yield
-        finally:
-            if locked:
-                f.truncate(0)
-                fcntl.flock(f, fcntl.LOCK_UN)
+            lock = try_lock(path)
+        except OSError as exc:  # no locks on this file system (filelock < 4)
+            warnings.warn(f"{what}: no file lock on {path} ({exc}); concurrent runs may both "
+                          "write and the last one wins", stacklevel=3)
+            break
+        if lock is not None:
+            break
+        waited = time.monotonic() - start
+        if waited >= timeout_s:
+            raise LockTimeout(
+                f"{what}: gave up after {waited:.0f} s waiting for the lock {path}, held by "
+                f"{holder}. Raise {key} to wait longer; if that process is gone (a "
+                f"network file system may keep a dead holder's lock), delete {path}.")
+        if not told:
+            print(f"[entprobe] {what}: waiting for the lock {path}, held by {holder} "
+                  f"(timeout {timeout_s:g} s: {key})", file=sys.stderr, flush=True)
+            told = True
+        time.sleep(poll_s)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            with contextlib.suppress(OSError):
+                _record(path, "")
+            lock.release()
