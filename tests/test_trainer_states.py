@@ -210,6 +210,40 @@ def test_corrupt_moments_are_refused_before_the_model_loads(written, tmp_path):
                         f"optimizer.state_path='{actor}'"))
 
 
+def _edit_rank_file(f: Path, fn) -> None:
+    import torch.distributed.tensor  # noqa: F401  (DTensors load weights-only once it is imported)
+
+    sd = torch.load(f, weights_only=True)
+    fn(sd)
+    torch.save(sd, f)
+
+
+def _later_save(sd: dict) -> None:
+    """What a later save of the same run leaves in a rank's file: step 9, other moments."""
+    for st in sd["state"].values():
+        st["step"] = torch.tensor(9.0)
+        for k in ("exp_avg", "exp_avg_sq"):
+            st[k].to_local().mul_(4)
+
+
+def test_verl_rank_files_of_different_saves_are_refused(written, tmp_path):
+    """A rank's file from a later save (another step), or whose shards have other shapes than rank
+    0's, is named with the two values instead of being stitched into one state."""
+    actor = shutil.copytree(written / "verl" / "global_step_3" / "actor", tmp_path / "actor")
+    f = actor / "optim_world_size_4_rank_1.pt"
+    _edit_rank_file(f, _later_save)
+    with pytest.raises(OptimizerStateError, match=rf"{f}: Adam step 9 for parameter .* where "
+                                                  r"optim_world_size_4_rank_0\.pt has 3: the rank files come from "
+                                                  r"different saves"):
+        read_optimizer_state(str(actor))
+    shutil.copy(written / "verl" / "global_step_3" / "actor" / f.name, f)
+    _edit_rank_file(f, lambda sd: sd["state"].update({0: sd["state"][1], 1: sd["state"][0]}))
+    with pytest.raises(OptimizerStateError, match=rf"{f}: model\.embed_tokens\.weight exp_avg is a \(16, 64\) shard "
+                                                  r"of \(64, 64\), where rank 0's file .* makes rank 1's share "
+                                                  r"\(5, 64\) of \(18, 64\)"):
+        read_optimizer_state(str(actor))
+
+
 class Foreign:
     """An object of a class no allowlist names."""
 
