@@ -277,6 +277,9 @@ BATCH_CASES: list = [
 
 # checkpoints, sharded optimizer states, adapters, GGUF, entprobe.train --resume
 CHECKPOINT_CASES: list = [
+    ("gguf_path_missing", lambda e: (["model=smollm2", f"model.gguf_file='{e.tmp / 'nope.gguf'}'"],
+                                     ["model.gguf_file", str(e.tmp / "nope.gguf"), "does not exist"]),
+     ConfigError, True),
 ]
 
 # run dirs, signals, disk and file-size limits
