@@ -302,6 +302,27 @@ def test_folders_that_name_no_optimizer_state_say_what_to_do(written, tmp_path):
         read_optimizer_state(str(actor))
 
 
+@pytest.mark.parametrize("defect", ["truncated", "random", "swapped", "metadata_truncated", "metadata_random"])
+def test_damaged_dcp_files_are_named(written, tmp_path, defect):
+    """Each damaged file of a torch.distributed.checkpoint folder is named, with no library text."""
+    import os
+
+    dcp = shutil.copytree(written / "dcp", tmp_path / "dcp")
+    f = dcp / ("__1_0.distcp" if not defect.startswith("metadata") else ".metadata")
+    data = f.read_bytes()
+    if defect in ("truncated", "metadata_truncated"):
+        f.write_bytes(data[:len(data) // 2])
+    elif defect in ("random", "metadata_random"):
+        f.write_bytes(os.urandom(len(data)))
+    else:  # rank 1's and rank 2's files under each other's names
+        f.write_bytes((dcp / "__2_0.distcp").read_bytes())
+        (dcp / "__2_0.distcp").write_bytes(data)
+    with pytest.raises(OptimizerStateError) as info:
+        read_optimizer_state(str(dcp))
+    msg = str(info.value)
+    assert msg.startswith(f"{f}: ") and "copy" in msg and "Error" not in msg, msg
+
+
 class Foreign:
     """An object of a class no allowlist names."""
 
