@@ -137,12 +137,14 @@ class Adapter:
 
 
 def resolve_adapter(adapter_dir: str | Path, base_path: str | None) -> Adapter:
-    """Where the adapter's base and tokenizer are (``resolve_base``); fails early without peft."""
+    """Where the adapter's base and tokenizer are (``resolve_base``), its own files checked
+    (``check_adapter_files``); fails early without peft."""
     if importlib.util.find_spec("peft") is None:
         raise ImportError("model.path holds a PEFT adapter (adapter_config.json) and peft is not installed: "
                           "pip install 'entprobe[peft]' (or pip install peft)")
     adapter_dir = Path(adapter_dir).expanduser()
     acfg = read_adapter_config(adapter_dir)
+    check_adapter_files(adapter_dir, acfg)
     base_dir = resolve_base(adapter_dir, base_path, acfg)
     tok_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_dir
     return Adapter(adapter_dir, base_dir, tok_dir, acfg)

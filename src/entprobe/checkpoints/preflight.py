@@ -14,7 +14,7 @@ from entprobe.rollouts.saved_batches import check_saved, load_batches, model_ide
 from entprobe.config import ConfigError, EntprobeConfig
 from entprobe.runtime.input_files import InputFileError, check_gguf, check_safetensors, load_json_file, load_torch_file
 from entprobe.checkpoints.optim_state import StoredOptimizerState, read_optimizer_state
-from entprobe.checkpoints.peft import check_adapter_files, is_adapter_dir, resolve_adapter
+from entprobe.checkpoints.peft import is_adapter_dir, resolve_adapter
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.tasks.reward_funcs import load_reward_func
 from entprobe.checkpoints.trainer_states import weights_hint
@@ -88,8 +88,7 @@ def model_files(cfg: EntprobeConfig) -> tuple[Path | None, Path | None]:
             raise ConfigError(f"model.path={m.path!r} must be a save_pretrained folder (config.json + weights) "
                               "or a PEFT adapter folder (adapter_config.json); nothing is downloaded")
         if is_adapter_dir(folder):  # a PEFT adapter: its weights here, the base's in their own folder
-            adapter = resolve_adapter(folder, m.base_path)
-            check_adapter_files(folder, adapter.config)
+            adapter = resolve_adapter(folder, m.base_path)  # its files checked too
             _check_hf_folder(adapter.base_dir, "model.base_path")
         else:
             _check_hf_folder(folder, "model.path")
