@@ -26,6 +26,7 @@ from entprobe.config import ConfigError
 from entprobe.runtime.input_files import InputFileError
 from entprobe.cli.probe_job import run
 from entprobe.checkpoints.optim_state import OptimizerStateError
+from entprobe.checkpoints.peft import AdapterError
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
 from entprobe.tasks.base import RewardFunctionError
@@ -335,7 +336,48 @@ BATCH_CASES: list = [
 ]
 
 # checkpoints, sharded optimizer states, adapters, GGUF, entprobe.train --resume
+def lora(e: Env, defect: Callable[[Path], object]) -> list[str]:
+    """A rank-2 LoRA adapter over the built-in checkpoint (peft's save_pretrained), after ``defect(folder)``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    folder = e.tmp / "lora"
+    base = AutoModelForCausalLM.from_pretrained(e.builtin)
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(folder)
+    defect(folder)
+    return ["model=hf", f"model.path='{folder}'", f"model.base_path='{e.builtin}'",
+            "optimizer.preconditioner=identity", "optimizer.lr=1e-5"]
+
+
+def edit_json(f: Path, **changes) -> Path:
+    f.write_text(json.dumps({**json.loads(f.read_text()), **changes}))
+    return f
+
+
+def pickled_bin(folder: Path, weights: str, bin_name: str) -> Path:
+    """The ``weights`` safetensors file replaced by a ``bin_name`` torch file that holds code."""
+    (folder / weights).unlink()
+    return pickled_code(folder / bin_name)
+
+
 CHECKPOINT_CASES: list = [
+    ("lora_rank_mismatch", lambda e: (lora(e, lambda f: edit_json(f / "adapter_config.json", r=4)),
+                                      [str(e.tmp / "lora" / "adapter_model.safetensors"), "r=4", "rank 2"]),
+     AdapterError, True),
+    ("lora_unknown_peft_type", lambda e: (lora(e, lambda f: edit_json(f / "adapter_config.json", peft_type="LORAX")),
+                                          [str(e.tmp / "lora" / "adapter_config.json"), "'LORAX'"]),
+     AdapterError, True),
+    ("lora_bin_pickled_code",
+     lambda e: (lora(e, lambda f: pickled_bin(f, "adapter_model.safetensors", "adapter_model.bin")),
+                [str(e.tmp / "lora" / "adapter_model.bin"), "never unpickles"]),
+     InputFileError, True),
+    ("hf_bin_pickled_code",
+     lambda e: ((pickled_bin(e.ck(), "model.safetensors", "pytorch_model.bin"), e.hf())[1],
+                [str(e.tmp / "ck" / "pytorch_model.bin"), "never unpickles", "safetensors"]),
+     InputFileError, True),
+    ("gguf_path_missing", lambda e: (["model=smollm2", f"model.gguf_file='{e.tmp / 'nope.gguf'}'"],
+                                     ["model.gguf_file", str(e.tmp / "nope.gguf"), "does not exist"]),
+     ConfigError, True),
 ]
 
 # run dirs, signals, disk and file-size limits

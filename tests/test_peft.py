@@ -213,3 +213,31 @@ def test_adapter_parameters_are_named_by_their_module_for_every_recognised_kind(
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         assert {adapter_module(n) for n in names} == modules, label
         assert all(adapter_module(n) is None for n, p in model.named_parameters() if not p.requires_grad), label
+
+
+def test_weights_holding_code_are_refused_in_our_words_when_loaded_without_preflight(tmp_path):
+    """load_model (the Python API, no preflight) on a pytorch_model.bin holding code: the file named,
+    torch's advice to retry with weights_only=False never relayed, nothing executed."""
+    ck = shutil.copytree(ensure_default_checkpoint(), tmp_path / "ck")
+    (ck / "model.safetensors").unlink()
+    torch.save({"hook": os.getcwd}, ck / "pytorch_model.bin")
+    with pytest.raises(InputFileError) as info:
+        load_model(ModelConfig(source=ModelSource.hf, path=str(ck), device="cpu"))
+    msg = str(info.value)
+    assert msg.startswith(f"{ck}: the model files hold pickled Python code") and "weights_only" not in msg, msg
+
+
+def test_an_adapter_whose_rank_is_not_its_configs_is_refused_by_load_model(tmp_path):
+    """load_model (no preflight) checks the adapter's files too: LoRA matrices of rank 2 under a
+    config that says r=4 are named (peft's load raised torch's size-mismatch dump)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = ensure_default_checkpoint()
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=2, target_modules=["q_proj"])
+                   ).save_pretrained(tmp_path / "lora")
+    cfg = tmp_path / "lora" / "adapter_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "r": 4}))
+    with pytest.raises(AdapterError, match=rf"{tmp_path / 'lora' / 'adapter_model.safetensors'}: .*lora_A.* has "
+                                           rf"rank 2 .*{cfg} says r=4"):
+        load_model(ModelConfig(source=ModelSource.hf, path=str(tmp_path / "lora"), base_path=str(base), device="cpu"))

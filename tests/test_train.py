@@ -229,3 +229,56 @@ def test_resume_refuses_a_checkpoint_that_is_not_one_run_step(run_out, tmp_path)
     lr = float(args.get("--lr", TrainArgs(out="").lr))
     with pytest.raises(ValueError, match=rf"scheduler.pt: the run was trained at lr {lr:g}, this command says --lr {lr * 2:g}"):
         train(TrainArgs(**{**base.__dict__, "out": str(cut("lr", lambda f: None)), "resume": "last", "lr": lr * 2}))
+
+
+@pytest.mark.parametrize("defect", ["truncated_weights", "garbage_optimizer", "misshaped_weights", "empty",
+                                    "broken_tokenizer", "garbage_scheduler", "misshaped_optimizer"])
+def test_resume_names_a_damaged_checkpoint_file_before_the_model_loads(run_out, tmp_path, monkeypatch, defect):
+    """--resume from a checkpoint with a truncated, garbage, mis-shaped or missing file: an error
+    naming the file (never torch's, safetensors' or the tokenizer's own), before the model loads
+    (the mis-shaped optimizer state, which needs the model, at the latest before a step)."""
+    import entprobe.integrations.grpo_trainer as gt
+    from entprobe.runtime.input_files import InputFileError
+
+    ck = shutil.copytree(run_out / "checkpoint-3", tmp_path / "out" / "checkpoint-3")
+    f = {"truncated_weights": "model.safetensors", "garbage_optimizer": "optimizer.pt", "empty": "",
+         "misshaped_weights": "model.safetensors", "broken_tokenizer": "tokenizer_config.json",
+         "garbage_scheduler": "scheduler.pt", "misshaped_optimizer": "optimizer.pt"}[defect]
+    if defect == "truncated_weights":
+        (ck / f).write_bytes((ck / f).read_bytes()[:1000])
+    elif defect in ("garbage_optimizer", "garbage_scheduler"):
+        (ck / f).write_bytes(os.urandom(2000))
+    elif defect == "misshaped_weights":  # a config of another width beside these weights
+        cfg = json.loads((ck / "config.json").read_text())
+        (ck / "config.json").write_text(json.dumps({**cfg, "intermediate_size": cfg["intermediate_size"] * 2}))
+    elif defect == "empty":
+        for p in ck.iterdir():
+            p.unlink()
+    elif defect == "broken_tokenizer":
+        (ck / f).write_text((ck / f).read_text()[:20])
+    else:  # the first moment of another shape
+        sd = torch.load(ck / f, weights_only=True)
+        sd["state"][0]["exp_avg"] = torch.zeros(3)
+        torch.save(sd, ck / f)
+    if defect != "misshaped_optimizer":
+        monkeypatch.setattr(gt, "load_policy", lambda *a: pytest.fail("the model loaded first"))
+    with pytest.raises((InputFileError, ValueError)) as info:
+        main(["--out", str(tmp_path / "out"), *ARGV[:1], "4", *ARGV[2:], "--resume", "last"])
+    msg = str(info.value)
+    assert str(ck / f) in msg and "resume from" in msg and "\n" not in msg and "weights_only" not in msg, msg
+
+
+def test_resume_refuses_a_run_option_left_at_another_default_and_says_when_one_is_changed(run_out, tmp_path, capsys):
+    """The checkpoint records the options that shape the steps: one that differs because it was left
+    out (--B 4 not given again) is refused, naming it and the run's value; one given explicitly
+    (--seed 7) is taken, with a printed notice."""
+    out = tmp_path / "out"
+    shutil.copytree(run_out / "checkpoint-3", out / "checkpoint-3")
+    assert json.loads((out / "checkpoint-3" / "entprobe_train_args.json").read_text())["B"] == 4
+    argv = ["--out", str(out), "--steps", "4", "--save-every", "2", "--G", "4", "--resume", "last"]
+    with pytest.raises(ConfigError, match=r"trained with --B 4 \(.*entprobe_train_args\.json\), this command leaves "
+                                          r"--B at its default 16: give --B 4"):
+        main(argv)
+    main([*argv, "--B", "4", "--seed", "7"])
+    assert "--seed 7 replaces the checkpoint's 0" in capsys.readouterr().out
+    assert (out / "checkpoint-4" / "model.safetensors").is_file()

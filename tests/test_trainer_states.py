@@ -210,6 +210,119 @@ def test_corrupt_moments_are_refused_before_the_model_loads(written, tmp_path):
                         f"optimizer.state_path='{actor}'"))
 
 
+def _edit_rank_file(f: Path, fn) -> None:
+    import torch.distributed.tensor  # noqa: F401  (DTensors load weights-only once it is imported)
+
+    sd = torch.load(f, weights_only=True)
+    fn(sd)
+    torch.save(sd, f)
+
+
+def _later_save(sd: dict) -> None:
+    """What a later save of the same run leaves in a rank's file: step 9, other moments."""
+    for st in sd["state"].values():
+        st["step"] = torch.tensor(9.0)
+        for k in ("exp_avg", "exp_avg_sq"):
+            st[k].to_local().mul_(4)
+
+
+def test_verl_rank_files_of_different_saves_are_refused(written, tmp_path):
+    """A rank's file from a later save (another step), or whose shards have other shapes than rank
+    0's, is named with the two values instead of being stitched into one state."""
+    actor = shutil.copytree(written / "verl" / "global_step_3" / "actor", tmp_path / "actor")
+    f = actor / "optim_world_size_4_rank_1.pt"
+    _edit_rank_file(f, _later_save)
+    with pytest.raises(OptimizerStateError, match=rf"{f}: Adam step 9 for parameter .* where "
+                                                  r"optim_world_size_4_rank_0\.pt has 3: the rank files come from "
+                                                  r"different saves"):
+        read_optimizer_state(str(actor))
+    shutil.copy(written / "verl" / "global_step_3" / "actor" / f.name, f)
+    _edit_rank_file(f, lambda sd: sd["state"].update({0: sd["state"][1], 1: sd["state"][0]}))
+    with pytest.raises(OptimizerStateError, match=rf"{f}: model\.embed_tokens\.weight exp_avg is a \(16, 64\) shard "
+                                                  r"of \(64, 64\), where rank 0's file .* makes rank 1's share "
+                                                  r"\(5, 64\) of \(18, 64\)"):
+        read_optimizer_state(str(actor))
+
+
+def _edit_ds_rank_file(f: Path, fn) -> None:
+    """Edit a DeepSpeed optimizer file, saving it back without the stand-ins (records dropped, the
+    ZeRO stage as a plain int) so that it still loads weights-only."""
+    from entprobe.checkpoints.trainer_states.deepspeed import SAFE, _Record, _ZeroStage
+
+    def plain(v):
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items() if not isinstance(x, _Record)}
+        if isinstance(v, (list, tuple)):
+            return type(v)(plain(x) for x in v if not isinstance(x, _Record))
+        return int(v) if isinstance(v, _ZeroStage) else v
+
+    with torch.serialization.safe_globals(SAFE):
+        sd = plain(torch.load(f, weights_only=True))
+    fn(sd["optimizer_state_dict"])
+    torch.save(sd, f)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_rank_files_of_different_saves_are_refused(tmp_path, stage):
+    """A rank's partition file of another step, or of another partition size, is named with both
+    values (it was cut into the parameters as if it were rank 0's save)."""
+    ds = shutil.copytree(DS / f"zero{stage}", tmp_path / "ds")
+    f = ds / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    base = "optimizer_state_dict" if stage == 3 else "base_optimizer_state"
+    _edit_ds_rank_file(f, lambda o: o[base]["state"][0].update(step=torch.tensor(9.0)))
+    with pytest.raises(OptimizerStateError, match=rf"{f}: Adam step \(flat group 0\) 9, where "
+                                                  r"zero_pp_rank_0_mp_rank_00_optim_states\.pt has 3: the rank files"):
+        read_optimizer_state(str(ds))
+    shutil.copy(DS / f"zero{stage}" / "global_step3" / f.name, f)
+    _edit_ds_rank_file(f, lambda o: o[base]["state"][0].update(exp_avg=o[base]["state"][0]["exp_avg"][:-3]))
+    with pytest.raises(OptimizerStateError, match=rf"{f}: exp_avg partition size \(flat group 0\) \d+, where "
+                                                  r"zero_pp_rank_0_mp_rank_00_optim_states\.pt has \d+"):
+        read_optimizer_state(str(ds))
+
+
+def test_folders_that_name_no_optimizer_state_say_what_to_do(written, tmp_path):
+    """DeepSpeed's `latest` naming an empty folder, two accelerate optimizer_N folders, a broken
+    verl fsdp_config.json: each named, with what to set."""
+    from entprobe.runtime.input_files import InputFileError
+
+    ds = tmp_path / "ds"
+    (ds / "global_step7").mkdir(parents=True)
+    (ds / "latest").write_text("global_step7")
+    with pytest.raises(OptimizerStateError, match=rf"{ds / 'latest'} names 'global_step7', which holds no optimizer "
+                                                  r"files .*optimizer\.state_path"):
+        read_optimizer_state(str(ds))
+    acc = shutil.copytree(written / "accelerate", tmp_path / "acc")
+    shutil.copytree(acc / "optimizer_0", acc / "optimizer_1")
+    with pytest.raises(OptimizerStateError, match=rf"{acc} holds 2 optimizer states \(optimizer_0, optimizer_1\): "
+                                                  rf".*optimizer\.state_path={acc / 'optimizer_0'}"):
+        read_optimizer_state(str(acc))
+    actor = shutil.copytree(written / "verl" / "global_step_3" / "actor", tmp_path / "actor")
+    (actor / "fsdp_config.json").write_text('{"FSDP_version": 2, "world_')
+    with pytest.raises(InputFileError, match=r"fsdp_config\.json:1:\d+: verl's FSDP config is not valid JSON"):
+        read_optimizer_state(str(actor))
+
+
+@pytest.mark.parametrize("defect", ["truncated", "random", "swapped", "metadata_truncated", "metadata_random"])
+def test_damaged_dcp_files_are_named(written, tmp_path, defect):
+    """Each damaged file of a torch.distributed.checkpoint folder is named, with no library text."""
+    import os
+
+    dcp = shutil.copytree(written / "dcp", tmp_path / "dcp")
+    f = dcp / ("__1_0.distcp" if not defect.startswith("metadata") else ".metadata")
+    data = f.read_bytes()
+    if defect in ("truncated", "metadata_truncated"):
+        f.write_bytes(data[:len(data) // 2])
+    elif defect in ("random", "metadata_random"):
+        f.write_bytes(os.urandom(len(data)))
+    else:  # rank 1's and rank 2's files under each other's names
+        f.write_bytes((dcp / "__2_0.distcp").read_bytes())
+        (dcp / "__2_0.distcp").write_bytes(data)
+    with pytest.raises(OptimizerStateError) as info:
+        read_optimizer_state(str(dcp))
+    msg = str(info.value)
+    assert msg.startswith(f"{f}: ") and "copy" in msg and "Error" not in msg, msg
+
+
 class Foreign:
     """An object of a class no allowlist names."""
 

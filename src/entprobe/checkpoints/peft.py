@@ -86,6 +86,47 @@ def resolve_base(adapter_dir: Path, base_path: str | None, adapter_cfg: dict) ->
     return base
 
 
+def check_adapter_files(adapter_dir: Path, acfg: dict) -> None:
+    """Before anything loads: ``peft_type`` is one peft knows, the weights file reads (safetensors,
+    or ``adapter_model.bin`` weights-only: a file holding code is refused, never unpickled) and every
+    LoRA matrix has the rank ``r`` (or ``rank_pattern``'s) the config records."""
+    from peft.utils import PeftType
+
+    from entprobe.runtime.input_files import check_safetensors, load_torch_file
+
+    cfg_file = adapter_dir / ADAPTER_CONFIG
+    known = [t.value for t in PeftType]
+    if acfg.get("peft_type") not in known:
+        raise AdapterError(f"{cfg_file}: peft_type {acfg.get('peft_type')!r} is not one this peft "
+                           f"knows ({', '.join(known[:6])}, ...); fix it or update peft")
+    todo = "copy the adapter checkpoint again (model.path)"
+    st, bin_file = adapter_dir / "adapter_model.safetensors", adapter_dir / "adapter_model.bin"
+    if st.is_file() or not bin_file.is_file():
+        check_safetensors(st, todo)
+        from safetensors import safe_open
+
+        with safe_open(str(st), "pt") as f:
+            shapes, weights = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, st
+    else:
+        sd = load_torch_file(bin_file, "the PEFT adapter weights", f"{todo}, or save it as "
+                             "adapter_model.safetensors (peft's default) where you trust it")
+        if not isinstance(sd, dict) or not all(hasattr(v, "shape") for v in sd.values()):
+            raise AdapterError(f"{bin_file}: not a state_dict of tensors; {todo}")
+        shapes, weights = {k: tuple(v.shape) for k, v in sd.items()}, bin_file
+    if acfg.get("peft_type") != "LORA" or not isinstance(acfg.get("r"), int):
+        return
+    patterns = acfg.get("rank_pattern") or {}
+    for key, shape in shapes.items():
+        part = "lora_A" if ".lora_A." in key else "lora_B" if ".lora_B." in key else None
+        if part is None or len(shape) != 2:
+            continue
+        r = next((v for p, v in patterns.items() if re.search(p, key)), acfg["r"])
+        got = shape[0] if part == "lora_A" else shape[1]
+        if got != r:
+            raise AdapterError(f"{weights}: {key} has rank {got} {shape}, but {cfg_file} says r={r}: the weights "
+                               "and the config are of different adapters; copy both files of one save")
+
+
 @dataclass
 class Adapter:
     """A PEFT checkpoint resolved on disk, before anything loads."""
@@ -96,12 +137,14 @@ class Adapter:
 
 
 def resolve_adapter(adapter_dir: str | Path, base_path: str | None) -> Adapter:
-    """Where the adapter's base and tokenizer are (``resolve_base``); fails early without peft."""
+    """Where the adapter's base and tokenizer are (``resolve_base``), its own files checked
+    (``check_adapter_files``); fails early without peft."""
     if importlib.util.find_spec("peft") is None:
         raise ImportError("model.path holds a PEFT adapter (adapter_config.json) and peft is not installed: "
                           "pip install 'entprobe[peft]' (or pip install peft)")
     adapter_dir = Path(adapter_dir).expanduser()
     acfg = read_adapter_config(adapter_dir)
+    check_adapter_files(adapter_dir, acfg)
     base_dir = resolve_base(adapter_dir, base_path, acfg)
     tok_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_dir
     return Adapter(adapter_dir, base_dir, tok_dir, acfg)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from entprobe.rollouts.saved_batches import check_saved, load_batches, model_identity
 from entprobe.config import ConfigError, EntprobeConfig
-from entprobe.runtime.input_files import check_gguf, check_safetensors, load_json_file
+from entprobe.runtime.input_files import InputFileError, check_gguf, check_safetensors, load_json_file, load_torch_file
 from entprobe.checkpoints.optim_state import StoredOptimizerState, read_optimizer_state
 from entprobe.checkpoints.peft import is_adapter_dir, resolve_adapter
 from entprobe.rollouts.sampling import RolloutBatch
@@ -48,8 +48,30 @@ def _check_hf_folder(folder: Path, key: str) -> None:
         weights = sorted(folder.glob("*.safetensors"))
     for w in weights:
         check_safetensors(w, f"copy the checkpoint again ({key})")
+    if not weights:
+        for b in sorted(folder.glob("pytorch_model*.bin")):
+            check_torch_weights(b, key)
     if not weights and not any(folder.glob("pytorch_model*.bin")):
         raise ConfigError(f"{key}={folder}: no weights (model.safetensors or pytorch_model.bin); {todo}")
+
+
+def check_torch_weights(path: Path, key: str) -> None:
+    """A ``pytorch_model*.bin`` reads weights-only (memory-mapped: nothing is copied in); one that
+    holds code is refused, and never unpickled."""
+    import torch
+
+    todo = f"copy the checkpoint again ({key})"
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return
+    except Exception as exc:
+        if "weights only" not in str(exc).lower():
+            load_torch_file(path, "the model weights", todo)  # a legacy (non-zip) file, or a damaged one
+            return
+    raise InputFileError(f"{path}: holds pickled Python code or objects besides tensors, which entprobe never "
+                         "unpickles (nothing from a checkpoint is executed); if you trust its source, convert it to "
+                         f"model.safetensors (load it and save_pretrained(..., safe_serialization=True)) and set "
+                         f"{key} to that folder")
 
 
 def model_files(cfg: EntprobeConfig) -> tuple[Path | None, Path | None]:
@@ -66,10 +88,7 @@ def model_files(cfg: EntprobeConfig) -> tuple[Path | None, Path | None]:
             raise ConfigError(f"model.path={m.path!r} must be a save_pretrained folder (config.json + weights) "
                               "or a PEFT adapter folder (adapter_config.json); nothing is downloaded")
         if is_adapter_dir(folder):  # a PEFT adapter: its weights here, the base's in their own folder
-            adapter = resolve_adapter(folder, m.base_path)
-            weights = folder / "adapter_model.safetensors"
-            if weights.is_file() or not (folder / "adapter_model.bin").is_file():
-                check_safetensors(weights, "copy the adapter checkpoint again (model.path)")
+            adapter = resolve_adapter(folder, m.base_path)  # its files checked too
             _check_hf_folder(adapter.base_dir, "model.base_path")
         else:
             _check_hf_folder(folder, "model.path")

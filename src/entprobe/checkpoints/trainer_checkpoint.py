@@ -6,6 +6,7 @@
     scheduler.pt     scheduler.state_dict()
     trainer_state.json   transformers' TrainerState (global_step, log_history, ...)
     rng_state.pth    python / numpy / torch CPU (and CUDA) RNG states, as the Trainer saves them
+    entprobe_train_args.json   the trainer's options that shape its steps (``--resume`` compares them)
 
 the layout ``entprobe.main model=hf model.path=F optimizer.state_path=F`` (and HF Trainer's
 ``resume_from_checkpoint``) reads; ``read_trainer_checkpoint`` resumes a run from it. The folder is built aside and renamed into place whole
@@ -13,6 +14,7 @@ the layout ``entprobe.main model=hf model.path=F optimizer.state_path=F`` (and H
 """
 from __future__ import annotations
 
+import json
 import random
 import re
 from pathlib import Path
@@ -20,8 +22,15 @@ from pathlib import Path
 import torch
 
 from entprobe.runtime.atomic_io import staging_dir
+from entprobe.runtime.input_files import InputFileError, check_safetensors, load_json_file, load_torch_file
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-\d+$")
+RUN_ARGS_FILE = "entprobe_train_args.json"  # the trainer's options that shape the run's steps
+# options a resumed run must share with the checkpoint's (else its steps are another run's)
+RUN_KEYS = ("task", "reward", "lr", "lr_scheduler", "warmup_steps", "weight_decay", "max_grad_norm", "B", "G",
+            "max_new_tokens", "loss", "seed")
+RESUME_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", "trainer_state.json", "optimizer.pt",
+                "scheduler.pt")
 
 
 def checkpoint_step(folder: Path) -> int:
@@ -55,9 +64,10 @@ def trainer_state(step: int, max_steps: int, save_steps: int, train_batch_size: 
 
 
 def write_trainer_checkpoint(out_dir: str | Path, step: int, model, tokenizer, optimizer, scheduler,
-                             state) -> Path:
+                             state, run_args: dict | None = None) -> Path:
     """``out_dir/checkpoint-<step>/`` in HF Trainer layout (module docstring); ``state`` is a
-    ``TrainerState``. Refuses to replace a checkpoint that exists."""
+    ``TrainerState``; ``run_args`` (the trainer's options) go to ``entprobe_train_args.json``, which
+    ``--resume`` compares. Refuses to replace a checkpoint that exists."""
     target = Path(out_dir) / f"checkpoint-{step}"
     if target.exists():
         raise FileExistsError(f"{target} exists: write the run to a new --out folder")
@@ -68,7 +78,59 @@ def write_trainer_checkpoint(out_dir: str | Path, step: int, model, tokenizer, o
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         state.save_to_json(str(tmp / "trainer_state.json"))
         torch.save(rng_state(), tmp / "rng_state.pth")
+        if run_args is not None:
+            (tmp / RUN_ARGS_FILE).write_text(json.dumps({k: run_args[k] for k in RUN_KEYS if k in run_args}, indent=1))
     return target
+
+
+def changed_run_args(folder: Path, args: dict) -> tuple[list[tuple[str, object, object]], Path | None]:
+    """([(option, the checkpoint's value, ``args``' value)] for every run option that differs, the
+    file that recorded them); ([], None) for a checkpoint that records none."""
+    f = Path(folder) / RUN_ARGS_FILE
+    if not f.is_file():
+        return [], None
+    saved = load_json_file(f, "the run's trainer options", "copy the checkpoint again")
+    if not isinstance(saved, dict):
+        raise InputFileError(f"{f}: not the trainer options entprobe.train writes (a JSON object)")
+    return [(k, saved[k], args[k]) for k in RUN_KEYS if k in saved and k in args and saved[k] != args[k]], f
+
+
+def check_resume_files(folder: str | Path) -> None:
+    """Every file ``--resume`` reads is there and readable, and the weights have the shapes their
+    config.json gives (before the model loads; an error names the file and what to do)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, TrainerState
+
+    folder = Path(folder)
+    todo = "resume from another checkpoint of the run (or copy this one again)"
+    missing = [f for f in RESUME_FILES if not (folder / f).is_file()]
+    if missing:
+        raise InputFileError(f"{folder}: not a complete checkpoint of entprobe.train (no {', '.join(missing)}); {todo}")
+    for name in ("config.json", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json"):
+        if (folder / name).is_file():
+            load_json_file(folder / name, f"the checkpoint's {name}", todo)
+    state = load_json_file(folder / "trainer_state.json", "the Trainer state", todo)
+    try:
+        TrainerState(**state)
+    except TypeError:
+        raise InputFileError(f"{folder / 'trainer_state.json'}: not a transformers TrainerState; {todo}") from None
+    check_safetensors(folder / "model.safetensors", todo)
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        with torch.device("meta"):
+            want = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise InputFileError(f"{folder / 'config.json'}: not a model config transformers builds "
+                             f"({type(exc).__name__}); {todo}") from None
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        for key in f.keys():
+            got = tuple(f.get_slice(key).get_shape())
+            if key in want and got != want[key]:
+                raise InputFileError(f"{folder / 'model.safetensors'}: {key} is {got}, config.json makes it "
+                                     f"{want[key]}: the weights and config are of different models; {todo}")
+    for name in ("optimizer.pt", "scheduler.pt"):
+        load_torch_file(folder / name, f"the checkpoint's {name}", todo)
 
 
 def read_trainer_checkpoint(folder: str | Path, optimizer, scheduler, train_batch_size: int) -> tuple[int, list[dict]]:
@@ -83,7 +145,8 @@ def read_trainer_checkpoint(folder: str | Path, optimizer, scheduler, train_batc
     missing = [f for f in ("trainer_state.json", "optimizer.pt", "scheduler.pt") if not (folder / f).is_file()]
     if missing:
         raise FileNotFoundError(f"{folder}: not a checkpoint of this trainer (no {', '.join(missing)})")
-    state = TrainerState.load_from_json(str(folder / "trainer_state.json"))
+    state = TrainerState(**load_json_file(folder / "trainer_state.json", "the Trainer state", "resume from "
+                                          "another checkpoint"))
     if state.train_batch_size != train_batch_size:
         raise ValueError(f"{folder}: written with {state.train_batch_size} responses a step, this run takes "
                          f"{train_batch_size} (--B x --G): resume with the run's own --B and --G")
@@ -91,7 +154,8 @@ def read_trainer_checkpoint(folder: str | Path, optimizer, scheduler, train_batc
     if step is not None and int(state.global_step) != step:
         raise ValueError(f"{folder / 'trainer_state.json'}: global_step {state.global_step} in the folder of step "
                          f"{step}: the files are not one checkpoint; resume from a checkpoint written whole")
-    opt_state = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True)
+    opt_state = load_torch_file(folder / "optimizer.pt", "the AdamW state", "resume from another checkpoint")
+    _check_optimizer_shapes(folder / "optimizer.pt", opt_state, optimizer)
     bad = [k for st in opt_state.get("state", {}).values() for k, v in st.items()
            if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:
@@ -99,10 +163,32 @@ def read_trainer_checkpoint(folder: str | Path, optimizer, scheduler, train_batc
                          "it would make every weight NaN; resume from an earlier checkpoint")
     run_lrs = list(getattr(scheduler, "base_lrs", []))
     optimizer.load_state_dict(opt_state)
-    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+    scheduler.load_state_dict(load_torch_file(folder / "scheduler.pt", "the lr scheduler state",
+                                              "resume from another checkpoint"))
     saved_lrs = list(getattr(scheduler, "base_lrs", []))
     if run_lrs and saved_lrs and any(abs(a - b) > 1e-12 * max(abs(a), abs(b)) for a, b in zip(run_lrs, saved_lrs)):
         raise ValueError(f"{folder / 'scheduler.pt'}: the run was trained at lr {saved_lrs[0]:g}, this command says "
                          f"--lr {run_lrs[0]:g}: give the run's own --lr {saved_lrs[0]:g} to resume it (a new lr "
                          "is a new run: train into a new --out from --model)")
     return int(state.global_step), [dict(e) for e in state.log_history]
+
+
+def _check_optimizer_shapes(path: Path, saved: dict, optimizer) -> None:
+    """optimizer.pt has the run's param groups, each state the shape of its parameter."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or not isinstance(saved.get("state"), dict):
+        raise InputFileError(f"{path}: not an optimizer state_dict ('state' / 'param_groups'); resume from "
+                             "another checkpoint")
+    sizes = [len(g.get("params", [])) for g in groups]
+    want = [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != want:
+        raise ValueError(f"{path}: param groups of {sizes} parameters, this run's AdamW has {want}: the state is "
+                         "of another model; resume from a checkpoint of this run")
+    for g, live in zip(groups, optimizer.param_groups):
+        for idx, p in zip(g["params"], live["params"]):
+            st = saved["state"].get(idx, {})
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in st and tuple(st[k].shape) != tuple(p.shape):
+                    raise ValueError(f"{path}: {k} of parameter {idx} is {tuple(st[k].shape)}, the parameter "
+                                     f"{tuple(p.shape)}: the state is of another model; resume from a checkpoint "
+                                     "of this run")

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 
 from entprobe.checkpoints.default_checkpoint import LOSSES, build_default_checkpoint, ensure_default_checkpoint
-from entprobe.integrations.grpo_trainer import LR_SCHEDULERS, TrainArgs
+from entprobe.checkpoints.trainer_checkpoint import changed_run_args, checkpoint_step
+from entprobe.config import ConfigError
+from entprobe.integrations.grpo_trainer import LR_SCHEDULERS, TrainArgs, check_args, resume_folder
 from entprobe.integrations.grpo_trainer import train
 
 
@@ -52,7 +54,8 @@ def parse_train_args(argv: list[str] | None = None):
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--device", default=d.device, help="cpu, cuda, cuda:1, ...")
     ap.add_argument("--resume", default=None, help="continue from a checkpoint-<step> folder of this run, or "
-                    "'last' (--out's latest); give the run's other options again")
+                    "'last' (--out's latest); give the run's other options again (one left at another default "
+                    "than the checkpoint's is refused)")
     return TrainArgs(**{k.replace("-", "_"): v for k, v in vars(ap.parse_args(argv)).items()})
 
 
@@ -78,7 +81,41 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--build-default" in argv:
         return build_default_main(argv)
-    train(parse_train_args(argv))
+    args = parse_train_args(argv)
+    if args.resume is not None:
+        check_resumed_options(args, explicit_options(argv))
+    train(args)
+
+
+def explicit_options(argv: list[str]) -> set[str]:
+    """The TrainArgs fields the command line gives (not left at their defaults); argparse's
+    unambiguous prefixes (``--ste`` for ``--steps``) count as the option."""
+    from dataclasses import fields
+
+    names = [f.name for f in fields(TrainArgs)]
+    given = set()
+    for token in argv:
+        if token.startswith("--"):
+            t = token[2:].split("=", 1)[0].replace("-", "_")
+            hits = [t] if t in names else [n for n in names if n.startswith(t)]
+            given.update(hits[:1] if len(hits) == 1 else [])
+    return given
+
+
+def check_resumed_options(args, explicit: set[str]) -> None:
+    """``--resume`` with an option that shapes the steps (``RUN_KEYS``) other than the checkpoint's:
+    refused when it was left at its default (the run would silently change), allowed when given
+    explicitly (``train`` prints a notice)."""
+    check_args(args)
+    folder = resume_folder(args)
+    changed, recorded = changed_run_args(folder, vars(args))
+    implicit = [(k, was, now) for k, was, now in changed if k not in explicit]
+    if implicit:
+        k, was, now = implicit[0]
+        opt = f"--{k.replace('_', '-')}"
+        raise ConfigError(f"--resume={args.resume!r}: the run was trained with {opt} {was} ({recorded}), this "
+                          f"command leaves {opt} at its default {now}: give {opt} {was} to resume the run, or "
+                          f"{opt} {now} explicitly to change it from step {checkpoint_step(folder) + 1}")
 
 
 if __name__ == "__main__":

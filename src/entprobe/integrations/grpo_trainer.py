@@ -23,8 +23,9 @@ import torch
 from entprobe.config import ConfigError, SamplingConfig
 from entprobe.rollouts.sampling import draw_prompt_indices, sample_batch
 from entprobe.tasks.base import check_encodable
-from entprobe.checkpoints.trainer_checkpoint import (CHECKPOINT_RE, checkpoint_step, existing_checkpoints, read_trainer_checkpoint,
-                                         trainer_state, write_trainer_checkpoint)
+from entprobe.checkpoints.trainer_checkpoint import (CHECKPOINT_RE, changed_run_args, check_resume_files, checkpoint_step,
+                                         existing_checkpoints, read_trainer_checkpoint, trainer_state,
+                                         write_trainer_checkpoint)
 from entprobe.checkpoints.default_checkpoint import LOSSES
 from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
 from entprobe.tasks.arithmetic import ArithmeticTask
@@ -94,6 +95,7 @@ def check_args(a: TrainArgs) -> None:
                           "write again; resume from the latest checkpoint or into a new --out")
     if a.steps <= step:
         raise ConfigError(f"--steps={a.steps}: the checkpoint is at step {step}; ask for more steps")
+    check_resume_files(resume_folder(a))  # before the model loads: each bad file named
 
 
 def resume_folder(a: TrainArgs) -> Path:
@@ -159,6 +161,10 @@ def train(a: TrainArgs, log=print) -> list[Path]:
         folder = resume_folder(a)
         start, history = read_trainer_checkpoint(folder, opt, sched, a.B * a.G)
         log(f"[entprobe] resumed from {folder} at step {start}")
+        changed, recorded = changed_run_args(folder, vars(a))
+        for key, was, now in changed:
+            log(f"[entprobe] --{key.replace('_', '-')} {now} replaces the checkpoint's {was} ({recorded}): "
+                f"steps {start + 1}.. are not those of the run that wrote it")
     torch.manual_seed(a.seed)
     for step in range(start + 1, a.steps + 1):
         t0 = time.perf_counter()
@@ -189,7 +195,7 @@ def train(a: TrainArgs, log=print) -> list[Path]:
         history.append(entry)
         if step % a.save_every == 0 or step == a.steps:
             state = trainer_state(step, a.steps, a.save_every, a.B * a.G, history)
-            written.append(write_trainer_checkpoint(a.out, step, model, tok, opt, sched, state))
+            written.append(write_trainer_checkpoint(a.out, step, model, tok, opt, sched, state, vars(a)))
             log(f"[entprobe] step {step}: loss {entry['loss']:+.4f} reward {entry['reward']:.3f} "
                 f"entropy {entry['entropy']:.3f} -> {written[-1]}")
     return written

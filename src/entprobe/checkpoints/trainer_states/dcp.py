@@ -55,8 +55,14 @@ def _reader_and_planner(folder: Path):
                 with path.open("rb") as f:
                     metadata = _MetadataUnpickler(f).load()
             except Exception as exc:
+                why = (str(exc) if isinstance(exc, pickle.UnpicklingError) and "DCP metadata record" in str(exc)
+                       else "truncated, or not what dcp.save writes")
                 raise OptimizerStateError(f"{path}: not a torch.distributed.checkpoint metadata file entprobe reads "
-                                          f"({exc}); nothing from it was executed") from None
+                                          f"({why}); nothing from it was executed; copy the checkpoint again"
+                                          ) from None
+            if not hasattr(metadata, "storage_data") or not hasattr(metadata, "state_dict_metadata"):
+                raise OptimizerStateError(f"{path}: not a torch.distributed.checkpoint metadata file (no storage "
+                                          "index); copy the checkpoint again")
             from torch.distributed.checkpoint.metadata import StorageMeta
 
             if getattr(metadata, "storage_meta", None) is None:
@@ -80,6 +86,7 @@ def _reader_and_planner(folder: Path):
 def read_dcp_folder(folder: Path) -> dict:
     """The whole state_dict a DCP folder holds, tensors whole, in this process. Every data file
     the metadata names must be there (an error names the first one missing)."""
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     reader, planner = _reader_and_planner(folder)
@@ -89,6 +96,12 @@ def read_dcp_folder(folder: Path) -> dict:
     if gone:
         raise OptimizerStateError(f"{folder / gone[0]}: missing ({len(gone)} of the {len(files)} data files the "
                                   f"checkpoint's {METADATA} names are not there); copy every rank's file")
+    for f in files:  # a truncated copy is named before torch reads past its end
+        end = max(i.offset + i.length for i in metadata.storage_data.values() if i.relative_path == f)
+        if (folder / f).stat().st_size < end:
+            raise OptimizerStateError(f"{folder / f}: {(folder / f).stat().st_size} bytes, but {METADATA} records data "
+                                      f"up to byte {end} (truncated, or of another save); copy every file of one "
+                                      "save again")
     state: dict = {}
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -97,10 +110,36 @@ def read_dcp_folder(folder: Path) -> dict:
             _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
     except OptimizerStateError:
         raise
-    except Exception as exc:
-        raise OptimizerStateError(f"{folder}: torch.distributed.checkpoint cannot read it "
-                                  f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+    except (Exception, CheckpointException):  # CheckpointException is a BaseException
+        bad = _bad_data_file(folder, metadata)
+        raise OptimizerStateError(f"{bad or folder}: {'a data file' if bad else 'a checkpoint'} that does not match "
+                                  f"{folder / METADATA} (truncated, overwritten, or of another save or world size); "
+                                  "copy every file of one save again") from None
     return state
+
+
+def _bad_data_file(folder: Path, metadata) -> Path | None:
+    """The first data file whose items, at the offsets ``.metadata`` records, are not whole
+    weights-only torch records of the recorded chunk shape (None: every one reads)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for index, info in sorted(metadata.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
+        f = folder / info.relative_path
+        try:
+            with f.open("rb") as fh:
+                fh.seek(info.offset)
+                raw = fh.read(info.length)
+            if len(raw) != info.length:
+                return f
+            obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            md = metadata.state_dict_metadata.get(index.fqn)
+            if isinstance(md, TensorStorageMetadata):
+                chunk = next((c for c in md.chunks if tuple(c.offsets) == tuple(index.offset or ())), None)
+                if not torch.is_tensor(obj) or (chunk is not None and tuple(obj.shape) != tuple(chunk.sizes)):
+                    return f
+        except Exception:
+            return f
+    return None
 
 
 def find_dcp_folder(path: Path) -> Path | None:
@@ -112,6 +151,9 @@ def find_dcp_folder(path: Path) -> Path | None:
     optim = [p for p in subs if "optim" in p.name]
     if len(optim) == 1:
         return optim[0]
+    if len(optim) > 1:  # accelerate writes optimizer_<i> per prepared optimizer
+        raise OptimizerStateError(f"{path} holds {len(optim)} optimizer states ({', '.join(p.name for p in optim)}): "
+                                  f"say which one the probed step uses, e.g. optimizer.state_path={optim[0]}")
     return subs[0] if len(subs) == 1 else None
 
 

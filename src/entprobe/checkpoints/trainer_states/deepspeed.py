@@ -58,9 +58,14 @@ def find_deepspeed_folder(path: Path) -> Path | None:
     for name in ("latest_universal", "latest"):
         latest = path / name
         if latest.is_file():
-            tag = path / latest.read_text().strip()
+            tag = path / latest.read_text(errors="replace").strip()
             if not tag.is_dir():
-                raise OptimizerStateError(f"{latest} names {tag.name!r}, which is not a folder in {path}")
+                raise OptimizerStateError(f"{latest} names {tag.name!r}, which is not a folder in {path}: copy that "
+                                          "save's folder too, or point optimizer.state_path at a global_stepN folder")
+            if not (any(_OPTIM.match(p.name) for p in tag.iterdir()) or is_universal(tag)):
+                raise OptimizerStateError(f"{latest} names {tag.name!r}, which holds no optimizer files "
+                                          "(zero_pp_rank_R_mp_rank_00_optim_states.pt): an interrupted save or copy? "
+                                          "Point optimizer.state_path at a complete global_stepN folder")
             return tag
     return None
 
@@ -98,6 +103,15 @@ def rank_files(folder: Path) -> list[Path]:
         raise OptimizerStateError(f"{folder}: zero_pp_rank_{gone[0]}_mp_rank_00_optim_states.pt is missing ({len(gone)} "
                                   f"of {world} ranks); copy every rank's file")
     return [found[r] for r in range(world)]
+
+
+def _agree(values: list, files: list[Path], what: str):
+    """The value every rank's file has (rank 0's); an error names the first file that differs."""
+    for v, f in zip(values, files):
+        if v != values[0]:
+            raise OptimizerStateError(f"{f}: {what} {v:g}, where {files[0].name} has {values[0]:g}: the rank files "
+                                      "come from different saves; copy every rank's file of one save")
+    return values[0]
 
 
 def _partition_count(osd: dict) -> int:
@@ -207,10 +221,13 @@ def read_deepspeed(folder: Path) -> NamedAdamState:
         for key in MOMENTS:
             flats = [torch.cat([s[key].float().reshape(-1) for s in st]) if stage == 3 else st[gi][key].float()
                      for st, _ in per_rank]
+            _agree([f.numel() for f in flats], files, f"{key} partition size (flat group {gi})")
             pads = None if stage == 3 or isinstance(optims[0].get("base_optimizer_state"), list) else \
                 [int(osd.get("group_paddings", [0] * len(flat_groups))[gi]) for osd in optims]
             moments[key] = un_partition(flats, shapes_i, stage, f"{folder} ({key})", pads)
-        step = per_rank[0][0][0 if stage == 3 else gi].get("step", optims[0].get("base_optimizer_state_step", 0))
+        steps = [float(step_tensor(st[0 if stage == 3 else gi].get("step", osd.get("base_optimizer_state_step", 0)),
+                                   str(f))) for (st, _), osd, f in zip(per_rank, optims, files)]
+        step = _agree(steps, files, f"Adam step (flat group {gi})")
         for name, _ in shapes_i:
             state[name] = {k: moments[k][name] for k in MOMENTS} | {"step": step_tensor(step, f"{folder}: {name}")}
     if len(hyper) == len(groups_shapes):

@@ -21,13 +21,12 @@ files do not record; they are refused with what to do.
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
 
-from entprobe.runtime.input_files import load_torch_file
+from entprobe.runtime.input_files import load_json_file, load_torch_file
 from entprobe.checkpoints.errors import OptimizerStateError
 from entprobe.checkpoints.trainer_states.named import MOMENTS, NamedAdamState, adam_group, step_tensor
 
@@ -53,7 +52,10 @@ def rank_files(folder: Path) -> int:
     world = sizes[0]
     cfg_file = folder / "fsdp_config.json"
     if cfg_file.is_file():
-        cfg = json.loads(cfg_file.read_text())
+        cfg = load_json_file(cfg_file, "verl's FSDP config", "copy the checkpoint again (every file of one save)")
+        if not isinstance(cfg, dict) or not all(isinstance(cfg.get(k, 0), int) for k in ("world_size", "FSDP_version")):
+            raise OptimizerStateError(f"{cfg_file}: not verl's fsdp_config.json (a JSON object whose FSDP_version and "
+                                      "world_size are integers); copy the checkpoint again")
         if int(cfg.get("world_size", world)) != world:
             raise OptimizerStateError(f"{cfg_file} records world_size {cfg['world_size']} but the optimizer files are "
                                       f"optim_world_size_{world}_rank_*.pt: the folder mixes two saves")
@@ -102,17 +104,36 @@ def _local(value, where: str) -> tuple[torch.Tensor, tuple]:
     return value.to_local(), tuple(value.shape)
 
 
-def _whole(shards: list, where: str) -> torch.Tensor:
-    """The whole tensor from every rank's DTensor shard (concatenated on dim 0, or one replica)."""
+def _whole(shards: list, files: list[Path], where: str) -> torch.Tensor:
+    """The whole tensor from every rank's DTensor shard (concatenated on dim 0, or one replica).
+    Every rank's shard must be of the same global shape and hold its ``torch.chunk`` share of it
+    (an error names the first rank file that disagrees with rank 0's)."""
     from torch.distributed.tensor import Replicate
 
-    local, shape = zip(*(_local(s, f"{where} (rank {r})") for r, s in enumerate(shards)))
-    if isinstance(shards[0].placements[0], Replicate):
+    local, shape = zip(*(_local(s, f"{f} ({where})") for f, s in zip(files, shards)))
+    chunks = [c.shape[0] for c in torch.empty(shape[0][0] if shape[0] else 1, 0).chunk(len(shards))]
+    chunks += [0] * (len(shards) - len(chunks))
+    replicated = isinstance(shards[0].placements[0], Replicate)
+    for r, (t, s, f) in enumerate(zip(local, shape, files)):
+        want = tuple(shape[0]) if replicated else (chunks[r], *shape[0][1:])
+        if s != shape[0] or tuple(t.shape) != want or isinstance(shards[r].placements[0], Replicate) != replicated:
+            raise OptimizerStateError(f"{f}: {where} is a {tuple(t.shape)} shard of {s}, where rank 0's file "
+                                      f"({files[0].name}) makes rank {r}'s share {want} of {shape[0]}: the rank files "
+                                      "come from different saves or world sizes; copy every rank's files of one save")
+    if replicated:
         return local[0].float().clone()
-    whole = torch.cat([t.float() for t in local], 0)
-    if tuple(whole.shape) != shape[0]:
-        raise OptimizerStateError(f"{where}: the ranks' shards make {tuple(whole.shape)}, the DTensor says {shape[0]}")
-    return whole
+    return torch.cat([t.float() for t in local], 0)
+
+
+def _same_step(steps: list, files: list[Path], where: str) -> torch.Tensor:
+    """The Adam step every rank's file records for a parameter (they must agree)."""
+    values = [step_tensor(s, f"{f}: {where}") for s, f in zip(steps, files)]
+    for v, f in zip(values, files):
+        if float(v) != float(values[0]):
+            raise OptimizerStateError(f"{f}: Adam step {float(v):g} for {where}, where {files[0].name} has "
+                                      f"{float(values[0]):g}: the rank files come from different saves; copy every "
+                                      "rank's files of one save")
+    return values[0]
 
 
 def parameter_names(model_sd: dict) -> list[tuple[str, tuple]]:
@@ -153,7 +174,8 @@ def read_verl(folder: Path) -> NamedAdamState:
     """A verl FSDP2 actor checkpoint as whole tensors per parameter name, whatever its world size."""
     world = rank_files(folder)
     params = parameter_names(_load(folder / f"model_world_size_{world}_rank_0.pt", "verl's model shard"))
-    optims = [_load(folder / f"optim_world_size_{world}_rank_{r}.pt", "verl's optimizer shard") for r in range(world)]
+    files = [folder / f"optim_world_size_{world}_rank_{r}.pt" for r in range(world)]
+    optims = [_load(f, "verl's optimizer shard") for f in files]
     for r, sd in enumerate(optims):
         if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
             raise OptimizerStateError(f"{folder}/optim_world_size_{world}_rank_{r}.pt is not an optimizer state_dict")
@@ -181,11 +203,14 @@ def read_verl(folder: Path) -> NamedAdamState:
             if any(s is None for s in sts):
                 raise OptimizerStateError(f"{folder}: parameter {name!r} has Adam state on some ranks only")
             where = f"{folder}: {name}"
-            st = {k: _whole([s[k] for s in sts], f"{where} {k}") for k in MOMENTS}
+            if not all(isinstance(s, dict) and all(k in s for k in MOMENTS) for s in sts):
+                raise OptimizerStateError(f"{where}: no exp_avg / exp_avg_sq in a rank's optimizer file: an Adam / "
+                                          "AdamW run's checkpoint is needed")
+            st = {k: _whole([s[k] for s in sts], files, f"{name} {k}") for k in MOMENTS}
             if tuple(st["exp_avg_sq"].shape) != shape:
                 raise OptimizerStateError(f"{where}: exp_avg_sq {tuple(st['exp_avg_sq'].shape)} vs the parameter's "
                                           f"{shape} in the model file: positions and names disagree")
-            st["step"] = step_tensor(sts[0].get("step", 0), where)
+            st["step"] = _same_step([s.get("step", 0) for s in sts], files, f"parameter {name!r}")
             state[name] = st
             names.append(name)
         groups.append(adam_group(g, names, f"{folder} param group {gi}"))
