@@ -143,7 +143,7 @@ def test_only_temp_files_of_dead_or_long_silent_writers_are_removed(tmp_path):
         (tmp_path / name).write_text("x")
         if key.endswith("old") or key in ("legacy_not_ours", "user_file"):
             os.utime(tmp_path / name, (old, old))
-    staging = tmp_path / f".checkpoint-5.elsewhere.4242.00000000.tmp"  # a staging folder still being filled
+    staging = tmp_path / ".checkpoint-5.elsewhere.4242.00000000.tmp"  # a staging folder still being filled
     (staging / "sub").mkdir(parents=True)
     os.utime(staging, (old, old))
     (staging / "sub" / "w.bin").write_bytes(b"1")

@@ -85,7 +85,7 @@ def symlog_y(ax, values: Sequence[float]) -> bool:
     ax.yaxis.set_minor_locator(NullLocator())
     ax.margins(y=0.08)
     ax.yaxis.set_major_formatter(FuncFormatter(
-        lambda y, _: "0" if y == 0 else f"$" + ("-" if y < 0 else "") + f"10^{{{round(math.log10(abs(y)))}}}$"))
+        lambda y, _: "0" if y == 0 else "$" + ("-" if y < 0 else "") + f"10^{{{round(math.log10(abs(y)))}}}$"))
     return True
 
 
