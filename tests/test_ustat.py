@@ -469,6 +469,10 @@ def test_run_single_batch_end_to_end(tmp_path):
     assert res["passes/backward"] >= 4 * 7 * 4 and "top_units/03/phi" in res and "top_units/04/phi" not in res
     rows = (tmp_path / "ustat_units.csv").read_text().splitlines()
     assert len(rows) == 8 and rows[0] == "unit,prompt_index,phi,a,b,d"
+    # the headline split by module kind and by layer (the attribution plot), summing to deltaH_pred
+    for split in ("attr_pred/kind/", "attr_pred/layer/"):
+        parts = [v for k, v in res.items() if k.startswith(split)]
+        assert len(parts) >= 2 and math.isclose(sum(parts), res["deltaH_pred"], rel_tol=1e-5), split
     assert (tmp_path / "results.json").is_file()
 
 

@@ -31,6 +31,7 @@ from entprobe.math import paramvec as pv
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.runtime.sharding import like_param, local
 from entprobe.pipeline.stages.accumulate import accumulate, global_mean, x_loss_of
+from entprobe.reporting.attribution import headline
 from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.pipeline.stages.step_split import plain_adamw
 from entprobe.pipeline.stages.snapshot import restore, take
@@ -294,7 +295,10 @@ def predict_on_held_out(ctx: ProbeContext, E: RolloutBatch, step: StepModel, pcf
                           unit_backward=resolve_unit_backward(pcfg, ctx, (E,)))
         Xbar, B_E = global_mean(accX.sum_buf, accX.B)
     step_dots = pv.dot_set(Xbar, dirE).tolist()
+    # each parameter tensor's part of the headline, -Xbar_i . Delta theta_i (nats): attr_pred/*
+    step_terms = sum(pv.dot_terms(dirE.column(j), Xbar) for j in range(dirE.k))
     del dirE
     e = -D.gather_units(accX.proj)
-    res = {"gt/B_E": B_E, **prediction_results(step.names, step.kind, step_dots, e, None)}
+    res = {"gt/B_E": B_E, **prediction_results(step.names, step.kind, step_dots, e, None),
+           **headline(list(ctx.names), [-float(t) for t in step_terms], pcfg.top_k_params)}
     return HeldOutPrediction(res, Xbar, accX.S, accX.entropy, e)
