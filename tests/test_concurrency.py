@@ -177,3 +177,26 @@ def test_file_lock_is_filelock_s_lock(tmp_path):
     with file_lock(lock, timeout_s=0, what="x"):
         with pytest.raises(Timeout):
             FileLock(str(lock), thread_local=False).acquire(timeout=0)
+
+
+def test_processes_that_need_the_default_checkpoint_at_once_build_it_once(tmp_path, monkeypatch):
+    """The ranks of a torchrun job on a fresh cache: one builds, the others wait on the lock and use
+    what it published (two ranks building at once read each other's half-written folder)."""
+    import entprobe.checkpoints.default_checkpoint as dc
+
+    builds = []
+
+    def slow_build(folder, seed=0):
+        builds.append(folder)
+        time.sleep(0.5)
+        (Path(folder) / "optimizer.pt").write_bytes(b"x")
+
+    monkeypatch.setattr(dc, "build_default_checkpoint", slow_build)
+    out = []
+    threads = [threading.Thread(target=lambda: out.append(dc.ensure_default_checkpoint(str(tmp_path))))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1 and len(set(out)) == 1 and (out[0] / "optimizer.pt").is_file()

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from entprobe.runtime.atomic_io import staging_dir
+from entprobe.runtime.locks import file_lock
 from entprobe.checkpoints.builtin import build_char_tokenizer, build_tiny_llama
 from entprobe.config import SamplingConfig
 from entprobe.math.estimators import y_loss
@@ -131,12 +132,19 @@ def build_default_checkpoint(out_dir: str | Path, seed: int = 0, log=print) -> P
 
 
 def ensure_default_checkpoint(cache_dir: str | None = None, seed: int = 0) -> Path:
-    """The cached default checkpoint, built on first use (atomic: build aside, then rename)."""
+    """The cached default checkpoint, built on first use (atomic: build aside, then rename).
+
+    Processes that need it at once (the ranks of a torchrun job, parallel sweep jobs) take turns
+    on ``<target>.lock``: one builds, the others wait and use what it published."""
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     target = root / f"default-v{RECIPE_VERSION}-seed{seed}"
     if (target / "optimizer.pt").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    with staging_dir(target) as tmp:  # another process may publish first: then theirs is kept
-        build_default_checkpoint(tmp, seed=seed)
+    timeout_s = float(os.environ.get("ENTPROBE_DEFAULT_BUILD_TIMEOUT_S", 3600))  # a build takes minutes
+    with file_lock(root / f"{target.name}.lock", timeout_s, f"building the default checkpoint {target}",
+                   key="ENTPROBE_DEFAULT_BUILD_TIMEOUT_S"):
+        if not (target / "optimizer.pt").is_file():
+            with staging_dir(target) as tmp:
+                build_default_checkpoint(tmp, seed=seed)
     return target
