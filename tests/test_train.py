@@ -229,3 +229,34 @@ def test_resume_refuses_a_checkpoint_that_is_not_one_run_step(run_out, tmp_path)
     lr = float(args.get("--lr", TrainArgs(out="").lr))
     with pytest.raises(ValueError, match=rf"scheduler.pt: the run was trained at lr {lr:g}, this command says --lr {lr * 2:g}"):
         train(TrainArgs(**{**base.__dict__, "out": str(cut("lr", lambda f: None)), "resume": "last", "lr": lr * 2}))
+
+
+def test_cli_shows_a_progress_bar_defaults_and_one_line_errors(tmp_path, monkeypatch, capsys):
+    """``python -m entprobe.train``: a tqdm bar over the steps with loss, reward and entropy (from the
+    first step, continuing a resumed run's count), lines printed above it, ``--help`` with defaults,
+    and a refused option as one line ``entprobe: error: ...`` with exit status 2."""
+    import entprobe.cli.train as cli_train
+
+    def fake_train(a, log, on_step):
+        for step in (3, 4):  # a run resumed at step 2
+            on_step({"step": step, "loss": -0.125, "reward": 0.5, "entropy": 1.25})
+        log("[entprobe] step 4: saved")
+        return []
+
+    monkeypatch.setattr(cli_train, "train", fake_train)
+    main(["--out", str(tmp_path / "x"), "--steps", "4"])
+    out, err = capsys.readouterr()
+    assert "[entprobe] step 4: saved" in out and "| 4/4 " in err and "| 2/4 " in err and "| 0/4 " not in err
+    assert "loss=-0.1250" in err and "reward=0.500" in err and "entropy=1.250" in err
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "optimizer steps (default: 20)" in text and "(default: None)" not in text
+    monkeypatch.undo()
+    with pytest.raises(SystemExit) as info:
+        main(["--out", str(tmp_path / "y"), "--G", "1"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "entprobe: error: --G=1: group advantages need >= 2 responses per prompt"
+    assert "Traceback" not in err and "train:" not in err  # no bar before the options are checked
