@@ -138,3 +138,29 @@ def test_deltaH1_from_coordinates_without_history_is_flagged():
     base = {"deltaH1": 10.0, "deltaH1_no_history": 9.0}
     assert [c for c, _ in flags(base)] == ["deltaH1_no_history"]
     assert flags({"deltaH1": 10.0, "deltaH1_no_history": 1.0}) == []
+
+
+def test_user_error_is_one_line_exit_2_and_runs_end_with_where_outputs_are(tmp_path):
+    """A ConfigError at the Hydra entry: one line ``entprobe: error: <message>``, exit 2, FAILED in
+    the run dir; its traceback only with HYDRA_FULL_ERROR=1. ``where_outputs`` names report.md,
+    results.json and the plots relative to the folder the command ran in."""
+    from entprobe.cli.probe_job import where_outputs
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    cmd = [sys.executable, "-m", "entprobe.main", "batch.B_E=0", "logging.logger=none"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == ["entprobe: error: batch.B_E: is 0; need >= 2 prompts for a variance"]
+    (failed,) = tmp_path.glob("outputs/*/*/FAILED")
+    assert "ConfigError" in failed.read_text()
+    run_dir = tmp_path / "outputs" / "d" / "r"
+    run_dir.mkdir(parents=True)
+    for name in ("report.md", "results.json", "projections.png", "attribution.png"):
+        (run_dir / name).write_text("x")
+    assert where_outputs(run_dir, "results.json", tmp_path) == [
+        "entprobe: report   outputs/d/r/report.md", "entprobe: results  outputs/d/r/results.json",
+        "entprobe: plots    outputs/d/r/attribution.png, outputs/d/r/projections.png"]
+    (run_dir / "report.md").unlink()
+    assert where_outputs(run_dir, "results.json", tmp_path / "elsewhere")[0] == \
+        f"entprobe: results  {(run_dir / 'results.json').absolute()}"

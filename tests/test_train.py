@@ -260,6 +260,7 @@ def test_resume_names_a_damaged_checkpoint_file_before_the_model_loads(run_out, 
         sd = torch.load(ck / f, weights_only=True)
         sd["state"][0]["exp_avg"] = torch.zeros(3)
         torch.save(sd, ck / f)
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # the error itself, not its one-line print
     if defect != "misshaped_optimizer":
         monkeypatch.setattr(gt, "load_policy", lambda *a: pytest.fail("the model loaded first"))
     with pytest.raises((InputFileError, ValueError)) as info:
@@ -268,7 +269,8 @@ def test_resume_names_a_damaged_checkpoint_file_before_the_model_loads(run_out, 
     assert str(ck / f) in msg and "resume from" in msg and "\n" not in msg and "weights_only" not in msg, msg
 
 
-def test_resume_refuses_a_run_option_left_at_another_default_and_says_when_one_is_changed(run_out, tmp_path, capsys):
+def test_resume_refuses_a_run_option_left_at_another_default_and_says_when_one_is_changed(run_out, tmp_path, capsys,
+                                                                                          monkeypatch):
     """The checkpoint records the options that shape the steps: one that differs because it was left
     out (--B 4 not given again) is refused, naming it and the run's value; one given explicitly
     (--seed 7) is taken, with a printed notice."""
@@ -276,9 +278,41 @@ def test_resume_refuses_a_run_option_left_at_another_default_and_says_when_one_i
     shutil.copytree(run_out / "checkpoint-3", out / "checkpoint-3")
     assert json.loads((out / "checkpoint-3" / "entprobe_train_args.json").read_text())["B"] == 4
     argv = ["--out", str(out), "--steps", "4", "--save-every", "2", "--G", "4", "--resume", "last"]
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # the error itself, not its one-line print
     with pytest.raises(ConfigError, match=r"trained with --B 4 \(.*entprobe_train_args\.json\), this command leaves "
                                           r"--B at its default 16: give --B 4"):
         main(argv)
     main([*argv, "--B", "4", "--seed", "7"])
     assert "--seed 7 replaces the checkpoint's 0" in capsys.readouterr().out
     assert (out / "checkpoint-4" / "model.safetensors").is_file()
+
+
+def test_cli_shows_a_progress_bar_defaults_and_one_line_errors(tmp_path, monkeypatch, capsys):
+    """``python -m entprobe.train``: a tqdm bar over the steps with loss, reward and entropy (from the
+    first step, continuing a resumed run's count), lines printed above it, ``--help`` with defaults,
+    and a refused option as one line ``entprobe: error: ...`` with exit status 2."""
+    import entprobe.cli.train as cli_train
+
+    def fake_train(a, log, on_step):
+        for step in (3, 4):  # a run resumed at step 2
+            on_step({"step": step, "loss": -0.125, "reward": 0.5, "entropy": 1.25})
+        log("[entprobe] step 4: saved")
+        return []
+
+    monkeypatch.setattr(cli_train, "train", fake_train)
+    main(["--out", str(tmp_path / "x"), "--steps", "4"])
+    out, err = capsys.readouterr()
+    assert "[entprobe] step 4: saved" in out and "| 4/4 " in err and "| 2/4 " in err and "| 0/4 " not in err
+    assert "loss=-0.1250" in err and "reward=0.500" in err and "entropy=1.250" in err
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "optimizer steps (default: 20)" in text and "(default: None)" not in text
+    monkeypatch.undo()
+    with pytest.raises(SystemExit) as info:
+        main(["--out", str(tmp_path / "y"), "--G", "1"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "entprobe: error: --G=1: group advantages need >= 2 responses per prompt"
+    assert "Traceback" not in err and "train:" not in err  # no bar before the options are checked

@@ -7,20 +7,29 @@ import hydra
 from omegaconf import DictConfig
 
 from entprobe.cli.probe_job import hydra_job, load_from_disk, load_probe, renamed_overrides, run  # noqa: F401
+from entprobe.cli.user_errors import hydra_exit_status, hydra_one_line
 from entprobe.pipeline.config_checks import to_typed  # noqa: F401
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def hydra_main(cfg: DictConfig) -> float | None:
-    """One probe job under Hydra (``cli.probe_job.hydra_job``); returns deltaH1 for sweepers."""
-    return hydra_job(cfg)
+    """One probe job under Hydra (``cli.probe_job.hydra_job``); returns deltaH1 for sweepers. An
+    error meant for the user is printed as one line (``cli/user_errors.py``)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    with hydra_one_line(HydraConfig.get().mode == RunMode.MULTIRUN):
+        return hydra_job(cfg)
 
 
 def main() -> float | None:
     """The command line (``entprobe`` / ``python -m entprobe.main``): Hydra's, with former group
-    names accepted."""
+    names accepted; exits 2 after an error meant for the user (``entprobe: error: ...``)."""
     sys.argv[1:] = renamed_overrides(sys.argv[1:])
-    return hydra_main()
+    try:
+        return hydra_main()
+    except SystemExit as exc:
+        raise SystemExit(hydra_exit_status(exc.code)) from None
 
 
 if __name__ == "__main__":

@@ -144,22 +144,22 @@ def read_trainer_checkpoint(folder: str | Path, optimizer, scheduler, train_batc
     folder = Path(folder)
     missing = [f for f in ("trainer_state.json", "optimizer.pt", "scheduler.pt") if not (folder / f).is_file()]
     if missing:
-        raise FileNotFoundError(f"{folder}: not a checkpoint of this trainer (no {', '.join(missing)})")
+        raise InputFileError(f"{folder}: not a checkpoint of this trainer (no {', '.join(missing)})")
     state = TrainerState(**load_json_file(folder / "trainer_state.json", "the Trainer state", "resume from "
                                           "another checkpoint"))
     if state.train_batch_size != train_batch_size:
-        raise ValueError(f"{folder}: written with {state.train_batch_size} responses a step, this run takes "
+        raise InputFileError(f"{folder}: written with {state.train_batch_size} responses a step, this run takes "
                          f"{train_batch_size} (--B x --G): resume with the run's own --B and --G")
     step = checkpoint_step(folder) if CHECKPOINT_RE.match(folder.name) else None
     if step is not None and int(state.global_step) != step:
-        raise ValueError(f"{folder / 'trainer_state.json'}: global_step {state.global_step} in the folder of step "
+        raise InputFileError(f"{folder / 'trainer_state.json'}: global_step {state.global_step} in the folder of step "
                          f"{step}: the files are not one checkpoint; resume from a checkpoint written whole")
     opt_state = load_torch_file(folder / "optimizer.pt", "the AdamW state", "resume from another checkpoint")
     _check_optimizer_shapes(folder / "optimizer.pt", opt_state, optimizer)
     bad = [k for st in opt_state.get("state", {}).values() for k, v in st.items()
            if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:
-        raise ValueError(f"{folder / 'optimizer.pt'}: NaN/Inf in the AdamW state ({sorted(set(bad))}): a step from "
+        raise InputFileError(f"{folder / 'optimizer.pt'}: NaN/Inf in the AdamW state ({sorted(set(bad))}): a step from "
                          "it would make every weight NaN; resume from an earlier checkpoint")
     run_lrs = list(getattr(scheduler, "base_lrs", []))
     optimizer.load_state_dict(opt_state)
@@ -167,7 +167,7 @@ def read_trainer_checkpoint(folder: str | Path, optimizer, scheduler, train_batc
                                               "resume from another checkpoint"))
     saved_lrs = list(getattr(scheduler, "base_lrs", []))
     if run_lrs and saved_lrs and any(abs(a - b) > 1e-12 * max(abs(a), abs(b)) for a, b in zip(run_lrs, saved_lrs)):
-        raise ValueError(f"{folder / 'scheduler.pt'}: the run was trained at lr {saved_lrs[0]:g}, this command says "
+        raise InputFileError(f"{folder / 'scheduler.pt'}: the run was trained at lr {saved_lrs[0]:g}, this command says "
                          f"--lr {run_lrs[0]:g}: give the run's own --lr {saved_lrs[0]:g} to resume it (a new lr "
                          "is a new run: train into a new --out from --model)")
     return int(state.global_step), [dict(e) for e in state.log_history]
@@ -182,13 +182,13 @@ def _check_optimizer_shapes(path: Path, saved: dict, optimizer) -> None:
     sizes = [len(g.get("params", [])) for g in groups]
     want = [len(g["params"]) for g in optimizer.param_groups]
     if sizes != want:
-        raise ValueError(f"{path}: param groups of {sizes} parameters, this run's AdamW has {want}: the state is "
+        raise InputFileError(f"{path}: param groups of {sizes} parameters, this run's AdamW has {want}: the state is "
                          "of another model; resume from a checkpoint of this run")
     for g, live in zip(groups, optimizer.param_groups):
         for idx, p in zip(g["params"], live["params"]):
             st = saved["state"].get(idx, {})
             for k in ("exp_avg", "exp_avg_sq"):
                 if k in st and tuple(st[k].shape) != tuple(p.shape):
-                    raise ValueError(f"{path}: {k} of parameter {idx} is {tuple(st[k].shape)}, the parameter "
+                    raise InputFileError(f"{path}: {k} of parameter {idx} is {tuple(st[k].shape)}, the parameter "
                                      f"{tuple(p.shape)}: the state is of another model; resume from a checkpoint "
                                      "of this run")

@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from entprobe.config import ConfigError
-from entprobe.reporting.planning import PlanError, plan_directory
+from entprobe.cli.user_errors import USER_ERRORS, full_error, one_line
+from entprobe.reporting.planning import plan_directory
 
 
 def parse_args(argv: list[str]) -> tuple[Path, float]:
@@ -34,8 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     run_dir, target = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         lines = plan_directory(run_dir, target)
-    except (ConfigError, PlanError) as exc:
-        print(f"entprobe.plan: {exc}", file=sys.stderr)
+    except USER_ERRORS as exc:  # one line, exit 2 (cli/user_errors.py)
+        if full_error():
+            raise
+        print(one_line(exc), file=sys.stderr)
         return 2
     print("\n".join(lines))
     return 0

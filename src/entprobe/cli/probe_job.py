@@ -32,7 +32,7 @@ from entprobe.checkpoints.models import LoadedModel, load_model
 from entprobe.checkpoints.preflight import check_inputs
 from entprobe.checkpoints.trainer_args import set_in_config_files
 from entprobe.tasks.prompt_ids import check_template, style_of
-from entprobe.reporting.markdown import PLOT_FILES
+from entprobe.reporting.markdown import PLOT_FILES, REPORT_FILE
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.runtime.rundir import marks_failure, set_aside_earlier_run
 from entprobe.pipeline.lr_share import ShareSource
@@ -106,6 +106,25 @@ def load_from_disk(cfg: EntprobeConfig, batch_cache: Path | None = None
     return InMemory(lm, task, ctx, geo, meta, sweep_share), E_all, U_all, batch_source
 
 
+def where_outputs(run_dir: Path, results_file: str, cwd: Path) -> list[str]:
+    """The lines that end a successful run: where its report.md, results file and plots are (paths
+    relative to ``cwd``, the folder the command ran in, when under it; absolute otherwise); a file
+    that was not written (``logging.report=false``) is not named."""
+    def shown(p: Path) -> str:
+        p = p.absolute()
+        try:
+            return str(p.relative_to(cwd.absolute()))
+        except ValueError:
+            return str(p)
+
+    lines = [f"entprobe: {what:<8} {shown(run_dir / name)}" for what, name in
+             (("report", REPORT_FILE), ("results", results_file)) if (run_dir / name).is_file()]
+    plots = sorted(run_dir.glob("*.png"))
+    if plots:
+        lines.append(f"entprobe: {'plots':<8} " + ", ".join(shown(p) for p in plots))
+    return lines
+
+
 LEGACY_GROUPS = {"probe_rework": "probe"}  # former group names the command line still accepts
 
 
@@ -160,6 +179,8 @@ def hydra_job(cfg: DictConfig) -> float | None:
     finally:
         if logger is not None:
             logger.finish(0 if ok else 1)
+        if ok and D.is_main():  # the last lines, after the logger's own (wandb's summary)
+            print("\n".join(where_outputs(run_dir, str(cfg.logging.results_file), Path(hc.runtime.cwd))), flush=True)
         # a multirun's next job reuses the group: re-initialising it on torchrun's store hangs
         D.shutdown(ok, keep_group=hc.mode == RunMode.MULTIRUN)
 

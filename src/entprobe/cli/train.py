@@ -4,17 +4,29 @@ and ``--build-default`` (``entprobe-build-default``): the built-in default check
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 from entprobe.checkpoints.default_checkpoint import LOSSES, build_default_checkpoint, ensure_default_checkpoint
 from entprobe.checkpoints.trainer_checkpoint import changed_run_args, checkpoint_step
 from entprobe.config import ConfigError
 from entprobe.integrations.grpo_trainer import LR_SCHEDULERS, TrainArgs, check_args, resume_folder
 from entprobe.integrations.grpo_trainer import train
+from entprobe.cli.user_errors import exits_on_user_error
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help`` with each option's default (``(default: ...)``, unless the help says it already or
+    there is none) and the description as written."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def build_default_main(argv: list[str] | None = None) -> None:
     """``entprobe-build-default`` / ``python -m entprobe.train --build-default``: the default checkpoint."""
-    ap = argparse.ArgumentParser(description="Build the built-in default checkpoint")
+    ap = argparse.ArgumentParser(description="Build the built-in default checkpoint", formatter_class=HelpFormatter)
     ap.add_argument("--build-default", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="folder to write (default: the cache)")
     ap.add_argument("--seed", type=int, default=0)
@@ -28,7 +40,7 @@ def parse_train_args(argv: list[str] | None = None):
     d = TrainArgs(out="")
     ap = argparse.ArgumentParser(
         prog="python -m entprobe.train", description=TRAIN_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=HelpFormatter)
     ap.add_argument("--out", required=True, help="run folder: checkpoint-<step>/ folders are written into it")
     ap.add_argument("--model", default=None, help="HF save_pretrained folder to train (default: the built-in "
                     "default checkpoint's weights, built on first use)")
@@ -82,9 +94,11 @@ def main(argv: list[str] | None = None) -> None:
     if "--build-default" in argv:
         return build_default_main(argv)
     args = parse_train_args(argv)
-    if args.resume is not None:
-        check_resumed_options(args, explicit_options(argv))
-    train(args)
+    with exits_on_user_error():
+        if args.resume is not None:
+            check_resumed_options(args, explicit_options(argv))
+    with exits_on_user_error(), progress_bar(args.steps) as (log, on_step):
+        train(args, log=log, on_step=on_step)
 
 
 def explicit_options(argv: list[str]) -> set[str]:
@@ -117,6 +131,32 @@ def check_resumed_options(args, explicit: set[str]) -> None:
                           f"command leaves {opt} at its default {now}: give {opt} {was} to resume the run, or "
                           f"{opt} {now} explicitly to change it from step {checkpoint_step(folder) + 1}")
 
+
+@contextlib.contextmanager
+def progress_bar(steps: int):
+    """A tqdm bar over the optimizer steps with the last step's loss, reward and entropy, shown from
+    the first step on (nothing before, e.g. when the arguments are refused); yields ``(log,
+    on_step)`` for ``grpo_trainer.train`` (its lines printed above the bar)."""
+    from tqdm.auto import tqdm
+
+    bars = []
+
+    def log(line: str) -> None:
+        (bars[0].write if bars else print)(line)
+
+    def on_step(entry: dict) -> None:
+        if not bars:  # a resumed run starts at its checkpoint's step
+            bars.append(tqdm(total=steps, initial=entry["step"] - 1, desc="train", unit="step", dynamic_ncols=True))
+        bar = bars[0]
+        bar.set_postfix(loss=f"{entry['loss']:+.4f}", reward=f"{entry['reward']:.3f}",
+                        entropy=f"{entry['entropy']:.3f}", refresh=False)
+        bar.update(entry["step"] - bar.n)
+
+    try:
+        yield log, on_step
+    finally:
+        for bar in bars:
+            bar.close()
 
 if __name__ == "__main__":
     main()

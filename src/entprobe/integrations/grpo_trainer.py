@@ -142,8 +142,9 @@ def _consistent(v: float) -> str:
     return "n/a (unmeasurable)" if v != v else str(bool(v))
 
 
-def train(a: TrainArgs, log=print) -> list[Path]:
-    """Run the trainer (module docstring); returns the checkpoint folders written."""
+def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
+    """Run the trainer (module docstring); returns the checkpoint folders written. ``on_step``, when
+    given, is called with each step's log-history entry (step, loss, reward, entropy, ...)."""
     check_args(a)
     model, tok = load_policy(a)
     task = load_task(a)
@@ -193,6 +194,8 @@ def train(a: TrainArgs, log=print) -> list[Path]:
             entry.update(metrics)
             log(probe_line(step, metrics))
         history.append(entry)
+        if on_step is not None:
+            on_step(entry)
         if step % a.save_every == 0 or step == a.steps:
             state = trainer_state(step, a.steps, a.save_every, a.B * a.G, history)
             written.append(write_trainer_checkpoint(a.out, step, model, tok, opt, sched, state, vars(a)))
