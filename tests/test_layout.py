@@ -109,3 +109,17 @@ def test_few_modules_loose_at_the_top_and_every_package_says_what_it_holds():
     for pkg in [d for d in ROOT.iterdir() if d.is_dir() and (d / "__init__.py").exists() and d.name != "conf"]:
         doc = ast.get_docstring(ast.parse((pkg / "__init__.py").read_text()))
         assert doc and "import" in doc.lower(), f"{pkg.name}/__init__.py: say what lives here and what it may import"
+
+
+def test_every_error_class_meant_for_users_prints_as_one_line():
+    """Each entprobe error class (``class XxxError``/``XxxTimeout`` under src/) is in
+    cli/user_errors.USER_ERRORS, or the commands print its message buried in a traceback."""
+    import re
+
+    from entprobe.cli.user_errors import USER_ERRORS
+
+    listed = {c.__name__ for c in USER_ERRORS}
+    found = set()
+    for p in ROOT.rglob("*.py"):
+        found.update(re.findall(r"^class (\w+(?:Error|Timeout))\(", p.read_text(), re.M))
+    assert found - {"OneLineError"} <= listed, sorted(found - listed - {"OneLineError"})
