@@ -7,6 +7,8 @@ task and seeds, equal the CLI's, and everything the API promises to leave alone 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import pytest
@@ -118,6 +120,12 @@ def test_overrides_are_the_cli_keys_with_its_checks(cli, tmp_path):
         entprobe.probe(model, opt, tok, U)
     with pytest.raises(TypeError, match="task_or_batches is a str"):
         entprobe.probe(model, opt, tok, "data.jsonl")
+    # a prompt longer than the model's context: refused before any pass, naming the task and its length
+    long_task = build_task(cfg.task.__dict__)
+    long_task.prompts = [dataclasses.replace(long_task.prompts[0], text="1+" * 5000 + "1=")] + long_task.prompts[1:]
+    with pytest.raises(ConfigError, match=r"the task \(ArithmeticTask\), prompt 0: the prompt is \d+ tokens "
+                                          r".* > the model.s context"):
+        entprobe.probe(model, opt, tok, long_task, **QUIET)
     # a parameter the optimizer does not train, and an optimizer that has not stepped
     other = torch.optim.AdamW(list(model.parameters())[1:])
     with pytest.raises(ConfigError, match="is not in the optimizer"):

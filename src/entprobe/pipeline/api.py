@@ -46,6 +46,7 @@ from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.runtime.rundir import marks_failure, set_aside_earlier_run
 from entprobe.tasks import Task
 from entprobe.tasks.base import check_encodable
+from entprobe.tasks.lengths import check_prompt_lengths
 
 GROUPS = ("batch", "sampling", "objective", "probe", "importance", "optimizer", "ddp", "model", "task",
           "logging", "experiment")
@@ -266,7 +267,11 @@ def in_memory(cfg: EntprobeConfig, model: torch.nn.Module, optimizer: torch.opti
     autocast = torch.bfloat16 if cfg.model.autocast_bf16 and device.type == "cuda" else None
     lm = LoadedModel(model, tokenizer, device, autocast, f"memory:{type(model).__name__}", None)
     if task is not None:
-        check_encodable(task, tokenizer, f"the task ({type(task).__name__})")
+        where = f"the task ({type(task).__name__})"
+        check_encodable(task, tokenizer, where)
+        config = getattr(model, "config", None)  # its context: max_position_embeddings (with RoPE scaling)
+        check_prompt_lengths(task, tokenizer, cfg, where, lm.source,
+                             config=config.to_dict() if hasattr(config, "to_dict") else None)
     ctx = probe_context(cfg, model, device, autocast)
     geo, meta = live_geometry(cfg, optimizer, ctx.names, ctx.params, ctx.buffers_device)
     return InMemory(lm, task, ctx, geo, meta)
