@@ -73,7 +73,8 @@ def readme_lines(res: dict) -> list[str]:
         return (f"{label:<11} {res[key]:+.4g} ± {res['SE_' + key]:.2g}".ljust(30)
                 + f"[{res[f'ci95_{ci}_low']:.3g}, {res[f'ci95_{ci}_high']:.3g}]").ljust(50)
     agree = "consistent" if res["pred_consistent"] else "NOT consistent"
-    return [cols("predicted") + "first order, the optimizer's step on U: gradient "
+    rel = f" ({100 * res['deltaH_pred'] / res['H_orig']:+.3g}% of H)"  # as the verdict prints it
+    return [cols("predicted") + f"first order, the optimizer's step on U{rel}: gradient "
             f"{res['deltaH_pred_gradient']:+.2g}, momentum {res['deltaH_pred_momentum']:+.2g}, ...",
             cols("measured") + f"one real step, E re-weighted ({res['is_mode']}, ESS/N {res['ESS_frac']:.2f})",
             cols("difference") + f"measured - predicted on the same responses: {agree} "

@@ -97,3 +97,24 @@ def test_trainer_metric_names_on_a_hand_made_batch():
     assert (m["completions/mean_length"], m["completions/min_length"], m["completions/max_length"]) == (2.75, 1.0, 4.0)
     assert m["response_length/clip_ratio"] == 0.5  # two of four responses reached the cap
     assert "entropy" not in trainer_metrics(U, 4, None)
+
+
+def test_the_verdict_says_what_its_numbers_are_and_what_a_gradient_free_step_is():
+    """The title says ± is 1 SE and [ ] a 95% t interval; the predicted row gives the change as a
+    share of H; no row is named after the specs ("seeds'"); a zero gradient's step is described
+    for the optimizer that takes it (plain SGD's is zero, not "AdamW's momentum")."""
+    from entprobe.reporting.verdict import flags, title, verdict_lines
+
+    r = {"H_orig": 2.0, "weighting_mode": "sequence", "deltaH_pred": -0.02, "SE_deltaH_pred": 0.01,
+         "ci95_pred_low": -0.04, "ci95_pred_high": 0.0, "deltaH1": -0.3, "SE_deltaH1": 0.1}
+    assert "± is 1 SE, [ ] a 95% t interval" in title(r)
+    rows = verdict_lines(r)
+    assert "(-1% of H)" in rows[0][3] and not any("seeds" in c for row in rows for c in row)
+    said = {}
+    for kind in ("adamw_closed_form", "sgd_closed_form", "preconditioned_sgd", "optimizer_step"):
+        fl = dict(flags({"batch_U/frac_zero_var_groups": 1.0, "pred/step_model": kind}))
+        said[kind] = fl["empty_gradient"]
+    assert "AdamW's momentum and weight decay only" in said["adamw_closed_form"]
+    assert "SGD's momentum buffer" in said["sgd_closed_form"] and "AdamW" not in said["sgd_closed_form"]
+    assert "exactly zero" in said["preconditioned_sgd"] and "AdamW" not in said["preconditioned_sgd"]
+    assert "AdamW" not in said["optimizer_step"]

@@ -27,7 +27,7 @@ class AdvantageMode(str, Enum):
 
 
 class ObjectivePreset(str, Enum):
-    entprobe = "entprobe"  # the seeds' DR-GRPO: A / (G Lmax), batch.advantage
+    entprobe = "entprobe"  # entprobe's DR-GRPO form: A / (G Lmax), batch.advantage
     trl = "trl"  # TRL GRPOTrainer's loss (loss_type, scale_rewards, ...)
     verl = "verl"  # verl's actor loss (loss_agg_mode, norm_adv_by_std_in_grpo)
 

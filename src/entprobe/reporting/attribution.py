@@ -6,9 +6,9 @@ Two breakdowns:
   theta`` (the AdamW step the optimizer will take), ``-Xbar_i . Delta theta_i`` in nats with the
   sign of the entropy change (negative: entropy falls); they sum to ``deltaH_pred``. This is what
   attribution.png draws;
-- the seeds', ``attr/*``: the terms ``Xbar_i . P_i . Ybar_i`` of ``bars_dot`` (the Adam-preconditioned
+- deltaH1's, ``attr/*``: the terms ``Xbar_i . P_i . Ybar_i`` of ``bars_dot`` (the Adam-preconditioned
   gradient step, not the one AdamW takes; ``deltaH1 = -lr bars_dot``), raw, positive = entropy
-  falls. attribution.csv gives both per parameter, and the seeds' also in nats (``deltaH1_term``).
+  falls. attribution.csv gives both per parameter, and deltaH1's also in nats (``deltaH1_term``).
 """
 from __future__ import annotations
 

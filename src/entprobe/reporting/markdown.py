@@ -70,7 +70,7 @@ def _plot_projections(results: dict, per_unit: dict, path: Path) -> Path | None:
                 ci[label] = given(tag)
     rows = [[("the step: each prompt of E's contribution to the entropy change", "prompt of E", step, ci)]
             if step else []]
-    rows.append([(f"the seeds' deltaH1, {side}'s prompts: {what}", f"prompt of {side}", {side: per_unit[k]}, {})
+    rows.append([(f"deltaH1 (-lr Xbar.P.Ybar), {side}'s prompts: {what}", f"prompt of {side}", {side: per_unit[k]}, {})
                  for k, side, what in (("E/deltaH1", "E", "-lr X_u.P.Ybar"), ("U/deltaH1", "U", "-lr Y_v.P.Xbar"))
                  if per_unit.get(k)])
     return plots.projections(rows, path) if any(rows) else None

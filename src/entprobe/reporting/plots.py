@@ -203,7 +203,7 @@ def _panel(ax, title: str, xlabel: str, series: Mapping[str, Sequence[float]],
             ax.plot([a, b], [c, d], color="gray", lw=0.5, zorder=0)
     ax.axhline(0, color="black", lw=0.5)
     flat = [v for vals in series.values() for v in vals if math.isfinite(v)]
-    if flat and not any(flat):  # e.g. the seeds' projections of a zero gradient
+    if flat and not any(flat):  # e.g. the X / Y projections of a zero gradient
         ax.set_ylim(-1, 1)
         _note(ax, "every value is exactly 0", 0.75)
     ax.set_title(title, fontsize=9)

@@ -21,6 +21,18 @@ def _pm(x, se) -> str:
     return f"{x:+.4g} ± {se:.2g}" if _finite(se) else f"{x:+.4g}"
 
 
+def _gradient_free_step(r: dict) -> str:
+    """What the step is when the update's gradient is zero, for the step model that predicts it."""
+    kind = r.get("pred/step_model", "")
+    if kind == "preconditioned_sgd":
+        return "the step is exactly zero (deltaH_pred and deltaH1 are 0)"
+    if kind == "sgd_closed_form":
+        return "the step is SGD's momentum buffer and weight decay only (exactly zero without them; deltaH1 is 0)"
+    if kind == "adamw_closed_form":
+        return "the step is AdamW's momentum and weight decay only (deltaH1 is 0)"
+    return "the step is what the optimizer does without a gradient (momentum, weight decay; deltaH1 is 0)"
+
+
 def flags(r: dict, ess_threshold: float = 0.3, truncated_sampling: bool = False) -> list[Flag]:
     """The warnings a reader must not miss, from the flat results ``r``."""
     out: list[Flag] = []
@@ -29,18 +41,16 @@ def flags(r: dict, ess_threshold: float = 0.3, truncated_sampling: bool = False)
     mean_U = r.get("batch_U/reward_mean")  # NaN: every U row unscorable
     if r.get("batch_U/frac_zero_var_groups") == 1.0 and isinstance(mean_U, float) and math.isnan(mean_U):
         out.append(("empty_gradient", "no U response has a reward (every reward function returned None for every "
-                    "row: task.reward_funcs), so every advantage is 0 and the update's gradient is zero: the step is "
-                    "AdamW's momentum and weight decay only (deltaH1 is 0). Check the functions' keyword columns "
-                    "against the task's fields."))
+                    f"row: task.reward_funcs), so every advantage is 0 and the update's gradient is zero: "
+                    f"{_gradient_free_step(r)}. Check the functions' keyword columns against the task's fields."))
     elif r.get("batch_U/frac_zero_var_groups") == 1.0:
-        out.append(("empty_gradient", "every U group has equal rewards, so the update's gradient is zero: the "
-                    "step is AdamW's momentum and weight decay only (deltaH1 is 0). Raise B_U or G, or use "
-                    "prompts the policy sometimes solves."))
+        out.append(("empty_gradient", "every U group has equal rewards, so the update's gradient is zero: "
+                    f"{_gradient_free_step(r)}. Raise B_U or G, or use prompts the policy sometimes solves."))
     elif r.get("norm_PYbar") == 0.0:
         out.append(("empty_gradient", "the update's gradient on U is exactly zero although some group's rewards "
                     "differ: in every group the advantages cancel on identical log-prob gradients (e.g. identical "
-                    "responses at a low sampling.temperature), so the step is AdamW's momentum and weight decay "
-                    "only (deltaH1 is 0). Raise the temperature, B_U or G."))
+                    f"responses at a low sampling.temperature): {_gradient_free_step(r)}. Raise the temperature, "
+                    "B_U or G."))
     if _finite(pred) and _finite(se) and se > abs(pred):
         out.append(("noise_dominated", f"the prediction is within its SE of 0 (|{pred:.3g}| < {se:.3g}): its sign "
                     "is not resolved; raise batch.B_E (the SE falls as 1/sqrt(B_E))."))
@@ -66,7 +76,7 @@ def flags(r: dict, ess_threshold: float = 0.3, truncated_sampling: bool = False)
                     "every estimate is biased; sample with top_k=0, top_p=1."))
     d1, nh = r.get("deltaH1"), r.get("deltaH1_no_history")
     if _finite(d1) and _finite(nh) and abs(nh) > 0.5 * abs(d1) > 0:
-        out.append(("deltaH1_no_history", f"{abs(nh) / abs(d1):.0%} of the seeds' deltaH1 comes from coordinates "
+        out.append(("deltaH1_no_history", f"{abs(nh) / abs(d1):.0%} of deltaH1 (-lr Xbar.P.Ybar) comes from coordinates "
                     "Adam never updated (v = 0, P = 1/eps there), which the real step moves by only ~lr: "
                     "read deltaH_pred, not deltaH1."))
     measured = ("deltaH_true", "SE_deltaH_true") if r.get("measurable") is not False else ()  # NaN by design
@@ -89,8 +99,10 @@ def verdict_lines(r: dict) -> list[tuple[str, str, str, str]]:
         parts = {k: r.get(f"deltaH_pred_{k}") for k in ("gradient", "momentum", "weight_decay")}
         split = ", ".join(f"{k.replace('_', ' ')} {v:+.2g}" for k, v in parts.items() if _finite(v))
         dom = r.get("pred/dominant_part")
-        note = "first order, the optimizer's step on U" + (f": {split}; {dom.replace('_', ' ')} dominates"
-                                                           if split and dom else "")
+        H = r.get("H_orig")  # the change relative to the entropy
+        rel = f" ({100 * r['deltaH_pred'] / H:+.3g}% of H)" if _finite(H) and H > 0 and _finite(r["deltaH_pred"]) else ""
+        note = f"first order, the optimizer's step on U{rel}" + (f": {split}; {dom.replace('_', ' ')} dominates"
+                                                                if split and dom else "")
         rows.append(("predicted", _pm(r["deltaH_pred"], r.get("SE_deltaH_pred")),
                      _ci(r, "ci95_pred_low", "ci95_pred_high"), note))
         rows += [row for row in [sign_plan_row(r)] if row]  # the batch size that resolves its sign
@@ -110,8 +122,9 @@ def verdict_lines(r: dict) -> list[tuple[str, str, str, str]]:
                      _ci(r, "ci95_true_minus_pred_low", "ci95_true_minus_pred_high"),
                      f"measured - predicted on the same responses: {agree} (z {z:+.2f})"))
     if "deltaH1" in r:
-        rows.append(("seeds' deltaH1", _pm(r["deltaH1"], r.get("SE_deltaH1")), _ci(r, "ci95_low", "ci95_high"),
-                     "-lr Xbar.P.Ybar: not the step AdamW takes"))
+        rows.append(("deltaH1", _pm(r["deltaH1"], r.get("SE_deltaH1")), _ci(r, "ci95_low", "ci95_high"),
+                     "-lr Xbar.P.Ybar: first order along Adam's preconditioned gradient, without momentum or "
+                     "weight decay (not the step AdamW takes)"))
     return rows
 
 
@@ -119,7 +132,8 @@ def title(r: dict) -> str:
     """What the verdict's numbers are: the functional and the entropy they change."""
     H = r.get("H_orig")
     return (f"entropy change of the next step — {r.get('weighting_mode', '')} functional, nats "
-            f"(H = {H:.4g})" if _finite(H) else "entropy change of the next step")
+            f"(H = {H:.4g}; ± is 1 SE, [ ] a 95% t interval)" if _finite(H)
+            else "entropy change of the next step (± is 1 SE, [ ] a 95% t interval)")
 
 
 def verdict_markdown(r: dict, fl: list[Flag]) -> str:

@@ -11,7 +11,7 @@ longest, G responses per prompt, B prompts, ``T = sum_{n,g} L`` the batch's toke
 
 | aggregation | per-unit weight ``w[n,g]`` | trainers |
 |---|---|---|
-| ``group_lmax`` | ``A / (G Lmax[n])`` | entprobe (the seeds' DR-GRPO) |
+| ``group_lmax`` | ``A / (G Lmax[n])`` | entprobe (its DR-GRPO form) |
 | ``seq_token_mean`` | ``c A / (G L[n,g])`` | TRL grpo, sapo; verl seq-mean-token-mean |
 | ``seq_token_sum`` | ``c A / G`` | TRL luspo; verl seq-mean-token-sum |
 | ``seq_constant`` | ``c A / (G C)``, C a constant length | TRL dr_grpo (C = max_completion_length); verl seq-mean-token-sum-norm (C = loss_scale_factor) |

@@ -65,7 +65,7 @@ def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Ge
     # (on the directions' device: Xbar's tensors move to it, the update's parts stay)
     step_terms = sum(pv.dot_terms(dirE.column(j), Xbar) for j in range(1, dirE.k)).to(terms.device)
     nX, nPY = pv.norm(Xbar), pv.norm(PY)
-    # coordinates Adam never updated (v = 0: P = 1/eps there) inflate the seeds' deltaH1, not
+    # coordinates Adam never updated (v = 0: P = 1/eps there) inflate deltaH1, not
     # the real step, which moves them by about lr
     nh_dot = pv.dot_at(Xbar, PY, geo.no_history) if geo.no_history is not None else None
     del PY
