@@ -142,3 +142,27 @@ def test_inverse_cdf_and_uniforms():
     # 6400 uniforms: mean 1/2 within 5 standard errors (sd 1/sqrt(12 * 6400))
     assert abs(us.mean().item() - 0.5) < 5 / math.sqrt(12 * us.numel())
     assert torch.equal(keyed_uniforms(k[5:6], 3), keyed_uniforms(k, 3)[5:6])  # a row's own stream
+
+
+def test_a_transformers_model_samples_through_its_current_cache_argument(monkeypatch):
+    """A real causal LM (the built-in architecture) samples with its KV cache passed under the name
+    its forward takes (``cache`` in transformers 5.2x): no deprecation warning reaches the user. The
+    control passes the former name and must warn, so the check can fail."""
+    import warnings
+
+    import entprobe.rollouts.sampling as sampling
+    from entprobe.checkpoints.builtin import build_tiny_llama
+
+    model = build_tiny_llama(16, seed=0).eval()
+
+    def cache_warnings() -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                generate(model, [[3, 4, 5], [6, 7]], 2, 5, 1, 0, 1.0, 0, 1.0, 11, "cpu")
+        return [str(w.message) for w in caught if "past_key_values" in str(w.message)]
+
+    assert not cache_warnings()
+    if sampling.kv_cache_key(model) == "cache":  # transformers that deprecates the former name
+        monkeypatch.setattr(sampling, "kv_cache_key", lambda m: "past_key_values")
+        assert cache_warnings()

@@ -236,6 +236,26 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def kv_cache_key(model) -> str:
+    """The forward's KV-cache argument: ``cache`` (transformers >= 5.2x, where ``past_key_values``
+    is deprecated) or ``past_key_values`` (earlier releases)."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        params = inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _kv_cache(out):
+    """The KV cache of a forward's output, under its current name or the former one."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+
 def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eos_id: int,
              pad_id: int, temperature: float, top_k: int, top_p: float,
              seed: int, device, first_prompt: int = 0) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
@@ -258,7 +278,8 @@ def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eo
     ids, mask = ids.to(device), mask.to(device)
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
                 use_cache=True)
-    past, logits = out.past_key_values, out.logits[:, -1].float()
+    cache_key = kv_cache_key(model)
+    past, logits = _kv_cache(out), out.logits[:, -1].float()
     done = torch.zeros(N, dtype=torch.bool, device=device)
     toks, lps = [], []
     for step in range(max_new_tokens):
@@ -273,8 +294,8 @@ def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eo
             break
         mask = torch.cat([mask, (toks[-1] >= 0).long().unsqueeze(-1)], dim=1)
         out = model(input_ids=nxt.unsqueeze(-1), attention_mask=mask,
-                    position_ids=(mask.sum(-1, keepdim=True) - 1), past_key_values=past, use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1].float()
+                    position_ids=(mask.sum(-1, keepdim=True) - 1), use_cache=True, **{cache_key: past})
+        past, logits = _kv_cache(out), out.logits[:, -1].float()
     tok = torch.stack(toks, 1).cpu()
     lp = torch.stack(lps, 1).cpu()
     responses, logprobs = [], []
