@@ -166,12 +166,23 @@ def test_explicit_keys_and_choose():
     assert [s.key for s in chosen] == ["batch.G", "sampling.top_k"] and "objective=verl" in kept[0]
 
 
+
+def run_hydra_main() -> None:
+    """``entprobe.main``'s Hydra entry on ``sys.argv``, in this process, with Hydra's global state
+    cleared before and after (each test composes its own config)."""
+    from hydra.core.global_hydra import GlobalHydra
+    from entprobe.main import main
+
+    GlobalHydra.instance().clear()
+    try:
+        main()
+    finally:
+        GlobalHydra.instance().clear()
+
 def test_cli_probes_a_trl_checkpoint_by_its_path(ckpt, tmp_path, monkeypatch, capsys):
     """``python -m entprobe.main model=hf model.path=<checkpoint>`` end to end (Hydra's entry point, in
     this process): the run's G in the results, the command line's keys win over the file's."""
-    from hydra.core.global_hydra import GlobalHydra
     import entprobe.cli.probe_job as job
-    from entprobe.main import main
 
     logged = {}
     make_logger = job.make_logger
@@ -181,11 +192,7 @@ def test_cli_probes_a_trl_checkpoint_by_its_path(ckpt, tmp_path, monkeypatch, ca
                                       "sampling.max_new_tokens=2", "importance.enabled=false", "logging.logger=none",
                                       "logging.progress=false", "logging.report=false", "model.device=cpu",
                                       f"hydra.run.dir={tmp_path / 'run'}"])
-    GlobalHydra.instance().clear()
-    try:
-        main()
-    finally:
-        GlobalHydra.instance().clear()
+    run_hydra_main()
     out = capsys.readouterr().out
     assert f"entprobe: from {ckpt / FILE}: batch.G=3 (num_generations)" in out
     assert "sampling.max_new_tokens as given (the file has 5" in out
@@ -199,9 +206,7 @@ def test_keys_an_experiment_preset_or_local_config_sets_win(ckpt, tmp_path, monk
     """An experiment preset and a local config of the user's (in their config folder,
     ``hydra.searchpath``) count as given, also where they write the default value: their batch.G,
     sampling.temperature and sampling.top_p stay, the file fills the rest (the job up to the probe)."""
-    from hydra.core.global_hydra import GlobalHydra
     import entprobe.cli.probe_job as job
-    from entprobe.main import main
 
     conf = tmp_path / "conf" / "experiment"
     conf.mkdir(parents=True)
@@ -213,11 +218,7 @@ def test_keys_an_experiment_preset_or_local_config_sets_win(ckpt, tmp_path, monk
     monkeypatch.setattr(sys, "argv", ["entprobe", "model=hf", f"model.path={ckpt}", "experiment=mine",
                                       f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "logging.logger=none",
                                       f"hydra.run.dir={tmp_path / 'run'}"])
-    GlobalHydra.instance().clear()
-    try:
-        main()
-    finally:
-        GlobalHydra.instance().clear()
+    run_hydra_main()
     cfg = seen["cfg"]
     assert (cfg.batch.G, cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k) == (2, 1.0, 1.0, 7)
     assert cfg.objective.loss_type == "dr_grpo"

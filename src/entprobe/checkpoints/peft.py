@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from entprobe.runtime.input_files import load_json_file
+from entprobe.runtime.input_files import check_safetensors, load_json_file, load_torch_file
 
 ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the wrapped model's parameter names
@@ -92,7 +92,6 @@ def check_adapter_files(adapter_dir: Path, acfg: dict) -> None:
     LoRA matrix has the rank ``r`` (or ``rank_pattern``'s) the config records."""
     from peft.utils import PeftType
 
-    from entprobe.runtime.input_files import check_safetensors, load_torch_file
 
     cfg_file = adapter_dir / ADAPTER_CONFIG
     known = [t.value for t in PeftType]

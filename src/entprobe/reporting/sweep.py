@@ -45,6 +45,8 @@ from omegaconf import DictConfig
 from entprobe.runtime.atomic_io import write_text_atomic
 from entprobe.runtime.distributed import env_rank
 from entprobe.runtime.locks import try_lock
+from entprobe.rollouts.saved_batches import e_drawn, is_complete
+from entprobe.tasks.prompt_ids import style_of
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +64,6 @@ def batch_cache_key(cfg, world: int) -> str:
     """Hash of what determines the sampled E and U (``cfg`` is a typed EntprobeConfig)."""
     skip = ("save", "load", "lock_timeout_s", "share_across_lr")
     batch = {k: v for k, v in dataclasses.asdict(cfg.batch).items() if k not in skip}
-    from entprobe.rollouts.saved_batches import e_drawn
-    from entprobe.tasks.prompt_ids import style_of
-
     parts = {"batch": batch, "sampling": dataclasses.asdict(cfg.sampling),
              "model": dataclasses.asdict(cfg.model), "task": dataclasses.asdict(cfg.task),
              "mode": cfg.probe.mode, "seed": cfg.seed, "world": world}
@@ -80,8 +79,6 @@ def batch_cache_dir(sweep_dir: str | Path, cfg, world: int) -> Path:
 
 def cache_complete(folder: str | Path) -> bool:
     """A pair of batches was committed there (``saved_batches.is_complete``: saved as one unit)."""
-    from entprobe.rollouts.saved_batches import is_complete
-
     return is_complete(folder)
 
 
