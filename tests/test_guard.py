@@ -206,3 +206,21 @@ def test_trl_callback_applies_the_factor_on_top_of_the_scheduler_and_logs_its_de
     assert [h["entprobe/guard_lr"] for h in logs] == [pytest.approx(u, rel=1e-12) for u in used]
     assert [h["entprobe/lr"] for h in logs[1:]] == [pytest.approx(lr * f, rel=1e-12)
                                                    for lr, f in zip(scheduled[1:], in_force[1:])]
+
+
+def test_benchmark_command_runs_verbatim(tmp_path):
+    """docs/guard.md's command, verbatim (its paths under a scratch folder that links benchmarks/,
+    so the committed figure is not overwritten): it exits 0, prints the figures and writes the plot."""
+    import os
+    import subprocess
+
+    cmd = "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --out docs/img/entropy_guard.png"
+    assert cmd in (ROOT / "docs" / "guard.md").read_text()
+    (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd.replace("python ", f"{sys.executable} ", 1), shell=True, cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for line in ("unguarded: entropy final", "guarded: entropy final", "sign agreement", "coverage: paired 95%"):
+        assert line in proc.stdout, line
+    assert (tmp_path / "docs" / "img" / "entropy_guard.png").stat().st_size > 10_000

@@ -40,6 +40,7 @@ factor: what it logs and compares with the measurement is the prediction of the 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 from entprobe.config import ConfigError
@@ -166,7 +167,8 @@ def scale_pending(probe: OnlineProbe, f: float) -> None:
 class EntropyGuard:
     """The guard around a plain loop's ``optimizer.step()`` (module docstring), on an
     ``OnlineProbe`` that predicts every ``probe.every`` steps. ``decisions``: every decision with
-    its reason; ``lrs``: ``(step, [each group's lr used])`` of every step taken."""
+    its reason; ``lrs``: ``(step, [each group's lr used])`` of every step taken; ``time_s``: the wall
+    seconds spent in ``before_step`` and ``after_step`` (the probe's included)."""
 
     def __init__(self, probe: OnlineProbe, floor: float | None = None, max_decay: float | None = None,
                  target_deltaH: float | None = None, z: float = 1.96, min_factor: float = 0.05,
@@ -178,12 +180,13 @@ class EntropyGuard:
         self.lrs: list[tuple[int, list[float]]] = []
         self._scheduled: list[float] | None = None
         self._decision: Decision | None = None
+        self.time_s = 0.0
 
     def before_step(self, step: int) -> float:
         """Call with the step's gradient in ``.grad``, the scheduler's lr in the param groups: the
         probe predicts (when due), the guard decides, each group's lr is multiplied by the factor.
         Returns the factor."""
-        probe = self.probe
+        t0, probe = time.perf_counter(), self.probe
         self._decision = None
         if probe.before_step(step):
             pend = probe._pending
@@ -198,6 +201,7 @@ class EntropyGuard:
         for g in groups:
             g["lr"] = g["lr"] * self.factor
         self.lrs.append((step, [g["lr"] for g in groups]))
+        self.time_s += time.perf_counter() - t0
         return self.factor
 
     def after_step(self) -> dict:
@@ -205,6 +209,7 @@ class EntropyGuard:
         back and returns the probe's metrics (when it predicted) and ``entprobe/guard_lr_factor``,
         ``entprobe/guard_action`` (-1 lowered, +1 raised, 0 kept; with a decision) and
         ``entprobe/guard_lr`` (the first group's lr used)."""
+        t0 = time.perf_counter()
         if self._scheduled is not None:
             for g, lr in zip(self.probe.optimizer.param_groups, self._scheduled):
                 g["lr"] = lr
@@ -214,6 +219,7 @@ class EntropyGuard:
         out["entprobe/guard_lr"] = self.lrs[-1][1][0] if self.lrs else math.nan
         if self._decision is not None:
             out["entprobe/guard_action"] = float(self._decision.code)
+        self.time_s += time.perf_counter() - t0
         return out
 
 
