@@ -224,3 +224,26 @@ def test_benchmark_command_runs_verbatim(tmp_path):
     for line in ("unguarded: entropy final", "guarded: entropy final", "sign agreement", "coverage: paired 95%"):
         assert line in proc.stdout, line
     assert (tmp_path / "docs" / "img" / "entropy_guard.png").stat().st_size > 10_000
+
+
+def test_builtin_trainer_guard_option(tmp_path):
+    """``python -m entprobe.train --guard-max-decay``: the guard on the trainer's probe; each probed
+    step's entry logs the guard's factor and the lr used (the schedule's times the factor), the
+    logged ``learning_rate`` stays the schedule's; without --probe-every it is refused, naming it."""
+    from entprobe.cli.train import parse_train_args
+    from entprobe.integrations.grpo_trainer import check_args, train
+
+    a = parse_train_args(["--out", str(tmp_path / "run"), "--steps", "3", "--B", "4", "--probe-every", "1",
+                          "--probe-B-E", "4", "--guard-max-decay", "0", "--save-every", "3",
+                          "--lr-scheduler", "linear"])
+    lines, entries = [], []
+    train(a, log=lines.append, on_step=entries.append)
+    assert [e["step"] for e in entries if "entprobe/guard_action" in e] == [2, 3]
+    assert [e["learning_rate"] for e in entries] == [pytest.approx(1e-3 * (1 - s / 3), rel=1e-12) for s in range(3)]
+    for e in entries:
+        assert e["entprobe/guard_lr"] == pytest.approx(e["learning_rate"] * e["entprobe/guard_lr_factor"], rel=1e-12)
+    assert sum(": guard " in line for line in lines) == 2  # one line per decision
+    with pytest.raises(ConfigError, match="--guard-floor / --guard-max-decay .* give --probe-every"):
+        check_args(parse_train_args(["--out", str(tmp_path / "x"), "--guard-floor", "0.2"]))
+    with pytest.raises(ConfigError, match="--guard-max-decay=-1.0"):
+        check_args(parse_train_args(["--out", str(tmp_path / "x"), "--probe-every", "1", "--guard-max-decay", "-1"]))
