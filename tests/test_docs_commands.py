@@ -123,6 +123,9 @@ COVERAGE: dict[str, tuple[str, str]] = {
     f"python -m entprobe.main {CKPT} batch.load=batches/step500": ("compose", "your checkpoint, saved batches"),
     f"launchers/torchrun.sh 8 {CKPT} batch.load=batches/step500 ddp.strategy=fsdp2 "
     "importance.resample_on_low_ess=false": ("compose", "8 GPUs, your checkpoint; tests/test_fsdp.py runs fsdp2 on 2 CPU ranks"),
+    # docs/guard.md
+    "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --out docs/img/entropy_guard.png":
+        ("run", "tests/test_guard.py::test_benchmark_command_runs_verbatim"),
     # docs/planning.md (all four run in order by one test)
     ".venv/bin/python -m entprobe.main batch.B_E=8 batch.B_U=8 hydra.run.dir=outputs/pilot":
         ("run", "tests/test_plan.py::test_planning_doc_commands_run_verbatim"),

@@ -63,6 +63,10 @@ def parse_train_args(argv: list[str] | None = None):
     ap.add_argument("--probe-every", type=int, default=d.probe_every,
                     help="online entropy probe every N steps (0: off)")
     ap.add_argument("--probe-B-E", type=int, default=d.probe_B_E, help="held-out prompts per probe")
+    ap.add_argument("--guard-floor", type=float, default=None, help="EntropyGuard: lowest entropy (nats, the "
+                    "probe's H) the lr is cut to hold (needs --probe-every; docs/guard.md)")
+    ap.add_argument("--guard-max-decay", type=float, default=None, help="EntropyGuard: largest entropy decrease "
+                    "per step (nats) the lr is cut to hold (needs --probe-every)")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--device", default=d.device, help="cpu, cuda, cuda:1, ...")
     ap.add_argument("--resume", default=None, help="continue from a checkpoint-<step> folder of this run, or "

@@ -9,7 +9,8 @@ warmup). ``resume`` continues a run from one of its checkpoints: the weights, Ad
 and log history are read back, and since each step's sampling is seeded by its step number the
 resumed run takes the steps the uninterrupted one would have. Every ``probe_every`` steps ``OnlineProbe``
 predicts the step's entropy change before ``optimizer.step()`` and measures it after; its
-``entprobe/*`` metrics join that step's entry of the log history. Every ``save_every`` steps, and at
+``entprobe/*`` metrics join that step's entry of the log history; with ``guard_floor`` /
+``guard_max_decay`` an ``EntropyGuard`` on that probe sets each step's lr (docs/guard.md). Every ``save_every`` steps, and at
 the last step, ``out/checkpoint-<step>/`` is written (``trainer_checkpoint``).
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
 from entprobe.tasks.arithmetic import ArithmeticTask
 from entprobe.tasks.jsonl import JsonlTask
 from entprobe.integrations.online import OnlineProbe
+from entprobe.integrations.guard import EntropyGuard
 from entprobe.checkpoints.default_checkpoint import policy_loss, trainer_adamw
 
 ADV_EPS = 1e-6  # grpo advantages: (r - mean) / (std + ADV_EPS)
@@ -59,6 +61,8 @@ class TrainArgs:
     seed: int = 0
     device: str = "cpu"
     resume: str | None = None  # a checkpoint-<step> folder of this run, or "last": --out's latest
+    guard_floor: float | None = None  # EntropyGuard (integrations/guard.py) on the probe: None, off
+    guard_max_decay: float | None = None
 
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
@@ -73,6 +77,11 @@ def check_args(a: TrainArgs) -> None:
         raise ConfigError(f"--G={a.G}: group advantages need >= 2 responses per prompt")
     if a.probe_every < 0 or a.lr <= 0 or a.max_grad_norm < 0:
         raise ConfigError("--probe-every >= 0 (0: off), --lr > 0 and --max-grad-norm >= 0 (0: no clipping)")
+    if (a.guard_floor is not None or a.guard_max_decay is not None) and not a.probe_every:
+        raise ConfigError("--guard-floor / --guard-max-decay set the lr from the online probe's prediction: "
+                          "give --probe-every N too (1: every step)")
+    if a.guard_max_decay is not None and a.guard_max_decay < 0:
+        raise ConfigError(f"--guard-max-decay={a.guard_max_decay}: the largest entropy decrease per step, >= 0")
     if a.loss not in LOSSES:
         raise ConfigError(f"--loss={a.loss!r}: one of {', '.join(LOSSES)}")
     if a.model is not None and not (Path(a.model).expanduser() / "config.json").is_file():
@@ -157,6 +166,8 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
     advantage = "dr_grpo" if a.loss == "dr_grpo" else "grpo"
     probe = (OnlineProbe(model, opt, tok, task, every=a.probe_every, seed=a.seed, sampling={
         "max_new_tokens": a.max_new_tokens}, batch={"B_E": a.probe_B_E, "G": a.G}) if a.probe_every else None)
+    guarded = a.guard_floor is not None or a.guard_max_decay is not None
+    stepper = EntropyGuard(probe, floor=a.guard_floor, max_decay=a.guard_max_decay) if guarded else probe
     history, written, start = [], [], 0
     if a.resume:
         folder = resume_folder(a)
@@ -178,11 +189,11 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
         grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), a.max_grad_norm).item()
                      if a.max_grad_norm > 0 else None)
         lr = sched.get_last_lr()[0]  # the lr of this step (logged as HF Trainer logs it)
-        if probe is not None:
-            probe.before_step(step)
+        if stepper is not None:
+            stepper.before_step(step)
         opt.step()
+        metrics = stepper.after_step() if stepper is not None else None  # (the guard puts back the scheduler's lr)
         sched.step()
-        metrics = probe.after_step() if probe is not None else None
         entry = {"step": step, "loss": loss.item(), "learning_rate": lr, "reward": batch.rewards.mean().item(),
                  "reward_std": batch.rewards.std().item(),
                  "entropy": (-batch.sampler_logprobs.sum() / batch.gen_lengths.sum().clamp(min=1)).item(),
@@ -192,7 +203,11 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
             entry["grad_norm"] = grad_norm
         if metrics:
             entry.update(metrics)
+        if metrics and "entprobe/deltaH_pred" in metrics:
             log(probe_line(step, metrics))
+        if guarded and stepper.decisions and stepper.decisions[-1].step == step:
+            d = stepper.decisions[-1]
+            log(f"[entprobe] step {step}: guard {d.action}, lr x {d.factor:.3g}: {d.reason}")
         history.append(entry)
         if on_step is not None:
             on_step(entry)

@@ -1,0 +1,175 @@
+"""EntropyGuard on TRL's GRPOTrainer (built-in default checkpoint, arithmetic task, CPU): the same
+GRPO run twice from one checkpoint and seed at an lr that collapses the policy's entropy, once
+unguarded (the online probe every step, nothing acted on) and once with ``EntropyGuardCallback``.
+
+    OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --out docs/img/entropy_guard.png
+
+Prints, per run: the final and minimum entropy (the trainer's logged token entropy of the step's
+completions, and the probe's H on its held-out E), the reward over the last 10 steps, the number
+of guard actions (cuts; factor moves), the probe + guard time as a fraction of the run's training
+time; and, from the unguarded run (item 4 of issue 26), the online probe's sign agreement and
+coverage. Plots entropy, reward and the lr used against the step (``--out``). Exits 0 whatever the
+figures are.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from online_probe import build_trainer  # noqa: E402
+
+
+def run(out: str, a, guard: dict | None) -> dict:
+    """One training run; returns its per-step logs, the callback's probe history and decisions,
+    the lr used at every step and the timings."""
+    from entprobe.integrations import EntropyGuardCallback, EntropyProbeCallback
+
+    tr = build_trainer(out, a.steps, lr=a.lr, prompts_per_step=a.B, seed=a.seed)
+    if guard is None:
+        cb = EntropyProbeCallback(tr, every_n_steps=1, batch={"B_E": a.B_E})
+    else:
+        cb = EntropyGuardCallback(tr, every_n_steps=a.guard_every, guard=guard, batch={"B_E": a.B_E})
+    tr.add_callback(cb)
+    t0 = time.perf_counter()
+    tr.train()
+    wall = time.perf_counter() - t0
+    logs = [h for h in tr.state.log_history if "loss" in h]
+    lrs = ([lr[0] for _, lr in cb.guard.lrs] if guard is not None else [h["learning_rate"] for h in logs])
+    return {"logs": logs, "history": cb.history, "decisions": cb.decisions if guard is not None else [],
+            "lrs": lrs, "wall": wall,
+            "probe_s": cb.guard.time_s if guard is not None else sum(r["time_s"] for r in cb.history)}
+
+
+def resolved(lo: float, hi: float) -> bool:
+    """A 95% interval that excludes 0."""
+    return lo > 0 or hi < 0
+
+
+def probe_quality(history: list[dict]) -> dict:
+    """Sign agreement and coverage of the online probe (docs/guard.md), over the measurable probes
+    whose prediction is not exactly 0 (a collapsed policy's E can carry no gradient at all: those
+    have no sign and a zero-width interval, and are counted apart): the share whose measured and
+    predicted changes have the same sign (all; and those where both 95% intervals exclude 0), the
+    share whose paired 95% interval holds 0 and the share whose measured change lies in the
+    prediction's 95% interval."""
+    m = [r for r in history if r.get("measurable")]
+    nz = [r for r in m if r["deltaH_pred"] != 0]
+    same = [(r["deltaH_true"] > 0) == (r["deltaH_pred"] > 0) for r in nz]
+    both = [s for r, s in zip(nz, same) if resolved(r["ci95_pred_low"], r["ci95_pred_high"])
+            and resolved(r["ci95_true_low"], r["ci95_true_high"])]
+    frac = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
+    return {"probes": len(history), "measurable": len(m), "used": len(nz), "sign_all": frac(same),
+            "both_resolved": len(both), "sign_resolved": frac(both),
+            "paired_holds_0": frac([bool(r["pred_consistent"]) for r in nz]),
+            "true_in_pred_ci": frac([r["ci95_pred_low"] <= r["deltaH_true"] <= r["ci95_pred_high"] for r in nz])}
+
+
+def figures(r: dict) -> dict:
+    """The run's headline figures."""
+    H = [h["entropy"] for h in r["logs"]]
+    Hp = [h["H_orig"] for h in r["history"] if "H_orig" in h and math.isfinite(h["H_orig"])]
+    moves = [d for d in r["decisions"] if d.code != 0]
+    return {"H_final": statistics.mean(H[-5:]), "H_min": min(H), "probe_H_final": Hp[-1] if Hp else math.nan,
+            "probe_H_min": min(Hp) if Hp else math.nan,
+            "reward_end": statistics.mean(h["reward"] for h in r["logs"][-10:]),
+            "reward_all": statistics.mean(h["reward"] for h in r["logs"]),
+            "cuts": sum(d.action == "cut" for d in r["decisions"]), "moves": len(moves),
+            "cost": r["probe_s"] / (r["wall"] - r["probe_s"])}
+
+
+def plot(runs: dict, a, path: str) -> None:
+    """Entropy, reward (mean of 5 steps) and the lr used, against the step, both runs."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(3, 1, figsize=(8, 8.5), sharex=True)
+    colors = {"unguarded": "tab:red", "guarded": "tab:blue"}
+    for name, r in runs.items():
+        steps = [h["step"] for h in r["logs"]]
+        c = colors[name]
+        ax[0].plot(steps, [h["entropy"] for h in r["logs"]], color=c, label=f"{name}: token entropy of the step's completions")
+        hist = [h for h in r["history"] if math.isfinite(h.get("H_orig", math.nan))]
+        ax[0].plot([h["step"] for h in hist], [h["H_orig"] for h in hist], color=c, ls=":", lw=1.2,
+                   label=f"{name}: probe's H on held-out E (the guard's)")
+        rew = [h["reward"] for h in r["logs"]]
+        smooth = [statistics.mean(rew[max(0, i - 4):i + 1]) for i in range(len(rew))]
+        ax[1].plot(steps, smooth, color=c, label=name)
+        ax[2].plot(range(1, len(r["lrs"]) + 1), r["lrs"], color=c, label=name, drawstyle="steps-mid")
+    cuts = [d.step for d in runs["guarded"]["decisions"] if d.action == "cut"]
+    ax[2].scatter(cuts, [runs["guarded"]["lrs"][s - 1] for s in cuts], marker="v", color="tab:blue", s=18, zorder=3,
+                  label="guarded: a cut (the step's prediction resolved past the band's edge)")
+    if cuts:
+        ax[1].text(0.98, 0.9, f"the guard's first cut: step {cuts[0]} (predictions before it were unresolved)",
+                   transform=ax[1].transAxes, ha="right", va="top", fontsize=8)
+    if a.floor is not None:
+        ax[0].axhline(a.floor, color="k", ls="--", lw=0.8, label=f"guard floor {a.floor}")
+    ax[0].set_ylabel("entropy (nats/token)")
+    ax[0].legend(fontsize=7, loc="upper right")
+    ax[1].set_ylabel("reward (mean of 5 steps)")
+    ax[1].set_ylim(-0.02, 0.6)
+    ax[1].legend(fontsize=8, loc="center right")
+    ax[2].set_yscale("log")
+    ax[2].set_ylabel("lr of the step taken")
+    ax[2].set_xlabel("optimizer step")
+    ax[2].legend(fontsize=8, loc="center right")
+    g = f"floor {a.floor}, max_decay {a.max_decay}, z {a.z}, every {a.guard_every}"
+    fig.suptitle(f"EntropyGuard on TRL GRPOTrainer, built-in model, arithmetic, lr {a.lr} constant\n(guard: {g})",
+                 fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--lr", type=float, default=1e-2, help="constant lr (1e-2 collapses the entropy)")
+    ap.add_argument("--B", type=int, default=8, help="prompts per step (G = 4)")
+    ap.add_argument("--B-E", type=int, default=32, help="held-out prompts per probe")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--floor", type=float, default=0.2, help="the guard's floor (nats, the probe's H)")
+    ap.add_argument("--max-decay", type=float, default=0.05, help="the largest decrease per step (nats)")
+    ap.add_argument("--z", type=float, default=1.96)
+    ap.add_argument("--min-factor", type=float, default=0.02)
+    ap.add_argument("--guard-every", type=int, default=1)
+    ap.add_argument("--show", type=int, default=0, help="print the guard's first N decisions")
+    ap.add_argument("--out", default=None, help="the figure (png); none: not plotted")
+    a = ap.parse_args()
+    guard = {"floor": a.floor, "max_decay": a.max_decay, "z": a.z, "min_factor": a.min_factor}
+    runs = {}
+    with tempfile.TemporaryDirectory() as out:
+        runs["unguarded"] = run(out, a, None)
+        runs["guarded"] = run(out, a, guard)
+    print(f"{a.steps} steps at lr {a.lr} (constant), B = {a.B} prompts x G = 4, B_E = {a.B_E}; guard {guard}, "
+          f"every {a.guard_every}")
+    for name, r in runs.items():
+        f = figures(r)
+        print(f"  {name:>9}: entropy final (mean of last 5) {f['H_final']:.4f}, min {f['H_min']:.4f}; probe's H final "
+              f"{f['probe_H_final']:.4f}, min {f['probe_H_min']:.4f}; reward last 10 steps {f['reward_end']:.3f} "
+              f"(all steps {f['reward_all']:.3f}); guard cuts {f['cuts']}, factor moves {f['moves']}; "
+              f"{'guard (probe included)' if name == 'guarded' else 'probe'} time {r['probe_s']:.1f} s = "
+              f"{f['cost']:.0%} of the rest of the run's training time ({r['wall']:.1f} s in all)")
+    for name, r in runs.items():
+        q = probe_quality(r["history"])
+        print(f"online probe, {name} run: {q['probes']} probes, {q['measurable']} measurable, {q['used']} of them "
+              "with a nonzero prediction (the rest: exactly 0, no sign):")
+        print(f"  sign agreement (measured vs predicted): {q['sign_all']:.1%} of those {q['used']}; "
+              f"{q['sign_resolved']:.1%} of the {q['both_resolved']} where both 95% intervals exclude 0")
+        print(f"  coverage: paired 95% interval holds 0 in {q['paired_holds_0']:.1%}; measured inside the "
+              f"prediction's 95% interval in {q['true_in_pred_ci']:.1%}")
+    for d in runs["guarded"]["decisions"][:a.show]:
+        print(f"  step {d.step}: {d.action} x{d.factor:.3g}: {d.reason}")
+    if a.out:
+        plot(runs, a, a.out)
+        print(f"figure: {a.out}")
+
+
+if __name__ == "__main__":
+    main()

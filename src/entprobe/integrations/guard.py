@@ -1,0 +1,251 @@
+"""``EntropyGuard``: hold the policy's entropy on course by setting each step's lr from the online
+probe's prediction of that step's entropy change (a plain loop), and ``EntropyGuardCallback`` (the
+same inside TRL's GRPOTrainer).
+
+    probe = OnlineProbe(model, optimizer, tokenizer, task, every=1, batch={"B_E": 8})
+    guard = EntropyGuard(probe, floor=0.5, max_decay=0.01)
+    for step in range(1, num_steps + 1):
+        loss = ...; loss.backward()
+        guard.before_step(step)       # predict at the scheduler's lr, decide the factor, lr *= factor
+        optimizer.step()
+        metrics = guard.after_step()  # measure; the scheduler's lr put back; entprobe/guard_* metrics
+        scheduler.step()
+
+The rule (``decide``), at each step the probe predicts, from the prediction ``d`` +- ``se`` of the
+step at the scheduler's lr (factor 1) and the entropy ``H`` at theta (E's, in the probe's units):
+
+- the band's edge, the lowest change allowed: ``edge = max(-max_decay, floor - H)`` (either may be
+  left out; below the floor the edge is positive: entropy must come back up);
+- cut when the step at full lr is resolved to lower entropy past the edge,
+  ``d + z se < min(edge, 0)`` (its upper z-bound below the edge, and below 0): the factor is
+  ``edge / d`` (the first-order prediction is linear in the lr at a fixed gradient, so
+  ``factor * d`` is the prediction of the step at ``factor * lr``: this puts it on the edge),
+  clamped to ``[min_factor, max_factor]`` (``min_factor`` when ``edge >= 0``: no lr > 0 puts a
+  decrease on a positive edge);
+- with ``target_deltaH``, when not cut: steer when ``d`` is resolved away from the target
+  (``|d - target| > z se``) and the lr can reach it (``target / d > 0``): factor ``target / d``
+  clamped, no higher than the band's point-estimate limit ``edge / d`` when ``d < 0``;
+- below the floor (``edge > 0``) with the sign of ``d`` unresolved (``d - z se < 0``): the factor
+  is held (neither cut on noise nor raised);
+- otherwise (the prediction inside the band; its interval holding the edge: no action on noise;
+  below the floor with a resolved rise, which a smaller lr would only slow) the factor recovers
+  toward 1 geometrically: ``min(1, f * recovery)`` from below, ``max(1, f / recovery)`` from above.
+
+The factor holds until the next probe (steps the probe does not predict keep it). It multiplies
+the lr the scheduler wrote into each param group just before ``optimizer.step()`` and the
+scheduler's lr is put back right after, so the scheduler never sees it. The probe's prediction
+(its ``deltaH_pred``, SE, interval, parts, per-prompt contributions and ``lr``) is rescaled by the
+factor: what it logs and compares with the measurement is the prediction of the step taken.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from entprobe.config import ConfigError
+from entprobe.integrations.online import OnlineProbe
+from entprobe.integrations.trl import EntropyProbeCallback
+from entprobe.math import estimators as est
+
+@dataclass(frozen=True)
+class GuardRule:
+    """The guard's parameters (module docstring). ``floor``: lowest entropy H (nats, as the probe
+    reports ``H_orig``); ``max_decay`` (> 0): largest decrease per step; ``target_deltaH``: the
+    change to steer each step to; ``z``: the resolution a prediction needs before the guard acts;
+    ``min_factor`` / ``max_factor``: the factor's range; ``recovery`` (> 1): its geometric return to 1."""
+    floor: float | None = None
+    max_decay: float | None = None
+    target_deltaH: float | None = None
+    z: float = 1.96
+    min_factor: float = 0.05
+    max_factor: float = 1.0
+    recovery: float = 1.5
+
+    def __post_init__(self):
+        if self.floor is None and self.max_decay is None and self.target_deltaH is None:
+            raise ConfigError("EntropyGuard: give floor, max_decay or target_deltaH (what to hold entropy to)")
+        if self.max_decay is not None and not self.max_decay >= 0:
+            raise ConfigError(f"max_decay={self.max_decay}: the largest decrease per step, >= 0 nats")
+        if not (0 < self.min_factor <= 1 <= self.max_factor) or not self.z >= 0 or not self.recovery > 1:
+            raise ConfigError(f"min_factor={self.min_factor}, max_factor={self.max_factor}, z={self.z}, "
+                              f"recovery={self.recovery}: need 0 < min_factor <= 1 <= max_factor, z >= 0, recovery > 1")
+
+
+@dataclass
+class Decision:
+    """One decision: the factor for the coming steps, its action and why."""
+    step: int
+    factor: float
+    action: str  # cut, steer, recover, hold (nothing to recover)
+    reason: str
+    prev: float = 1.0  # the factor before it
+    deltaH_pred: float = math.nan  # at the scheduler's lr (factor 1)
+    SE: float = math.nan
+    H: float = math.nan
+    edge: float | None = None
+
+    @property
+    def code(self) -> int:
+        """``entprobe/guard_action``: -1 the factor went down, +1 up, 0 unchanged."""
+        return (self.factor > self.prev) - (self.factor < self.prev)
+
+
+def band_edge(H: float, floor: float | None, max_decay: float | None) -> float | None:
+    """The lowest change allowed this step: ``max(-max_decay, floor - H)`` of those given."""
+    edges = ([-max_decay] if max_decay is not None else []) + ([floor - H] if floor is not None else [])
+    return max(edges) if edges else None
+
+
+def resolved_below(d: float, se: float, edge: float, z: float) -> bool:
+    """Whether the prediction's upper z-bound is below the edge: ``d + z se < edge``."""
+    return d + z * se < edge
+
+
+def ratio_factor(d: float, want: float) -> float:
+    """The lr factor that makes a prediction ``d`` (linear in the lr) equal ``want``: ``want / d``
+    (+inf for ``d == 0``; <= 0 when no lr > 0 reaches it)."""
+    return want / d if d != 0 else math.inf
+
+
+def clamp(f: float, lo: float, hi: float) -> float:
+    return min(max(f, lo), hi)
+
+
+def recovered(prev: float, recovery: float) -> float:
+    """One geometric move of the factor toward 1."""
+    return min(1.0, prev * recovery) if prev < 1 else max(1.0, prev / recovery)
+
+
+def decide(rule: GuardRule, step: int, d: float, se: float, H: float, prev: float) -> Decision:
+    """The factor for the step predicted ``d`` +- ``se`` at factor 1, at entropy ``H``; ``prev``:
+    the factor in force (module docstring's rule)."""
+    edge = band_edge(H, rule.floor, rule.max_decay)
+    base = {"step": step, "deltaH_pred": d, "SE": se, "H": H, "edge": edge, "prev": prev}
+    pm = f"deltaH_pred {d:+.3e} +- {se:.1e} at the scheduler's lr"
+    if edge is not None and resolved_below(d, se, min(edge, 0.0), rule.z):
+        f = clamp(ratio_factor(d, edge), rule.min_factor, rule.max_factor)  # edge >= 0: ratio <= 0, min_factor
+        which = "floor" if rule.floor is not None and edge == rule.floor - H else "max_decay"
+        return Decision(factor=f, action="cut", reason=(
+            f"{pm}: its upper bound {d + rule.z * se:+.3e} (z={rule.z}) is below the {which} edge {edge:+.3e}; "
+            f"lr x {f:.3g} puts the prediction {'on the edge' if f == ratio_factor(d, edge) else 'as near it as allowed'}"),
+            **base)
+    if rule.target_deltaH is not None:
+        t = rule.target_deltaH
+        if abs(d - t) > rule.z * se and ratio_factor(d, t) > 0:
+            f = clamp(ratio_factor(d, t), rule.min_factor, rule.max_factor)
+            if edge is not None and d < 0:
+                f = min(f, max(rule.min_factor, ratio_factor(d, edge)) if edge < 0 else rule.min_factor)
+            return Decision(factor=f, action="steer", reason=(
+                f"{pm}: resolved away from target_deltaH {t:+.3e} (|d - target| > {rule.z} SE); lr x {f:.3g}"), **base)
+    f = recovered(prev, rule.recovery)
+    if edge is None or d - rule.z * se >= edge:
+        why = "inside the band"
+    elif edge > 0 and d - rule.z * se < 0:
+        why, f = f"below the floor (edge {edge:+.3e}) and the sign of the change unresolved: factor held", prev
+    elif edge > 0:
+        why = f"below the floor (edge {edge:+.3e}) but the step raises entropy (a smaller lr would not help)"
+    else:
+        why = f"its interval holds the edge {edge:+.3e} (unresolved: no action on noise)"
+    return Decision(factor=f, action="recover" if f != prev else "hold",
+                    reason=f"{pm}: {why}; factor {prev:.3g} -> {f:.3g}", **base)
+
+
+def scale_pending(probe: OnlineProbe, f: float) -> None:
+    """Rescale the probe's waiting prediction to the step at ``f`` x its lr: every value linear in
+    the step (``deltaH_pred`` and its parts, SEs, interval, attributions, per-prompt contributions)
+    and ``lr``. Exact for AdamW's closed-form update, ``-lr (m_hat / (sqrt(v_hat) + eps) + wd theta)``."""
+    pend = probe._pending
+    for res in (pend.res, pend.pred.res):
+        for k, v in res.items():
+            if isinstance(v, float) and k.startswith(("deltaH_pred", "SE_deltaH_pred", "ci95_pred", "attr_pred/")):
+                res[k] = v * f
+    pend.res["lr"] *= f
+    pend.pred.e = pend.pred.e * f
+
+
+class EntropyGuard:
+    """The guard around a plain loop's ``optimizer.step()`` (module docstring), on an
+    ``OnlineProbe`` that predicts every ``probe.every`` steps. ``decisions``: every decision with
+    its reason; ``lrs``: ``(step, [each group's lr used])`` of every step taken; ``time_s``: the wall
+    seconds spent in ``before_step`` and ``after_step`` (the probe's included)."""
+
+    def __init__(self, probe: OnlineProbe, floor: float | None = None, max_decay: float | None = None,
+                 target_deltaH: float | None = None, z: float = 1.96, min_factor: float = 0.05,
+                 max_factor: float = 1.0, recovery: float = 1.5):
+        self.probe = probe
+        self.rule = GuardRule(floor, max_decay, target_deltaH, z, min_factor, max_factor, recovery)
+        self.factor = 1.0
+        self.decisions: list[Decision] = []
+        self.lrs: list[tuple[int, list[float]]] = []
+        self._scheduled: list[float] | None = None
+        self._decision: Decision | None = None
+        self.time_s = 0.0
+
+    def before_step(self, step: int) -> float:
+        """Call with the step's gradient in ``.grad``, the scheduler's lr in the param groups: the
+        probe predicts (when due), the guard decides, each group's lr is multiplied by the factor.
+        Returns the factor."""
+        t0, probe = time.perf_counter(), self.probe
+        self._decision = None
+        if probe.before_step(step):
+            pend = probe._pending
+            res, E = pend.res, pend.E
+            H = float(-est.weighted_S(pend.pred.S, E.gen_lengths, E.Lmax, probe._ctx.weighting_mode).double().mean())
+            dec = decide(self.rule, step, res["deltaH_pred"], res["SE_deltaH_pred"], H, self.factor)
+            self.factor, self._decision = dec.factor, dec
+            self.decisions.append(dec)
+            scale_pending(probe, dec.factor)
+        groups = probe.optimizer.param_groups
+        self._scheduled = [g["lr"] for g in groups]
+        for g in groups:
+            g["lr"] = g["lr"] * self.factor
+        self.lrs.append((step, [g["lr"] for g in groups]))
+        self.time_s += time.perf_counter() - t0
+        return self.factor
+
+    def after_step(self) -> dict:
+        """Call after ``optimizer.step()`` (before the scheduler's step): puts the scheduler's lr
+        back and returns the probe's metrics (when it predicted) and ``entprobe/guard_lr_factor``,
+        ``entprobe/guard_action`` (-1 lowered, +1 raised, 0 kept; with a decision) and
+        ``entprobe/guard_lr`` (the first group's lr used)."""
+        t0 = time.perf_counter()
+        if self._scheduled is not None:
+            for g, lr in zip(self.probe.optimizer.param_groups, self._scheduled):
+                g["lr"] = lr
+            self._scheduled = None
+        out = dict(self.probe.after_step() or {})
+        out["entprobe/guard_lr_factor"] = self.factor
+        out["entprobe/guard_lr"] = self.lrs[-1][1][0] if self.lrs else math.nan
+        if self._decision is not None:
+            out["entprobe/guard_action"] = float(self._decision.code)
+        self.time_s += time.perf_counter() - t0
+        return out
+
+
+class EntropyGuardCallback(EntropyProbeCallback):
+    """``EntropyGuard`` inside TRL's GRPOTrainer: the online probe every ``every_n_steps`` (its
+    ``overrides`` as ``EntropyProbeCallback``'s) and the guard's factor on top of the scheduler's lr
+    at ``on_pre_optimizer_step``, put back at ``on_optimizer_step`` (before the trainer's
+    ``lr_scheduler.step()``). ``guard``: ``EntropyGuard``'s keywords (floor, max_decay, ...).
+    The ``entprobe/guard_*`` metrics join the trainer's logs; ``decisions`` lists every decision."""
+
+    def __init__(self, trainer, every_n_steps: int = 1, guard: dict | None = None, **overrides):
+        super().__init__(trainer, every_n_steps, **overrides)
+        self.guard_kwargs = dict(guard or {})
+        GuardRule(**self.guard_kwargs)  # bad parameters fail here, before training
+        self.guard: EntropyGuard | None = None
+
+    @property
+    def decisions(self) -> list[Decision]:
+        return self.guard.decisions if self.guard is not None else []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        self.guard = EntropyGuard(self.probe, **self.guard_kwargs)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.guard.before_step(state.global_step + 1)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self._to_log.update(self.guard.after_step())
