@@ -153,7 +153,7 @@ def what_if_lines(r: dict) -> list[tuple[str, str, str, str]]:
                              f"[{w['ci95_lr_low']:.3g}, {w['ci95_lr_high']:.3g}]",
                              f"the lr whose predicted change is {w['target_deltaH']:+.3g}"))
             else:
-                rows.append((key, "not resolved", "", w.get("status", "")))
+                rows.append((key, "not resolved", "", w.get("status", "").removeprefix("not resolved: ")))
             continue
         what = _what_if_label(key, w)
         if "deltaH_true" in w:
