@@ -250,6 +250,44 @@ def test_real_step_under_the_setting_is_the_predicted_update_and_first_order(exa
     assert gaps[1] < 1e-2 and gaps[1] < gaps[0] / 5, gaps
 
 
+# ---------------------------------------------------------------- the verdict and the report
+BASE = {"deltaH_pred": 3.49e-6, "SE_deltaH_pred": 1.9e-6, "ci95_pred_low": -1e-6, "ci95_pred_high": 8e-6,
+        "H_orig": 0.3, "weighting_mode": "dr_grpo"}
+WHAT_IF = {
+    "lr_x2": {"setting": "lr", "lr_factor": 2.0, "lr": 2e-7, "deltaH_pred": 7e-6, "SE": 4e-6, "ci95_low": -2e-6,
+              "ci95_high": 1.6e-5, "deltaH_true": 6.9e-6, "SE_deltaH_true": 4e-6, "measurable": True,
+              "deltaH_true_minus_pred": -4e-8, "SE_deltaH_true_minus_pred": 4.6e-8, "pred_consistent": True},
+    "kl_cov=0.01": {"setting": "kl_cov", "kl_cov": 0.01, "penalised_tokens": 1, "tokens": 37, "note": KL_COV_NOTE,
+                    "deltaH_pred": 3.49e-6, "SE": 1.9e-6, "ci95_low": -1e-6, "ci95_high": 8e-6},
+    "lr_for_target": {"setting": "lr_for_target", "target_deltaH": 1e-5, "lr": 1e-7, "lr_star": 2.9e-7,
+                      "SE_lr_star": 1e-7, "ci95_lr_low": 1e-7, "ci95_lr_high": 1e-6, "status": "resolved"}}
+
+
+def test_verdict_and_report_show_the_what_if_settings_only_when_set(capsys):
+    from entprobe.reporting.markdown import render
+    from entprobe.reporting.tables import console_table
+    from entprobe.reporting.verdict import verdict_markdown, what_if_lines
+
+    assert what_if_lines(BASE) == [] and "what if" not in verdict_markdown(BASE, [])
+    assert "## What-if" not in render(BASE, [], {}, {})
+    r = {**BASE, "what_if": WHAT_IF}
+    rows = what_if_lines(r)
+    assert [row[0] for row in rows] == ["lr_x2", "kl_cov=0.01", "lr_for_target"]
+    assert rows[0][1:3] == ("+7e-06 ± 4e-06", "[-2e-06, 1.6e-05]")
+    assert rows[0][3] == "lr x 2 (lr 2e-07); measured +6.9e-06 ± 4e-06, consistent with the prediction"
+    assert rows[1][3].startswith("KL-Cov, 1 of 37 U tokens: equal to the plain step")
+    assert rows[2][1:] == ("lr 2.9e-07 ± 1e-07", "[1e-07, 1e-06]", "the lr whose predicted change is +1e-05")
+    md = verdict_markdown(r, [])
+    assert md.index("| predicted |") < md.index("| what if |") < md.index("| lr_x2 |")
+    report = render(r, [], {}, {})
+    assert "## What-if" in report and "| `lr_x2` | 7e-06 | 4e-06 |" in report and KL_COV_NOTE in report
+    assert "lr for a predicted change of 1e-05: 2.9e-07 (SE 1e-07, 95% interval [1e-07, 1e-06])" in report
+    unresolved = {**r, "what_if": {"lr_for_target": {**WHAT_IF["lr_for_target"], "status": "not resolved: why"}}}
+    assert what_if_lines(unresolved) == [("lr_for_target", "not resolved", "", "why")]
+    console_table(r)  # the nested what_if is the verdict's, not a table row
+    assert "what_if" not in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------- the config
 def _cfg(**what_if) -> EntprobeConfig:
     cfg = EntprobeConfig()
@@ -322,6 +360,7 @@ def test_readme_what_if_command_measures_each_setting_paired_with_its_prediction
         r = w[f"lr_x{f:g}"]
         assert r["deltaH_pred"] == pytest.approx(f * res["deltaH_pred"], rel=1e-12)
         assert r["SE"] == pytest.approx(f * res["SE_deltaH_pred"], rel=1e-12)
+        assert r["SE_expected"] == pytest.approx(f * res["SE_deltaH_pred_expected"], rel=1e-12)
     kl = w["kl_cov=0.0002"]
     assert kl["deltaH_pred"] == res["deltaH_pred"] and kl["note"] == KL_COV_NOTE and "deltaH_true" not in kl
     assert w["entropy_coef=0.001"]["deltaH_pred"] != res["deltaH_pred"]

@@ -201,6 +201,8 @@ def run_what_if(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, st, geo, pc
         for f in wcfg.lr_factors:
             out[wi.setting_key("lr", f)] = {"setting": "lr", "lr_factor": f, "lr": st.lr * f,
                                             **wi.lr_scaled(plain, f), "how": "scaled (linear in lr)"}
+            if "SE_deltaH_pred_expected" in base:  # the expected step's SE (U side too) scales by f as well
+                out[wi.setting_key("lr", f)]["SE_expected"] = base["SE_deltaH_pred_expected"] * f
     new, kl = _settings(ctx, U, st.U_token_logp, st.Ybar, wcfg, linear)
     e_new = None
     if new:
