@@ -77,15 +77,17 @@ def token_entropy_with_grad(ctx: ProbeContext, mb: RolloutBatch) -> torch.Tensor
 
 def _grad_sum(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str, keep=lambda mb: True) -> pv.Buffer:
     """``sum`` over ``batch``'s microbatches (those ``keep`` accepts) of the gradient of
-    ``loss_of(mb)``, in the probe's buffers; the global mean over units is the caller's."""
+    ``loss_of(mb)``, in the probe's buffers; the global mean over units is the caller's. Under
+    FSDP2 a filler microbatch (runtime/sharding.py) runs its collective pass with its loss times 0."""
     ctx.zero_grad()
-    for start, mb in ctx.iterate(batch, ctx.mb_size, label):
-        if is_filler(mb) or not keep(mb):
+    for _, mb in ctx.iterate(batch, ctx.mb_size, label):
+        filler = is_filler(mb)
+        if not filler and not keep(mb):
             continue
         with torch.enable_grad(), no_sync(ctx.model):
             loss = loss_of(mb)
-            loss.backward()
-        ctx.stats.count("backward", mb.B * mb.G)
+            (loss * 0.0 if filler else loss).backward()
+        ctx.stats.count("backward", 0 if filler else mb.B * mb.G)
     buf = pv.zeros(ctx.params, ctx.buffers_device, ctx.buffers_dtype)
     pv.add_grads_(buf, ctx.params)
     ctx.zero_grad()
@@ -101,7 +103,8 @@ def entropy_bonus_gradient(ctx: ProbeContext, U: RolloutBatch) -> tuple[pv.Buffe
         u = ctx.objective.token_weights(mb.gen_lengths, mb.Lmax).to(ctx.device)
         ent = token_entropy_with_grad(ctx, mb)
         h = (u.to(ent.dtype) * ent.sum(-1)).sum()
-        vals.append(float(h.detach()))
+        if not is_filler(mb):
+            vals.append(float(h.detach()))
         return h
 
     buf = _grad_sum(ctx, U, loss_of, "what-if entropy bonus over U")
