@@ -107,6 +107,16 @@ def test_kl_cov_selects_the_largest_covariances_and_its_penalty_has_no_gradient_
     assert "zero (sub)gradient" in KL_COV_NOTE
 
 
+def test_top_entropy_quantile_keeps_trls_share_of_the_highest_entropy_tokens():
+    """TRL's own example (tests/test_grpo_trainer.py, GetHighEntropyMaskTester): 10 of 12 tokens
+    valid, top_entropy_quantile 0.2 keeps the 2 of highest entropy."""
+    ent = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.7, 0.8, 0.9, 1.0, 1.1, 1.2]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    keep = wi.high_entropy_mask(ent, mask, 0.2)
+    assert torch.equal(keep, torch.tensor([[False] * 6, [False, False, True, True, False, False]]))
+    assert torch.equal(wi.high_entropy_mask(ent, mask, 1.0), mask.bool())  # 1: every token kept
+
+
 # ---------------------------------------------------------------- the exact model
 @pytest.fixture(scope="module")
 def exact():
@@ -177,7 +187,32 @@ def test_clip_cov_gradient_is_that_of_verls_loss_with_the_selected_tokens_detach
     assert (flat(part).abs().max() > 1e-3 * flat(exact.Ybar).abs().max())  # the mask changes the gradient
 
 
-WCFG = WhatIfConfig(lr_factors=[3.0], entropy_coef=[0.2], clip_cov=[0.1], clip_cov_lb=0.0, clip_cov_ub=100.0)
+def test_top_entropy_quantile_gradient_is_that_of_trls_masked_loss(exact):
+    s, U, ctx = exact.setup, exact.U, exact.ctx
+    mask = U.response_mask.bool()
+    new, _ = _settings(ctx, U, exact.U_lp, exact.Ybar, WhatIfConfig(top_entropy_quantile=[0.5]), linear=True)
+    ((key, Y, f, facts),) = new
+    assert key == "top_entropy_quantile=0.5" and facts["tokens"] == int(mask.sum())
+    assert 0 < facts["masked_tokens"] < facts["tokens"]
+    # TRL: per_token_loss * entropy_mask, the mask from the entropies of softmax(logits / T)
+    ids, att, resp = U.flat("cpu")
+    logits = s.model(input_ids=ids, attention_mask=att, position_ids=position_ids_from_mask(att)).logits
+    lp_all = torch.log_softmax(logits[:, :-1], -1)
+    ent = torch.cat([torch.zeros_like(lp_all[:, :1, 0]), -(lp_all.exp() * lp_all).sum(-1)], 1).view(U.B, U.G, -1)
+    keep = wi.high_entropy_mask(ent.detach(), mask, 0.5)
+    assert int((mask & ~keep).sum()) == facts["masked_tokens"]
+    lp = torch.cat([torch.zeros_like(lp_all[:, :1, 0]), lp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)], 1)
+    lp = lp.view(U.B, U.G, -1)
+    A = U.advantages.double().unsqueeze(-1)
+    W = (1.0 / (U.B * U.G * U.Lmax.double()))[:, None, None]
+    loss = (-A * torch.exp(lp - lp.detach()) * keep * W).sum()
+    ref = torch.autograd.grad(loss, s.params)
+    assert (flat(Y) + flat(ref)).abs().max() < 1e-7 * flat(ref).abs().max()
+    assert (flat(Y) - flat(exact.Ybar)).abs().max() > 1e-2 * flat(exact.Ybar).abs().max()
+
+
+WCFG = WhatIfConfig(lr_factors=[3.0], entropy_coef=[0.2], clip_cov=[0.1], clip_cov_lb=0.0, clip_cov_ub=100.0,
+                    top_entropy_quantile=[0.2])
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +255,7 @@ def test_what_if_predictions_are_unbiased_for_the_exact_first_order_change(exact
         assert abs(target - base) > 8 * sed, (key, target, base, sed)
 
 
-@pytest.mark.parametrize("key", ["lr_x3", "entropy_coef=0.2", "clip_cov=0.1"])
+@pytest.mark.parametrize("key", ["lr_x3", "entropy_coef=0.2", "clip_cov=0.1", "top_entropy_quantile=0.2"])
 def test_real_step_under_the_setting_is_the_predicted_update_and_first_order(exact, updates, key):
     """The optimizer's step on gradient ``-Ybar_s`` (at lr x f) is the what-if's update to
     rounding, and changes the exact H by ``grad H . Delta theta`` up to a gap that shrinks like
@@ -305,6 +340,7 @@ def test_what_if_is_off_by_default():
     ({"entropy_coef": [-0.1]}, "probe.what_if.entropy_coef"),
     ({"clip_cov": [1.5]}, "probe.what_if.clip_cov"),
     ({"kl_cov": [0.0]}, "probe.what_if.kl_cov"),
+    ({"top_entropy_quantile": [1.5]}, "probe.what_if.top_entropy_quantile"),
     ({"target_deltaH": 0.0}, "probe.what_if.target_deltaH"),
     ({"clip_cov": [0.1], "clip_cov_lb": 5.0, "clip_cov_ub": 1.0}, "probe.what_if.clip_cov_lb"),
     ({"measure": True}, "probe.what_if.measure"),

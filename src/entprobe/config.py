@@ -169,13 +169,14 @@ class WhatIfConfig:
     clip_cov_ub: float = 5.0  # verl policy_loss.clip_cov_ub
     kl_cov: list[float] = field(default_factory=list)  # KL-Cov kl_cov_ratio values (verl loss_mode=kl_cov)
     ppo_kl_coef: float = 0.1  # verl policy_loss.ppo_kl_coef (KL-Cov's penalty weight)
+    top_entropy_quantile: list[float] = field(default_factory=list)  # TRL GRPOConfig top_entropy_quantile values
     seed: int = 0  # Clip-Cov's random choice among the eligible tokens
     measure: bool = False  # also take each setting's real step and measure it (Stage 3 per setting)
 
     @property
     def enabled(self) -> bool:
         return bool(self.lr_factors or self.target_deltaH is not None or self.entropy_coef or self.clip_cov
-                    or self.kl_cov)
+                    or self.kl_cov or self.top_entropy_quantile)
 
 
 def what_if_errors(cfg) -> list[tuple[str, str]]:
@@ -193,6 +194,8 @@ def what_if_errors(cfg) -> list[tuple[str, str]]:
     bad_list("entropy_coef", w.entropy_coef, lambda x: x >= 0, "each coefficient must be a finite number >= 0")
     bad_list("clip_cov", w.clip_cov, lambda x: 0 < x <= 1, "each ratio is a fraction of U's tokens in (0, 1]")
     bad_list("kl_cov", w.kl_cov, lambda x: 0 < x <= 1, "each ratio is a fraction of U's tokens in (0, 1]")
+    bad_list("top_entropy_quantile", w.top_entropy_quantile, lambda x: 0 < x <= 1,
+             "each is the fraction of U's tokens kept (the highest-entropy ones), in (0, 1]")
     t = w.target_deltaH
     if t is not None and not (math.isfinite(t) and t != 0):
         out.append(("probe.what_if.target_deltaH", f"is {t}; give a finite nonzero change in nats (or null)"))
@@ -206,7 +209,7 @@ def what_if_errors(cfg) -> list[tuple[str, str]]:
     if not w.enabled:
         if w.measure:
             out.append(("probe.what_if.measure", "is true but no what-if setting is given: set lr_factors, "
-                        "entropy_coef, clip_cov or kl_cov too"))
+                        "entropy_coef, clip_cov, kl_cov or top_entropy_quantile too"))
         return out
     mode = getattr(cfg.probe.mode, "value", cfg.probe.mode)
     if mode != "two_batch":

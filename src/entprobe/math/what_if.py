@@ -9,7 +9,8 @@ the prediction is linear in Xbar: exactly unbiased for ``grad H . Delta theta_s`
   ``lr P Ybar``) is linear in lr at a fixed gradient, so ``Delta theta_s = f Delta theta`` and the
   prediction, its per-prompt contributions and its SE all scale by f exactly (``lr_scaled``).
 - the lr for a target change: ``lr* = lr target / deltaH_pred`` (``lr_for_target``).
-- Clip-Cov / KL-Cov: verl's token selections (``clip_cov_selection``, ``kl_cov_selection``).
+- Clip-Cov / KL-Cov: verl's token selections (``clip_cov_selection``, ``kl_cov_selection``);
+  TRL's ``top_entropy_quantile`` (``high_entropy_mask``).
 """
 from __future__ import annotations
 
@@ -99,6 +100,19 @@ def kl_cov_selection(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, 
     out = torch.zeros(m.numel(), dtype=torch.bool)
     out[top] = True
     return out.view(m.shape)
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """The tokens TRL ``GRPOTrainer`` keeps with ``top_entropy_quantile = quantile``
+    (``get_high_entropy_mask(entropies, mask, 1 - quantile)``): the masked tokens whose entropy is
+    at least ``torch.quantile`` of the masked tokens' entropies at ``1 - quantile``; the others'
+    policy-gradient terms are multiplied by 0. Returns a bool mask like ``mask``."""
+    m = mask.bool()
+    vals = entropy[m].float()
+    if vals.numel() == 0:
+        return torch.zeros_like(m)
+    threshold = torch.quantile(vals, 1.0 - quantile)
+    return (entropy * m.float() >= threshold) & m
 
 
 def setting_key(kind: str, value: float) -> str:

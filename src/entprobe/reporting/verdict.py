@@ -137,6 +137,8 @@ def _what_if_label(key: str, w: dict) -> str:
         return f"entropy bonus, coefficient {w['entropy_coef']:g} (H_bonus {w.get('H_bonus', float('nan')):.3g})"
     if kind == "clip_cov":
         return f"Clip-Cov, {w['masked_tokens']} of {w['tokens']} U tokens detached"
+    if kind == "top_entropy_quantile":
+        return f"TRL top_entropy_quantile, {w['masked_tokens']} of {w['tokens']} U tokens detached"
     if kind == "kl_cov":
         return f"KL-Cov, {w['penalised_tokens']} of {w['tokens']} U tokens: {w.get('note', '')}"
     return key

@@ -11,6 +11,8 @@ From the probe's passes plus the least extra work:
   through the optimizer's update (not linearised in beta).
 - ``clip_cov``: the U gradient without the selected tokens' terms: one backward over the prompts
   holding a selected token only, through the update.
+- ``top_entropy_quantile`` (TRL): one no-graph pass over U for the token entropies and one backward
+  over U for the gradient of the tokens it drops, through the update.
 - ``kl_cov``: no pass: at the first step from on-policy samples its penalty has zero gradient,
   so its step is the plain one (reported as such, with a note).
 The E side of each setting's SE: one per-prompt pass over E projecting X onto every new update at
@@ -94,6 +96,13 @@ def _grad_sum(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str, keep=
     return buf
 
 
+def token_entropies(ctx: ProbeContext, U: RolloutBatch) -> torch.Tensor:
+    """U's per-position entropies [B_U, G, T] at theta (CPU, no graph), this rank's prompts."""
+    with torch.no_grad():
+        return torch.cat([token_entropy_with_grad(ctx, mb).cpu() for _, mb in ctx.iterate(U, ctx.mb_size, "U entropy")
+                          if not is_filler(mb)])
+
+
 def entropy_bonus_gradient(ctx: ProbeContext, U: RolloutBatch) -> tuple[pv.Buffer, float]:
     """``grad H_bonus(U)`` and ``H_bonus``: the objective's aggregation of U's per-position entropy
     (``Objective.token_weights``: token-mean for verl's default), one backward over U."""
@@ -149,6 +158,15 @@ def _whole_update(ctx: ProbeContext, optimizer, lr: float, Ybar: pv.Buffer, P, i
     return fill
 
 
+def _without(ctx: ProbeContext, U: RolloutBatch, Ybar: pv.Buffer, drop: torch.Tensor) -> pv.Buffer:
+    """Ybar without the policy-gradient terms of the ``drop`` [B_U, G, T] tokens (Ybar itself when
+    none is dropped)."""
+    if not drop.any():
+        return Ybar
+    part = masked_tokens_gradient(ctx, U, drop)
+    return [y - p.to(y.device, y.dtype) for y, p in zip(Ybar, part)]
+
+
 def _settings(ctx: ProbeContext, U: RolloutBatch, U_token_logp: torch.Tensor, Ybar: pv.Buffer, wcfg,
               linear: bool) -> tuple[list, dict]:
     """The settings that need a new update: ``[(key, Ybar_s, lr factor, facts)]``, and the facts
@@ -163,18 +181,27 @@ def _settings(ctx: ProbeContext, U: RolloutBatch, U_token_logp: torch.Tensor, Yb
             Y = [y + beta * g.to(y.device, y.dtype) for y, g in zip(Ybar, gH)]
             new.append((wi.setting_key("entropy_coef", beta), Y, 1.0,
                         {"setting": "entropy_coef", "entropy_coef": beta, "H_bonus": H_bonus}))
+    if (wcfg.clip_cov or wcfg.kl_cov or wcfg.top_entropy_quantile) and D.world() > 1:
+        raise ConfigError("probe.what_if.clip_cov/kl_cov/top_entropy_quantile: the token selection runs on one "
+                          "process; run the what-if without torchrun (or drop those settings)")
+    mask = U.response_mask.bool()
+    if wcfg.top_entropy_quantile:
+        with ctx.phase("what_if_top_entropy"):
+            ent = token_entropies(ctx, U)
+    for q in wcfg.top_entropy_quantile:
+        drop = mask & ~wi.high_entropy_mask(ent, mask, q)
+        with ctx.phase("what_if_top_entropy"):
+            Y = _without(ctx, U, Ybar, drop)
+        new.append((wi.setting_key("top_entropy_quantile", q), Y, 1.0,
+                    {"setting": "top_entropy_quantile", "top_entropy_quantile": q,
+                     "masked_tokens": int(drop.sum()), "tokens": int(mask.sum())}))
     if wcfg.clip_cov or wcfg.kl_cov:
-        if D.world() > 1:
-            raise ConfigError("probe.what_if.clip_cov/kl_cov: the token selection runs on one process; "
-                              "run the what-if without torchrun (or drop clip_cov and kl_cov)")
         A = U.advantages.double().unsqueeze(-1).expand_as(U_token_logp)
-        mask = U.response_mask.bool()
         for r in wcfg.clip_cov:
             gen = torch.Generator().manual_seed(int(wcfg.seed))
             sel = wi.clip_cov_selection(U_token_logp, A, mask, r, wcfg.clip_cov_lb, wcfg.clip_cov_ub, gen)
             with ctx.phase("what_if_clip_cov"):
-                part = masked_tokens_gradient(ctx, U, sel) if sel.any() else None
-            Y = Ybar if part is None else [y - p.to(y.device, y.dtype) for y, p in zip(Ybar, part)]
+                Y = _without(ctx, U, Ybar, sel)
             new.append((wi.setting_key("clip_cov", r), Y, 1.0,
                         {"setting": "clip_cov", "clip_cov": r, "masked_tokens": int(sel.sum()),
                          "tokens": int(mask.sum()), "seed": int(wcfg.seed)}))
