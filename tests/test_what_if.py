@@ -351,6 +351,15 @@ def test_bad_what_if_values_are_one_config_error_naming_the_key(what_if, key):
     assert str(exc.value).startswith(key) and "\n" not in str(exc.value)
 
 
+def test_composed_what_if_is_validated_on_the_dictconfig(tmp_path):
+    """``validate`` also takes the composed DictConfig (no dataclass properties there)."""
+    from conftest import compose_cfg
+
+    validate(compose_cfg(tmp_path, "probe.what_if.lr_factors=[0.5,2]", "probe.what_if.measure=true"))
+    with pytest.raises(ConfigError, match=r"^probe.what_if.lr_factors: has 0.0"):
+        validate(compose_cfg(tmp_path, "probe.what_if.lr_factors=[0]"))
+
+
 def test_what_if_is_refused_in_single_batch_mode_and_measure_needs_the_reused_gradient():
     cfg = _cfg(lr_factors=[2.0])
     cfg.probe.mode = "single_batch"

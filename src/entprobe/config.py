@@ -175,8 +175,13 @@ class WhatIfConfig:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.lr_factors or self.target_deltaH is not None or self.entropy_coef or self.clip_cov
-                    or self.kl_cov or self.top_entropy_quantile)
+        return what_if_enabled(self)
+
+
+def what_if_enabled(w) -> bool:
+    """Whether a ``probe.what_if`` (a WhatIfConfig or a DictConfig of one) asks for any setting."""
+    return bool(w.lr_factors or w.target_deltaH is not None or w.entropy_coef or w.clip_cov or w.kl_cov
+                or w.top_entropy_quantile)
 
 
 def what_if_errors(cfg) -> list[tuple[str, str]]:
@@ -206,7 +211,7 @@ def what_if_errors(cfg) -> list[tuple[str, str]]:
         out.append(("probe.what_if.ppo_kl_coef", f"is {w.ppo_kl_coef}; must be a finite number >= 0"))
     if w.seed < 0:
         out.append(("probe.what_if.seed", f"is {w.seed}; seeds must be >= 0"))
-    if not w.enabled:
+    if not what_if_enabled(w):
         if w.measure:
             out.append(("probe.what_if.measure", "is true but no what-if setting is given: set lr_factors, "
                         "entropy_coef, clip_cov, kl_cov or top_entropy_quantile too"))
