@@ -158,6 +158,10 @@ def test_entropy_bonus_gradient_is_that_of_the_trainers_aggregated_entropy(exact
     ref_g = torch.autograd.grad(ref, s.params)
     assert H_bonus == pytest.approx(float(ref.detach()), rel=1e-12)
     assert torch.allclose(flat(g), flat(ref_g), rtol=1e-10, atol=1e-14)
+    # the setting's gradient is minus that of verl's loss pg_loss - beta H_bonus: Ybar + beta grad H_bonus
+    ((_, Y, _, facts),) = _settings(ctx, U, exact.U_lp, exact.Ybar, WhatIfConfig(entropy_coef=[0.2]), linear=True)[0]
+    assert facts["H_bonus"] == H_bonus
+    assert (flat(Y) - flat(exact.Ybar) - 0.2 * flat(ref_g)).abs().max() < 1e-7 * flat(ref_g).abs().max()
     if objective == "verl_token_mean":  # token-mean is the mean entropy over U's generated tokens
         ent = token_entropy_with_grad(ctx, U).detach()
         assert H_bonus == pytest.approx(float(ent.sum() / L.double().sum()), rel=1e-12)
