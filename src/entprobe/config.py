@@ -7,6 +7,7 @@ checks a type cannot express (B >= 2, G >= 2, lr > 0, ...).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
@@ -156,6 +157,79 @@ class SamplingConfig:
 
 
 @dataclass
+class WhatIfConfig:
+    """``probe.what_if``: the predicted entropy change of the next step under other settings of the
+    knobs users turn (docs/what_if.md). Everything is off by default (the run and its cost are then
+    unchanged). ``what_if_errors`` range-checks it."""
+    lr_factors: list[float] = field(default_factory=list)  # the step at lr x f, for each f
+    target_deltaH: Optional[float] = None  # the lr whose predicted change is this (nats), with its interval
+    entropy_coef: list[float] = field(default_factory=list)  # verl actor.entropy_coeff values (entropy bonus)
+    clip_cov: list[float] = field(default_factory=list)  # Clip-Cov clip_cov_ratio values (verl loss_mode=clip_cov)
+    clip_cov_lb: float = 1.0  # verl policy_loss.clip_cov_lb
+    clip_cov_ub: float = 5.0  # verl policy_loss.clip_cov_ub
+    kl_cov: list[float] = field(default_factory=list)  # KL-Cov kl_cov_ratio values (verl loss_mode=kl_cov)
+    ppo_kl_coef: float = 0.1  # verl policy_loss.ppo_kl_coef (KL-Cov's penalty weight)
+    top_entropy_quantile: list[float] = field(default_factory=list)  # TRL GRPOConfig top_entropy_quantile values
+    seed: int = 0  # Clip-Cov's random choice among the eligible tokens
+    measure: bool = False  # also take each setting's real step and measure it (Stage 3 per setting)
+
+    @property
+    def enabled(self) -> bool:
+        return what_if_enabled(self)
+
+
+def what_if_enabled(w) -> bool:
+    """Whether a ``probe.what_if`` (a WhatIfConfig or a DictConfig of one) asks for any setting."""
+    return bool(w.lr_factors or w.target_deltaH is not None or w.entropy_coef or w.clip_cov or w.kl_cov
+                or w.top_entropy_quantile)
+
+
+def what_if_errors(cfg) -> list[tuple[str, str]]:
+    """``(key, message)`` for every out-of-range ``probe.what_if`` value of a config (an
+    EntprobeConfig or a DictConfig of one); empty when the what-if settings are valid."""
+    w = cfg.probe.what_if
+    out = []
+
+    def bad_list(key, xs, ok, what):
+        for x in xs:
+            if not (isinstance(x, (int, float)) and math.isfinite(x) and ok(x)):
+                out.append((f"probe.what_if.{key}", f"has {x}; {what}"))
+                return
+    bad_list("lr_factors", w.lr_factors, lambda x: x > 0, "each factor must be a finite number > 0")
+    bad_list("entropy_coef", w.entropy_coef, lambda x: x >= 0, "each coefficient must be a finite number >= 0")
+    bad_list("clip_cov", w.clip_cov, lambda x: 0 < x <= 1, "each ratio is a fraction of U's tokens in (0, 1]")
+    bad_list("kl_cov", w.kl_cov, lambda x: 0 < x <= 1, "each ratio is a fraction of U's tokens in (0, 1]")
+    bad_list("top_entropy_quantile", w.top_entropy_quantile, lambda x: 0 < x <= 1,
+             "each is the fraction of U's tokens kept (the highest-entropy ones), in (0, 1]")
+    t = w.target_deltaH
+    if t is not None and not (math.isfinite(t) and t != 0):
+        out.append(("probe.what_if.target_deltaH", f"is {t}; give a finite nonzero change in nats (or null)"))
+    if not (math.isfinite(w.clip_cov_lb) and math.isfinite(w.clip_cov_ub) and w.clip_cov_lb < w.clip_cov_ub):
+        out.append(("probe.what_if.clip_cov_lb", f"is {w.clip_cov_lb} with clip_cov_ub {w.clip_cov_ub}; "
+                    "need finite bounds with clip_cov_lb < clip_cov_ub"))
+    if not (math.isfinite(w.ppo_kl_coef) and w.ppo_kl_coef >= 0):
+        out.append(("probe.what_if.ppo_kl_coef", f"is {w.ppo_kl_coef}; must be a finite number >= 0"))
+    if w.seed < 0:
+        out.append(("probe.what_if.seed", f"is {w.seed}; seeds must be >= 0"))
+    if not what_if_enabled(w):
+        if w.measure:
+            out.append(("probe.what_if.measure", "is true but no what-if setting is given: set lr_factors, "
+                        "entropy_coef, clip_cov, kl_cov or top_entropy_quantile too"))
+        return out
+    mode = getattr(cfg.probe.mode, "value", cfg.probe.mode)
+    if mode != "two_batch":
+        out.append(("probe.what_if", f"is set with probe.mode={mode}: what-if predictions need the two-batch "
+                    "probe (a held-out E to project each setting's step on); use probe.mode=two_batch"))
+    i = cfg.importance
+    if w.measure and not i.enabled:
+        out.append(("probe.what_if.measure", "needs the ground truth: set importance.enabled=true"))
+    if w.measure and not (i.reuse_probe_gradient and getattr(i.training_loss, "value", i.training_loss) == "rl"):
+        out.append(("probe.what_if.measure", "steps on each setting's own gradient: set "
+                    "importance.reuse_probe_gradient=true and importance.training_loss=rl"))
+    return out
+
+
+@dataclass
 class ProbeConfig:
     mode: ProbeMode = ProbeMode.two_batch
     mb_size_prompts: int = 2
@@ -177,6 +251,7 @@ class ProbeConfig:
     cross_fit: bool = False
     top_units: int = 5
     ddp_allreduce: bool = True
+    what_if: WhatIfConfig = field(default_factory=WhatIfConfig)
 
 
 @dataclass

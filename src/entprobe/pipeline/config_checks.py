@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from entprobe.config import ConfigError, EntprobeConfig, ModelSource, ProbeMode, WeightingMode, structured
+from entprobe.config import (ConfigError, EntprobeConfig, ModelSource, ProbeMode, WeightingMode, structured,
+                             what_if_errors)
 from entprobe.rollouts.objectives import config_errors
 from entprobe.tasks.prompt_ids import style_errors
 from entprobe.runtime.sharding import config_errors as sharding_errors
@@ -117,7 +118,7 @@ def validate(cfg: Any) -> None:
     _require(o.step is None or o.step >= 1, "optimizer.step", f"is {o.step}; the steps already taken, >= 1")
     _require(o.weight_decay is None or o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
     for key, msg in config_errors(cfg.objective, cfg) + style_errors(cfg) + sharding_errors(cfg) + \
-            weight_errors(cfg.task.reward_funcs, cfg.task.reward_weights):
+            weight_errors(cfg.task.reward_funcs, cfg.task.reward_weights) + what_if_errors(cfg):
         _require(False, key, msg)
     _require(cfg.logging.wandb.mode in ("disabled", "offline", "online"), "logging.wandb.mode",
              f"is {cfg.logging.wandb.mode!r}; use disabled, offline or online")

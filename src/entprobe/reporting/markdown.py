@@ -105,6 +105,36 @@ def make_plots(results: dict, run_dir: str | Path) -> tuple[dict[str, Path], dic
     return made, missing
 
 
+WHAT_IF_COLUMNS = ("deltaH_pred", "SE", "ci95_low", "ci95_high", "deltaH_true", "SE_deltaH_true",
+                   "deltaH_true_minus_pred", "SE_deltaH_true_minus_pred", "pred_consistent")
+
+
+def what_if_section(results: dict) -> list[str]:
+    """``## What-if``: one row per ``probe.what_if`` setting with its prediction and, where it was
+    measured, the measured change and the paired difference (docs/what_if.md); [] without any."""
+    w = results.get("what_if") or {}
+    rows = {k: v for k, v in w.items() if "deltaH_pred" in v}
+    if not w:
+        return []
+    out = ["", "## What-if", "", "The predicted change of the next step under other settings (`what_if` in "
+           "`results.json`; docs/what_if.md).", ""]
+    if rows:
+        cols = [c for c in WHAT_IF_COLUMNS if any(c in v for v in rows.values())]
+        out += ["| setting | " + " | ".join(f"`{c}`" for c in cols) + " |", "|---|" + "---:|" * len(cols)]
+        for k, v in rows.items():
+            cells = [fmt(v[c]) if isinstance(v.get(c), float) else str(v.get(c, "")) for c in cols]
+            out.append(f"| `{k}` | " + " | ".join(cells) + " |")
+    target = w.get("lr_for_target")
+    if target:
+        out += ["", f"lr for a predicted change of {fmt(target['target_deltaH'])}: " + (
+            f"{fmt(target['lr_star'])} (SE {fmt(target['SE_lr_star'])}, 95% interval "
+            f"[{fmt(target['ci95_lr_low'])}, {fmt(target['ci95_lr_high'])}])" if target["status"] == "resolved"
+            else target["status"])]
+    notes = sorted({v["note"] for v in w.values() if v.get("note")})
+    out += [""] + [f"- {n}" for n in notes] if notes else []
+    return out
+
+
 def render(results: dict, fl: list[Flag], images: dict[str, Path], missing: dict[str, str]) -> str:
     """The markdown text: verdict, headline table, images (relative links), what is missing."""
     lines = ["# entprobe run report", "",
@@ -114,6 +144,7 @@ def render(results: dict, fl: list[Flag], images: dict[str, Path], missing: dict
              f"G {results.get('G', '')}", "", "## Verdict", "", verdict_markdown(results, fl), "## Results", "",
              "| result | value |", "|---|---:|"]
     lines += [f"| `{k}` | {v:.6g} |" if isinstance(v, float) else f"| `{k}` | {v} |" for k, v in headline_rows(results)]
+    lines += what_if_section(results)
     lines += ["", "Every number is in `results.json`; the per-prompt values behind the SEs in "
               f"`{PER_UNIT_FILE}`.", "", "## Plots", ""]
     for name, path in images.items():

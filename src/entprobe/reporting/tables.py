@@ -64,6 +64,6 @@ def console_table(results: dict, title: str = "entprobe results", extra_headline
     head = headline_rows(results, extra_headline)
     shown = {k for k, _ in head}
     for k, v in head + sorted((k, v) for k, v in results.items() if k not in shown):
-        if not k.startswith("attr/layer/"):
+        if not k.startswith("attr/layer/") and not isinstance(v, dict):  # what_if: in the verdict
             table.add_row(k, fmt(v))
     Console(width=120).print(table)

@@ -128,6 +128,46 @@ def verdict_lines(r: dict) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def _what_if_label(key: str, w: dict) -> str:
+    """What a what-if setting is, in words."""
+    kind = w.get("setting")
+    if kind == "lr":
+        return f"lr x {w['lr_factor']:g} (lr {w['lr']:.3g})"
+    if kind == "entropy_coef":
+        return f"entropy bonus, coefficient {w['entropy_coef']:g} (H_bonus {w.get('H_bonus', float('nan')):.3g})"
+    if kind == "clip_cov":
+        return f"Clip-Cov, {w['masked_tokens']} of {w['tokens']} U tokens detached"
+    if kind == "top_entropy_quantile":
+        return f"TRL top_entropy_quantile, {w['masked_tokens']} of {w['tokens']} U tokens detached"
+    if kind == "kl_cov":
+        return f"KL-Cov, {w['penalised_tokens']} of {w['tokens']} U tokens: {w.get('note', '')}"
+    return key
+
+
+def what_if_lines(r: dict) -> list[tuple[str, str, str, str]]:
+    """Rows (setting, predicted +- SE, 95% interval, what it is; measured where it was) of
+    ``probe.what_if`` (empty without it)."""
+    rows = []
+    for key, w in (r.get("what_if") or {}).items():
+        if w.get("setting") == "lr_for_target":
+            if w.get("status") == "resolved":
+                rows.append((key, f"lr {w['lr_star']:.3g} ± {w['SE_lr_star']:.2g}",
+                             f"[{w['ci95_lr_low']:.3g}, {w['ci95_lr_high']:.3g}]",
+                             f"the lr whose predicted change is {w['target_deltaH']:+.3g}"))
+            else:
+                rows.append((key, "not resolved", "", w.get("status", "").removeprefix("not resolved: ")))
+            continue
+        what = _what_if_label(key, w)
+        if "deltaH_true" in w:
+            if w.get("measurable") is False:
+                what += "; measured: unmeasurable"
+            else:
+                agree = "consistent" if w.get("pred_consistent") else "NOT consistent"
+                what += f"; measured {_pm(w['deltaH_true'], w.get('SE_deltaH_true'))}, {agree} with the prediction"
+        rows.append((key, _pm(w["deltaH_pred"], w.get("SE")), _ci(w, "ci95_low", "ci95_high"), what))
+    return rows
+
+
 def title(r: dict) -> str:
     """What the verdict's numbers are: the functional and the entropy they change."""
     H = r.get("H_orig")
@@ -142,6 +182,10 @@ def verdict_markdown(r: dict, fl: list[Flag]) -> str:
     out = [f"**{title(r)}**", "", "| | value ± SE | 95% interval | what it is |", "|---|---:|:---:|---|"]
     out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in verdict_lines(r)]
     out.append("")
+    if what_if_lines(r):
+        out += ["| what if | predicted ± SE | 95% interval | what it is |", "|---|---:|:---:|---|"]
+        out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in what_if_lines(r)]
+        out.append("")
     out += [f"- **{code}**: {msg}" for code, msg in fl] or ["No flags: nothing the verdict warns about."]
     return "\n".join(out) + "\n"
 
@@ -161,6 +205,13 @@ def print_verdict(r: dict, fl: list[Flag], phases: dict[str, float] | None = Non
         t.add_row(*row)
     con = Console(width=140)
     con.print(Panel(t, title=title(r), expand=False))
+    if what_if_lines(r):
+        w = Table(show_header=False, box=None, pad_edge=False)
+        for style, justify in (("bold", "left"), (None, "right"), (None, "center"), ("dim", "left")):
+            w.add_column(style=style, justify=justify)
+        for row in what_if_lines(r):
+            w.add_row(*row)
+        con.print(Panel(w, title="what if (the same step model, other settings)", expand=False))
     for code, msg in fl:
         con.print(f"[yellow]! {code}[/yellow]: {msg}")
     if phases:

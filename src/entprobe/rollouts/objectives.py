@@ -85,6 +85,14 @@ class Objective:
         G = A.shape[-1]
         return self.unit_weights(A, L, Lmax) * G * Lmax.clamp(min=1).unsqueeze(-1).to(A.dtype)
 
+    def token_weights(self, L: torch.Tensor, Lmax: torch.Tensor) -> torch.Tensor:
+        """``u[n,g]`` [n, G] such that the objective's aggregation of a per-token value v (verl's
+        ``agg_loss`` with this ``loss_agg_mode``: what an entropy bonus is aggregated with) is
+        ``(1/B) sum_{n,g} u[n,g] sum_t v[n,g,t]``: the unit weights with A = 1 and no per-token
+        factor (token-mean: ``1/Tbar``; entprobe's ``group_lmax``: ``1/(G Lmax)``)."""
+        ones = torch.ones(L.shape, dtype=torch.float64)
+        return unit_weights(self.aggregation, ones, L.to(ones.device), Lmax.to(ones.device), 1.0, self.constant)
+
     @property
     def coupled(self) -> bool:
         """Whether a unit's Y depends on the rest of the batch (then only linearised SEs exist)."""

@@ -33,6 +33,7 @@ from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.pipeline.stages.ground_truth import StepInputs, run_ground_truth
 from entprobe.pipeline.stages.prediction import (build_step_model, compare_with_prediction, directions, mul_into,
                                         prediction_results)
+from entprobe.pipeline.stages.what_if import run_what_if
 from entprobe.pipeline.stages.variance import (project_backward, project_jvp, project_stored, resolve_projection,
                                       resolve_unit_backward)
 
@@ -172,6 +173,8 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
         psi, log_w = gt.pop("gt/psi"), gt.pop("gt/log_weights")
         res.update(gt)
         res.update(compare_with_prediction(res, psi, e))
+    if pcfg.what_if.enabled:  # other settings' steps, after the user's own (pipeline/stages/what_if.py)
+        res.update(run_what_if(ctx, E, U, st, geo, pcfg, icfg, res))
     if D.is_main():
         # per-prompt values: the report's plots, and the projections the batch-size planner reads
         a, b = st.a, st.b
