@@ -38,7 +38,8 @@ def run_out(tmp_path_factory) -> Path:
 
 
 def test_checkpoints_are_in_trainer_layout_with_the_probe_in_their_log(run_out):
-    assert sorted(p.name for p in run_out.iterdir()) == ["checkpoint-2", "checkpoint-3"]  # every 2 and the last
+    assert sorted(p.name for p in run_out.iterdir()) == ["checkpoint-2", "checkpoint-3",  # every 2 and the last
+                                                          "entprobe_over_steps.csv", "entprobe_over_steps.png"]
     for step in (2, 3):
         folder = run_out / f"checkpoint-{step}"
         assert FILES <= {p.name for p in folder.iterdir()}, folder

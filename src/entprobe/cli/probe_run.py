@@ -181,7 +181,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     pick = ap.add_mutually_exclusive_group()
     pick.add_argument("--steps", default=None, help="comma-separated steps to probe, e.g. 10,20")
     pick.add_argument("--every", type=int, default=None, help="probe the checkpoints whose step is a multiple of K")
-    return ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)  # overrides before or after the options
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -170,3 +170,15 @@ def report(rows: Sequence[Mapping], run_dir: str, csv_name: str = CSV_FILE, plot
     if plot_name:
         lines += ["", f"![entropy over training]({plot_name})"]
     return "\n".join(lines) + "\n"
+
+
+def write_history(history: Sequence[Mapping], folder: str | Path, title: str = "") -> list[Path]:
+    """The online probe's ``history`` as ``entprobe_over_steps.csv`` and ``.png`` in ``folder`` (the
+    trainer's output folder); their paths, none when nothing was probed."""
+    if not history:
+        return []
+    rows, folder = history_rows(history), Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    return [write_csv(rows, folder / (ONLINE_PREFIX + CSV_FILE)),
+            plot(rows, folder / (ONLINE_PREFIX + PLOT_FILE), title=title or "online probe over training: H and "
+                 "the predicted / measured change of the probed step")]
