@@ -100,11 +100,12 @@ def _errorbars(ax, rows: Sequence[Mapping], key: str, lo: str, hi: str, label: s
     return True
 
 
-def plot(rows: Sequence[Mapping], path: str | Path, title: str = "") -> Path:
+def plot(rows: Sequence[Mapping], path: str | Path, title: str = "", online: bool = False) -> Path:
     """``over_steps.png``: against the training step, H with its 95% band (top) and the predicted
     (filled, solid) and measured (open, dashed) entropy change of the next step with their 95%
     intervals as bars, a zero line (bottom); nats. Rows that were skipped or failed are marked on the
-    step axis."""
+    step axis. ``online``: the rows are an online probe's (H just before each probed step), not
+    checkpoints'."""
     rows = sorted(rows, key=lambda r: r["step"])
     ok = [r for r in rows if r["status"] == "ok"]
     fig = Figure(figsize=(8, 6.4))
@@ -112,10 +113,10 @@ def plot(rows: Sequence[Mapping], path: str | Path, title: str = "") -> Path:
     h = [r for r in ok if math.isfinite(r["H"])]
     if h:
         x = [r["step"] for r in h]
-        ax_h.plot(x, [r["H"] for r in h], "o-", color="black", ms=4, lw=1.2, label="H at the checkpoint")
+        ax_h.plot(x, [r["H"] for r in h], "o-", color="black", ms=4, lw=1.2, label="H before the probed step" if online else "H at the checkpoint")
         lo, hi = np.array([r["ci95_H_low"] for r in h], float), np.array([r["ci95_H_high"] for r in h], float)
         if np.isfinite(lo).any():
-            ax_h.fill_between(x, lo, hi, color="gray", alpha=0.25, lw=0, label="95% interval")
+            ax_h.fill_between(x, lo, hi, color="gray", alpha=0.25, lw=0, label="95% interval (t, B_E - 1 df)")
         ax_h.legend(fontsize=8)
     else:
         _note(ax_h, "no entropy measured")
@@ -126,13 +127,14 @@ def plot(rows: Sequence[Mapping], path: str | Path, title: str = "") -> Path:
              _errorbars(ax_d, ok, "deltaH_true", "ci95_true_low", "ci95_true_high", "measured (one real step)",
                         TRUE_COLOR, TRUE_STYLE, 0.006 * width)]
     ax_d.axhline(0, color="black", lw=0.6)
-    for r in rows:
-        if r["status"] != "ok":
+    for r in rows:  # why a step has no point: skipped / failed checkpoint, or its step unmeasurable
+        mark = r["status"] if r["status"] != "ok" else "no measurement" if math.isnan(r["deltaH_true"]) else ""
+        if mark:
             ax_d.axvline(r["step"], color="gray", ls=":", lw=0.8)
-            ax_d.annotate(r["status"], (r["step"], 0), xycoords=("data", "axes fraction"), xytext=(2, 3),
+            ax_d.annotate(mark, (r["step"], 0), xycoords=("data", "axes fraction"), xytext=(2, 3),
                           textcoords="offset points", fontsize=7, color="gray", rotation=90, va="bottom")
-    ax_d.set_ylabel("entropy change of the next step (nats)")
-    ax_d.set_xlabel("training step (checkpoint)")
+    ax_d.set_ylabel(f"entropy change of the {'probed' if online else 'next'} step (nats)")
+    ax_d.set_xlabel("training step (probed online)" if online else "training step (checkpoint)")
     if any(shown):
         ax_d.legend(fontsize=8, title="bars: 95% intervals", title_fontsize=8)
     else:
@@ -181,4 +183,4 @@ def write_history(history: Sequence[Mapping], folder: str | Path, title: str = "
     folder.mkdir(parents=True, exist_ok=True)
     return [write_csv(rows, folder / (ONLINE_PREFIX + CSV_FILE)),
             plot(rows, folder / (ONLINE_PREFIX + PLOT_FILE), title=title or "online probe over training: H and "
-                 "the predicted / measured change of the probed step")]
+                 "the predicted / measured change of the probed step", online=True)]
