@@ -100,6 +100,15 @@ def test_a_folder_without_checkpoints_is_a_one_line_error(tmp_path, capsys):
     assert str(tmp_path / "empty") in err and "checkpoint-<N>" in err and "global_step_<N>" in err
 
 
+def test_a_bad_override_is_a_one_line_error_before_any_checkpoint(run_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([str(run_dir), "--out", str(tmp_path / "out"), "batch.nope=1"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Could not override 'batch.nope'" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_checkpoints_found_by_step_and_chosen(tmp_path):
     for name in ("checkpoint-10", "checkpoint-2", "global_step_5/actor", "checkpoint-x", "other"):
         (tmp_path / name).mkdir(parents=True)

@@ -94,11 +94,16 @@ def compose_run(overrides: list[str]):
 
     if not any(o.lstrip("+~").startswith("model=") for o in overrides):
         overrides = ["model=hf", *overrides]
+    from hydra.errors import HydraException
+
     register_configs()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
             return compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    except HydraException as exc:  # a key the schema does not have, a bad group choice, bad syntax
+        raise ConfigError(f"the overrides {' '.join(overrides)}: {exc} (python -m entprobe.main --help lists the "
+                          "keys)") from None
     finally:
         GlobalHydra.instance().clear()
 
