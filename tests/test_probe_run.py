@@ -157,3 +157,10 @@ def test_the_trl_callback_plots_its_history_at_the_end(tmp_path, capsys):
     cb.probe = None  # nothing probed: nothing written
     cb.on_train_end(SimpleNamespace(output_dir=str(tmp_path / "none")), state, None)
     assert not (tmp_path / "none").exists()
+
+
+def test_help_names_the_options(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert info.value.code == 0 and all(o in text for o in ("RUN_DIR", "--out", "--steps", "--every", "overrides"))

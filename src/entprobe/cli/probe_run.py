@@ -176,8 +176,19 @@ def write_outputs(rows: list[dict], out: Path, run_dir: Path) -> None:
     write_text_atomic(out / REPORT_FILE, OS.report(rows, str(run_dir)))
 
 
+HELP = """Probe every checkpoint of a training run, each as python -m entprobe.main would, in one process.
+
+  python -m entprobe.probe_run runs/grpo --out runs/grpo-over-steps batch.B_E=16
+
+finds RUN_DIR's checkpoint-<N>/ (HF / TRL) and global_step_<N>/ (verl) folders, probes each into
+OUT/step-<N>/ and writes OUT/over_steps.csv, over_steps.png and report.md. A checkpoint whose
+schedule has ended (next lr 0) is skipped, one that fails is recorded with its reason; the others
+go on. Exit status 0 when one was probed, 1 when none was, 2 for a usage error (docs/over_steps.md)."""
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m entprobe.probe_run", description=__doc__.split("\n\n")[1],
+    """The command line: RUN_DIR, the options, the Hydra overrides (before or after the options)."""
+    ap = argparse.ArgumentParser(prog="python -m entprobe.probe_run", description=HELP,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", metavar="RUN_DIR", help="the training run's folder (its checkpoint folders inside)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every probe job, as python -m entprobe.main "
