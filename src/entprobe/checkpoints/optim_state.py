@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from entprobe.checkpoints.errors import OptimizerStateError, ScheduleEndedError  # noqa: F401 (re-exported)
+from entprobe.checkpoints.errors import OptimizerStateError  # noqa: F401 (re-exported)
 from entprobe.runtime.input_files import load_json_file, load_torch_file
 from entprobe.math.paramvec import trainable
 from entprobe.checkpoints.trainer_states import FORMATS
@@ -117,9 +117,11 @@ def positive_lr(lr: float, src: str, last_step_lr: float | None = None, fix: str
     if not (lr > 0 and lr == lr and lr != float("inf")):
         taken = last_step_lr
         before = f"; the last step was taken at lr {taken:g} (trainer_state.json)" if taken else ""
-        raise ScheduleEndedError(
+        err = OptimizerStateError(
             f"the schedule has ended: the next step's lr is {lr:g} ({src}){before}. A step at lr 0 "
             f"changes nothing: {fix or f'{_SET_LR}, e.g. optimizer.lr={taken or 1e-6:g}'}")
+        err.schedule_ended = True
+        raise err
     return lr
 
 

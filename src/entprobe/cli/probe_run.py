@@ -23,7 +23,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf, open_dict
 
-from entprobe.checkpoints.errors import ScheduleEndedError
+from entprobe.checkpoints.errors import OptimizerStateError
 from entprobe.checkpoints.trainer_args import set_in_config_files
 from entprobe.checkpoints.trainer_checkpoint import checkpoint_step, existing_checkpoints
 from entprobe.checkpoints.trainer_states.verl import find_verl_folder
@@ -156,10 +156,10 @@ def probe_run(run_dir: Path, overrides: list[str], out: Path | None = None, step
         try:
             res = probe_one(cfg, explicit, ck, job_dir)
             row = OS.over_steps_row(ck.step, "ok", res, job_dir.name, time_s=time.perf_counter() - t0)
-        except ScheduleEndedError as exc:
-            row = OS.over_steps_row(ck.step, "skipped", None, job_dir.name, reason_of(exc), time.perf_counter() - t0)
         except Exception as exc:  # noqa: BLE001 -- recorded with its reason, the run goes on
-            row = OS.over_steps_row(ck.step, "failed", None, job_dir.name, reason_of(exc), time.perf_counter() - t0)
+            ended = isinstance(exc, OptimizerStateError) and exc.schedule_ended  # next lr 0: nothing to probe
+            row = OS.over_steps_row(ck.step, "skipped" if ended else "failed", None, job_dir.name, reason_of(exc),
+                                    time.perf_counter() - t0)
         rows.append(row)
         what = row["status"] + (f": {row['reason']}" if row["reason"] else "")
         (bar.write if progress else log)(f"entprobe: step {ck.step} {what} ({row['time_s']:.1f} s)")

@@ -12,7 +12,7 @@ from typing import Iterator
 
 from hydra.errors import CompactHydraException
 
-from entprobe.checkpoints.errors import OptimizerStateError, ScheduleEndedError
+from entprobe.checkpoints.errors import OptimizerStateError
 from entprobe.checkpoints.peft import AdapterError
 from entprobe.config import ConfigError
 from entprobe.reporting.planning import PlanError
@@ -25,7 +25,7 @@ from entprobe.tasks.base import RewardFunctionError
 # each raised with a message that says what to change; add a new user-facing error class here
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, InputFileError, OptimizerStateError, AdapterError,
                                                  PlanError, LockTimeout, RewardFunctionError, OutputFileError,
-                                                 BatchSaveError, ScheduleEndedError)
+                                                 BatchSaveError)
 EXIT_USAGE = 2  # argparse's and most Unix tools' exit status for a usage error
 FULL_ERROR_ENV = "HYDRA_FULL_ERROR"
 
