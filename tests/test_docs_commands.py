@@ -72,6 +72,8 @@ COVERAGE: dict[str, tuple[str, str]] = {
         ("run", "tests/test_train.py::test_readme_train_command_runs_verbatim"),
     "python -m entprobe.main model=hf model.path=runs/grpo/checkpoint-6 optimizer.state_path=runs/grpo/checkpoint-6":
         ("run", "tests/test_train.py::test_readme_train_command_runs_verbatim"),
+    "python -m entprobe.probe_run runs/grpo --out runs/grpo-over-steps":
+        ("run", "tests/test_train.py::test_readme_train_command_runs_verbatim"),
     # README.md "Probe your TRL run"
     "python -m entprobe.main model=hf model.path=outputs/grpo/checkpoint-500 task=jsonl "
     "task.path=data/train.jsonl 'task.reward_funcs=[my_rewards:accuracy,my_rewards:brevity]' batch.B_U=2":

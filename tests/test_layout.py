@@ -4,7 +4,7 @@ points to the importing module's own package or to a layer below it.
 
 Layers, bottom up: config (the typed schema) < runtime < math < tasks < rollouts < checkpoints <
 reporting < pipeline < integrations < cli < the entry points (``entprobe``, ``entprobe.main``,
-``entprobe.plan``, ``entprobe.train``).
+``entprobe.plan``, ``entprobe.train``, ``entprobe.probe_run``).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import entprobe
 
 ROOT = Path(entprobe.__file__).resolve().parent
 LAYERS = [("config", "conf_help", "conf"), ("runtime",), ("math",), ("tasks",), ("rollouts",), ("checkpoints",),
-          ("reporting",), ("pipeline",), ("integrations",), ("cli",), ("", "main", "plan", "train")]
+          ("reporting",), ("pipeline",), ("integrations",), ("cli",), ("", "main", "plan", "train", "probe_run")]
 MAX_LOOSE = 12
 
 

@@ -38,7 +38,8 @@ def run_out(tmp_path_factory) -> Path:
 
 
 def test_checkpoints_are_in_trainer_layout_with_the_probe_in_their_log(run_out):
-    assert sorted(p.name for p in run_out.iterdir()) == ["checkpoint-2", "checkpoint-3"]  # every 2 and the last
+    assert sorted(p.name for p in run_out.iterdir()) == ["checkpoint-2", "checkpoint-3",  # every 2 and the last
+                                                          "entprobe_over_steps.csv", "entprobe_over_steps.png"]
     for step in (2, 3):
         folder = run_out / f"checkpoint-{step}"
         assert FILES <= {p.name for p in folder.iterdir()}, folder
@@ -125,13 +126,15 @@ def test_help_documents_the_options(capsys):
 
 
 def test_readme_train_command_runs_verbatim(tmp_path):
-    """README "Train a probed run from zero": the trainer, then entprobe.main on its last checkpoint."""
+    """README "Train a probed run from zero": the trainer, then entprobe.main on its last checkpoint;
+    "Probe a whole run": entprobe.probe_run over its checkpoints."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
     train_cmd = "python -m entprobe.train --out runs/grpo --steps 6 --B 8 --save-every 3 --probe-every 3"
     probe_cmd = ("python -m entprobe.main model=hf model.path=runs/grpo/checkpoint-6 "
                  "optimizer.state_path=runs/grpo/checkpoint-6")
+    run_cmd = "python -m entprobe.probe_run runs/grpo --out runs/grpo-over-steps"  # "Probe a whole run"
     out = []
-    for cmd in (train_cmd, probe_cmd):
+    for cmd in (train_cmd, probe_cmd, run_cmd):
         proc = subprocess.run([sys.executable, *cmd.split()[1:]], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=400)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -142,6 +145,9 @@ def test_readme_train_command_runs_verbatim(tmp_path):
     (run_dir,) = tmp_path.glob("outputs/*/*")
     res = json.loads((run_dir / "results.json").read_text())
     assert res["adam_step"] == 6 and res["SE_deltaH_pred"] > 0
+    over = (tmp_path / "runs/grpo-over-steps/over_steps.csv").read_text().splitlines()
+    assert [line.split(",")[:2] for line in over[1:]] == [["3", "ok"], ["6", "ok"]]
+    assert out[2].strip().splitlines()[-1] == "entprobe: plots    runs/grpo-over-steps/over_steps.png"
 
 
 def test_the_probe_leaves_the_trajectory_unchanged(run_out, tmp_path):

@@ -117,9 +117,11 @@ def positive_lr(lr: float, src: str, last_step_lr: float | None = None, fix: str
     if not (lr > 0 and lr == lr and lr != float("inf")):
         taken = last_step_lr
         before = f"; the last step was taken at lr {taken:g} (trainer_state.json)" if taken else ""
-        raise OptimizerStateError(
+        err = OptimizerStateError(
             f"the schedule has ended: the next step's lr is {lr:g} ({src}){before}. A step at lr 0 "
             f"changes nothing: {fix or f'{_SET_LR}, e.g. optimizer.lr={taken or 1e-6:g}'}")
+        err.schedule_ended = True
+        raise err
     return lr
 
 

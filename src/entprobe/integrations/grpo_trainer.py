@@ -33,6 +33,7 @@ from entprobe.tasks.arithmetic import ArithmeticTask
 from entprobe.tasks.jsonl import JsonlTask
 from entprobe.integrations.online import OnlineProbe
 from entprobe.integrations.guard import EntropyGuard
+from entprobe.reporting.over_steps import write_history
 from entprobe.checkpoints.default_checkpoint import policy_loss, trainer_adamw
 
 ADV_EPS = 1e-6  # grpo advantages: (r - mean) / (std + ADV_EPS)
@@ -216,4 +217,10 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
             written.append(write_trainer_checkpoint(a.out, step, model, tok, opt, sched, state, vars(a)))
             log(f"[entprobe] step {step}: loss {entry['loss']:+.4f} reward {entry['reward']:.3f} "
                 f"entropy {entry['entropy']:.3f} -> {written[-1]}")
+    if probe is not None:  # the online probe's steps, plotted as entprobe.probe_run plots a run's checkpoints
+        probed = {e["step"]: {"step": e["step"], **{k[9:]: v for k, v in e.items() if k.startswith("entprobe/")}}
+                  for e in history if "entprobe/deltaH_pred" in e}  # a resumed run's earlier probes: as logged
+        probed.update({r["step"]: r for r in probe.history})  # this process's: every result
+        for path in write_history(list(probed.values()), a.out):
+            log(f"[entprobe] over steps: {path}")
     return written

@@ -34,6 +34,7 @@ from transformers import TrainerCallback
 from entprobe.config import ConfigError
 from entprobe.math.importance import psis_backend
 from entprobe.integrations.online import OnlineProbe, online_config
+from entprobe.reporting.over_steps import write_history
 from entprobe.rollouts.sampling import RolloutBatch
 
 
@@ -163,3 +164,10 @@ class EntropyProbeCallback(TrainerCallback):
             if state.log_history and state.log_history[-1].get("step") == state.global_step:
                 state.log_history[-1].update(self._to_log)  # the trainer's copy of the same entry
             self._to_log = {}
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """``entprobe_over_steps.csv`` and ``.png`` (reporting/over_steps.py) of ``history`` in the
+        trainer's ``output_dir``, their paths printed (nothing when no step was probed)."""
+        if state.is_world_process_zero:
+            for path in write_history(self.history, args.output_dir):
+                print(f"entprobe: over steps {path}", flush=True)

@@ -158,7 +158,8 @@ def importance_estimates(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Ten
         ess_frac = float(im.stratified_ess(logw).mean()) / logw.shape[1]  # [B] per prompt
     Lf = L.double()
     N = logw.numel()
-    out = {"H_orig": float(f_orig.mean()), "H_orig_per_token": float(-S_orig.double().sum() / Lf.sum())}
+    out = {"H_orig": float(f_orig.mean()), "H_orig_per_token": float(-S_orig.double().sum() / Lf.sum()),
+           "SE_H_orig": math.sqrt(est.mean_variance(f_orig.mean(-1))) if f_orig.shape[0] > 1 else math.nan}
     for name, ch in changes.items():
         out[f"deltaH_{name}"] = ch.estimate
         out[f"SE_deltaH_{name}"] = ch.SE

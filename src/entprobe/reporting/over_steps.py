@@ -1,0 +1,186 @@
+"""A training run probed checkpoint by checkpoint (``python -m entprobe.probe_run``) or online
+(``EntropyProbeCallback`` / ``python -m entprobe.train --probe-every``): one row per training step
+(``over_steps_row``), ``over_steps.csv`` (``write_csv``), ``over_steps.png`` (``plot``: H with its 95%
+band on top, predicted and measured entropy change with their 95% intervals below) and the run's
+``report.md`` (``report``). Pure functions of the probes' flat results; docs/over_steps.md describes
+each column.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import math
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from entprobe.reporting.plots import PRED_STYLE, TRUE_STYLE, _note, _save, ci95
+from entprobe.runtime.atomic_io import write_text_atomic
+
+CSV_FILE, PLOT_FILE = "over_steps.csv", "over_steps.png"
+ONLINE_PREFIX = "entprobe_"  # the online probe's files in a trainer's output_dir: entprobe_over_steps.csv / .png
+PRED_COLOR, TRUE_COLOR = "C0", "C1"  # predicted / measured, as in plots.projections
+# the CSV's columns, in order: the row's own, then result keys (``FROM_RESULTS``)
+COLUMNS = ("step", "status", "H", "SE_H", "ci95_H_low", "ci95_H_high",
+           "deltaH_pred", "SE_deltaH_pred", "ci95_pred_low", "ci95_pred_high",
+           "deltaH_true", "SE_deltaH_true", "ci95_true_low", "ci95_true_high",
+           "deltaH_true_minus_pred", "SE_deltaH_true_minus_pred", "lr", "time_s", "job_dir", "reason")
+FROM_RESULTS = {"H": "H_orig", "SE_H": "SE_H_orig", **{k: k for k in COLUMNS[6:17]}}
+
+
+def over_steps_row(step: int, status: str, results: Mapping | None = None, job_dir: str = "", reason: str = "",
+                   time_s: float = math.nan) -> dict:
+    """One checkpoint's (or online probe's) row: ``status`` ok / skipped / failed, the numbers of its
+    ``results`` (NaN where absent), H's 95% interval (``mean -+ t_{B_E-1} SE``, as the verdict's), the
+    job's folder, why it was skipped or failed, and the seconds it took (``time_s`` if given, else
+    the results' own)."""
+    r = dict(results or {})
+    row = {"step": int(step), "status": status, "job_dir": job_dir, "reason": reason}
+    for col, key in FROM_RESULTS.items():
+        row[col] = _number(r.get(key))
+    row["ci95_H_low"], row["ci95_H_high"] = ci95(row["H"], row["SE_H"], _number(r.get("B_E")))
+    if math.isnan(time_s):
+        time_s = _number(r.get("time/total_s", r.get("time_s")))
+    row["time_s"] = time_s
+    return {c: row[c] for c in COLUMNS}
+
+
+def history_rows(history: Sequence[Mapping]) -> list[dict]:
+    """The online probe's ``history`` (its full results, each with its ``step``) as rows, by step."""
+    return [over_steps_row(int(r["step"]), "ok", r) for r in sorted(history, key=lambda r: r["step"])]
+
+
+def _number(v) -> float:
+    """``v`` as a float (NaN for None, a bool as 0/1, anything not a number as NaN)."""
+    try:
+        return math.nan if v is None else float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def csv_text(rows: Sequence[Mapping]) -> str:
+    """The rows as CSV text (``COLUMNS``; NaN written empty)."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()})
+    return buf.getvalue()
+
+
+def write_csv(rows: Sequence[Mapping], path: str | Path) -> Path:
+    """``over_steps.csv`` (``csv_text``), atomically."""
+    return write_text_atomic(path, csv_text(rows))
+
+
+def read_csv(path: str | Path) -> list[dict]:
+    """A written ``over_steps.csv`` back as rows (numbers as floats, empty as NaN, step as int)."""
+    text_cols = {"status", "job_dir", "reason"}
+    with open(path, newline="") as f:
+        return [{k: v if k in text_cols else int(v) if k == "step" else _number(v or None) for k, v in r.items()}
+                for r in csv.DictReader(f)]
+
+
+def _errorbars(ax, rows: Sequence[Mapping], key: str, lo: str, hi: str, label: str, color: str, style: dict,
+               dx: float) -> bool:
+    """One series ``key`` against step with its 95% interval ``[lo, hi]`` as bars; False when it has no
+    finite value."""
+    rs = [r for r in rows if math.isfinite(r[key])]
+    if not rs:
+        return False
+    x = np.array([r["step"] for r in rs], dtype=float) + dx
+    y = np.array([r[key] for r in rs], dtype=float)
+    low = np.array([r[lo] for r in rs], dtype=float)
+    high = np.array([r[hi] for r in rs], dtype=float)
+    err = np.vstack([np.where(np.isfinite(low), y - low, 0), np.where(np.isfinite(high), high - y, 0)])
+    ax.errorbar(x, y, yerr=err, marker=style["marker"], ls=style["ls"] if len(rs) > 1 else "none", ms=5,
+                capsize=3, lw=1.2, color=color, mfc=style["mfc"] or color, label=label)
+    return True
+
+
+def plot(rows: Sequence[Mapping], path: str | Path, title: str = "", online: bool = False) -> Path:
+    """``over_steps.png``: against the training step, H with its 95% band (top) and the predicted
+    (filled, solid) and measured (open, dashed) entropy change of the next step with their 95%
+    intervals as bars, a zero line (bottom); nats. Rows that were skipped or failed are marked on the
+    step axis. ``online``: the rows are an online probe's (H just before each probed step), not
+    checkpoints'."""
+    rows = sorted(rows, key=lambda r: r["step"])
+    ok = [r for r in rows if r["status"] == "ok"]
+    fig = Figure(figsize=(8, 6.4))
+    ax_h, ax_d = fig.subplots(2, 1, sharex=True)
+    h = [r for r in ok if math.isfinite(r["H"])]
+    if h:
+        x = [r["step"] for r in h]
+        ax_h.plot(x, [r["H"] for r in h], "o-", color="black", ms=4, lw=1.2, label="H before the probed step" if online else "H at the checkpoint")
+        lo, hi = np.array([r["ci95_H_low"] for r in h], float), np.array([r["ci95_H_high"] for r in h], float)
+        if np.isfinite(lo).any():
+            ax_h.fill_between(x, lo, hi, color="gray", alpha=0.25, lw=0, label="95% interval (t, B_E - 1 df)")
+        ax_h.legend(fontsize=8)
+    else:
+        _note(ax_h, "no entropy measured")
+    ax_h.set_ylabel("entropy H (nats)")
+    width = max(1.0, (rows[-1]["step"] - rows[0]["step"]) if rows else 1.0)
+    shown = [_errorbars(ax_d, ok, "deltaH_pred", "ci95_pred_low", "ci95_pred_high", "predicted (first order)",
+                        PRED_COLOR, PRED_STYLE, -0.006 * width),
+             _errorbars(ax_d, ok, "deltaH_true", "ci95_true_low", "ci95_true_high", "measured (one real step)",
+                        TRUE_COLOR, TRUE_STYLE, 0.006 * width)]
+    ax_d.axhline(0, color="black", lw=0.6)
+    for r in rows:  # why a step has no point: skipped / failed checkpoint, or its step unmeasurable
+        mark = r["status"] if r["status"] != "ok" else "no measurement" if math.isnan(r["deltaH_true"]) else ""
+        if mark:
+            ax_d.axvline(r["step"], color="gray", ls=":", lw=0.8)
+            ax_d.annotate(mark, (r["step"], 0), xycoords=("data", "axes fraction"), xytext=(2, 3),
+                          textcoords="offset points", fontsize=7, color="gray", rotation=90, va="bottom")
+    ax_d.set_ylabel(f"entropy change of the {'probed' if online else 'next'} step (nats)")
+    ax_d.set_xlabel("training step (probed online)" if online else "training step (checkpoint)")
+    if any(shown):
+        ax_d.legend(fontsize=8, title="bars: 95% intervals", title_fontsize=8)
+    else:
+        _note(ax_d, "no checkpoint probed")
+    ax_d.xaxis.get_major_locator().set_params(integer=True)
+    fig.suptitle(title or "entropy over training: H and the predicted / measured change of the next step",
+                 fontsize=10)
+    return _save(fig, path)
+
+
+def _cell(v, fmt: str = "{:+.3g}") -> str:
+    return "" if isinstance(v, float) and math.isnan(v) else fmt.format(v)
+
+
+def _pm(r: Mapping, key: str, se: str, fmt: str = "{:+.3g}") -> str:
+    return f"{_cell(r[key], fmt)} ± {_cell(r[se], '{:.2g}')}" if math.isfinite(r[key]) else ""
+
+
+def report(rows: Sequence[Mapping], run_dir: str, csv_name: str = CSV_FILE, plot_name: str | None = PLOT_FILE) -> str:
+    """``report.md`` of a probed run: the table (± 1 SE), the figure, a link to each step's report."""
+    lines = [f"# Entropy over the training run {run_dir}", "",
+             "Each checkpoint probed as `python -m entprobe.main` would (its own report linked). Entropy and "
+             "its changes in nats; ± is 1 SE; the figure's bars and band are 95% intervals "
+             "(docs/over_steps.md).", "",
+             "| step | status | H | deltaH_pred | deltaH_true | true - pred | lr | time (s) | report |",
+             "|---:|---|---|---|---|---|---|---:|---|"]
+    for r in rows:
+        link = f"[{r['job_dir']}/report.md]({r['job_dir']}/report.md)" if r["job_dir"] and r["status"] == "ok" else ""
+        status = r["status"] + (f": {r['reason']}" if r["reason"] else "")
+        lines.append(f"| {r['step']} | {status.replace('|', '/')} | {_pm(r, 'H', 'SE_H', '{:.4g}')} | "
+                     f"{_pm(r, 'deltaH_pred', 'SE_deltaH_pred')} | {_pm(r, 'deltaH_true', 'SE_deltaH_true')} | "
+                     f"{_pm(r, 'deltaH_true_minus_pred', 'SE_deltaH_true_minus_pred')} | {_cell(r['lr'], '{:.3g}')} | "
+                     f"{_cell(r['time_s'], '{:.1f}')} | {link} |")
+    lines += ["", f"The table as CSV: [{csv_name}]({csv_name})."]
+    if plot_name:
+        lines += ["", f"![entropy over training]({plot_name})"]
+    return "\n".join(lines) + "\n"
+
+
+def write_history(history: Sequence[Mapping], folder: str | Path, title: str = "") -> list[Path]:
+    """The online probe's ``history`` as ``entprobe_over_steps.csv`` and ``.png`` in ``folder`` (the
+    trainer's output folder); their paths, none when nothing was probed."""
+    if not history:
+        return []
+    rows, folder = history_rows(history), Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    return [write_csv(rows, folder / (ONLINE_PREFIX + CSV_FILE)),
+            plot(rows, folder / (ONLINE_PREFIX + PLOT_FILE), title=title or "online probe over training: H and "
+                 "the predicted / measured change of the probed step", online=True)]
