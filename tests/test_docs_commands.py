@@ -129,8 +129,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "launchers/torchrun.sh 4 -m optimizer.lr=1e-6,1e-5,1e-4": ("compose", "4 processes"),
     f"launchers/torchrun.sh 8 {CKPT} batch.save=batches/step500": ("compose", "8 GPUs, your checkpoint"),
     f"python -m entprobe.main {CKPT} batch.load=batches/step500": ("compose", "your checkpoint, saved batches"),
-    f"launchers/torchrun.sh 8 {CKPT} batch.load=batches/step500 ddp.strategy=fsdp2 "
-    "importance.resample_on_low_ess=false": ("compose", "8 GPUs, your checkpoint; tests/test_fsdp.py runs fsdp2 on 2 CPU ranks"),
+    f"launchers/torchrun.sh 8 {CKPT} ddp.strategy=fsdp2": ("compose", "8 GPUs, your checkpoint; tests/test_fsdp.py runs fsdp2 on 2 CPU ranks, sampling as here"),
     # docs/guard.md
     "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --out docs/img/entropy_guard.png":
         ("run", "tests/test_guard.py::test_benchmark_command_runs_verbatim"),
@@ -192,7 +191,7 @@ def _overrides(cmd: str) -> list[str]:
 def test_documented_overrides_compose_and_validate(cmd, tmp_path):
     ov = _overrides(cmd)
     cfg = compose_cfg(tmp_path, *ov, return_hydra_config=True)
-    to_typed(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))  # the schema's range checks
+    to_typed(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), explicit=ov)  # range checks, as the job runs them
     if any(o.startswith("hydra/launcher=") for o in ov):
         from hydra.utils import get_class
         assert get_class(cfg.hydra.launcher._target_)  # the launcher plugin is importable

@@ -177,6 +177,73 @@ def test_fsdp2_refuses_what_it_does_not_shard(tmp_path, override, key):
         to_typed(cfg)
 
 
-def test_fsdp2_needs_saved_batches(tmp_path):
-    with pytest.raises(ConfigError, match="batch.load.*batch.save"):
-        to_typed(compose_cfg(tmp_path, *SMALL, *FSDP))
+def test_fsdp2_turns_off_a_default_it_cannot_run_and_refuses_it_when_asked(tmp_path, capsys):
+    """importance.resample_on_low_ess is on by default: under fsdp2 the job turns it off with one
+    note (no batch.load needed: fsdp2 samples); set by the user, it is refused."""
+    typed = to_typed(compose_cfg(tmp_path, *FSDP), explicit=list(FSDP))
+    assert typed.importance.resample_on_low_ess is False
+    assert capsys.readouterr().out.count("entprobe: note: ddp.strategy=fsdp2 sets importance.resample_on_low_ess=false") == 1
+    asked = (*FSDP, "importance.resample_on_low_ess=true")
+    with pytest.raises(ConfigError, match="importance.resample_on_low_ess"):
+        to_typed(compose_cfg(tmp_path, *asked), explicit=list(asked))
+    plain = to_typed(compose_cfg(tmp_path), explicit=[])  # ddp: nothing turned off
+    assert plain.importance.resample_on_low_ess is True and "note" not in capsys.readouterr().out
+
+
+def _recording_batches(seen: dict):
+    """Patch the job's ``get_batches`` to keep the global E and U it returns in ``seen``; returns the undo."""
+    from entprobe.cli import probe_job
+
+    real = probe_job.get_batches
+
+    def recording(*a, **k):
+        E, U, source = real(*a, **k)
+        seen.update(source=source, E_ids=E.input_ids.tolist(), U_ids=U.input_ids.tolist(), U_adv=U.advantages.tolist())
+        return E, U, source
+    probe_job.get_batches = recording
+    return lambda: setattr(probe_job, "get_batches", real)
+
+
+def _sampling_worker(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of a 2-rank fsdp2 run that samples its batches (no batch.load), its config made as
+    the job makes it (the user's overrides explicit)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from entprobe.runtime import distributed as D
+
+    out, seen = Path(out), {}
+    given = [*SAMPLED, *FSDP]
+    undo = _recording_batches(seen)
+    try:
+        res = run(to_typed(compose_cfg(out / f"run_rank{rank}", *given), explicit=given))
+    finally:
+        undo()
+    keep = {k: v for k, v in res.items() if isinstance(v, (int, float, str, bool))}
+    (out / f"sampled{rank}.json").write_text(json.dumps({**keep, **seen}))
+    D.shutdown()
+
+
+SAMPLED = ("batch.B_E=3", "batch.B_U=3", "batch.G=4", "sampling.max_new_tokens=6")
+
+
+def test_fsdp2_samples_the_one_process_batches_on_the_default_config(tmp_path):
+    """No batch.load and the default importance settings: two fsdp2 ranks sample in step (every
+    forward all-gathers; uneven shards of 3 prompts), hold the batches a one-process run with the
+    same seeds draws, and give its numbers."""
+    seen = {}
+    undo = _recording_batches(seen)
+    try:
+        one = run(compose_cfg(tmp_path / "one", *SAMPLED, "importance.resample_on_low_ess=false"))
+    finally:
+        undo()
+    launch(_sampling_worker, 2, str(tmp_path), timeout_s=240)
+    r0, r1 = (json.loads((tmp_path / f"sampled{r}.json").read_text()) for r in (0, 1))
+    assert r0["source"] == r1["source"] == "sampled" and r0["world_size"] == 2
+    for r in (r0, r1):
+        assert seen["source"] == "sampled"
+        assert r["E_ids"] == seen["E_ids"] and r["U_ids"] == seen["U_ids"] and r["U_adv"] == seen["U_adv"]
+    for k in ("deltaH1", "deltaH_pred", "deltaH_true", "H_orig"):
+        assert r0[k] == r1[k], k
+    assert rel_diff(r0["deltaH1"], one["deltaH1"]) < fp32_dot_tol(one), (r0["deltaH1"], one["deltaH1"])
+    assert abs(r0["deltaH_true"] - one["deltaH_true"]) < 1e-5 * abs(one["H_orig"])

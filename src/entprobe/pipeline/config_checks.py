@@ -11,11 +11,11 @@ from entprobe.config import (ConfigError, EntprobeConfig, ModelSource, ProbeMode
                              what_if_errors)
 from entprobe.rollouts.objectives import config_errors
 from entprobe.tasks.prompt_ids import style_errors
-from entprobe.runtime.sharding import config_errors as sharding_errors
+from entprobe.runtime.sharding import config_errors as sharding_errors, defaults_to_turn_off
 from entprobe.tasks.reward_funcs import weight_errors
-from entprobe.checkpoints.trainer_args import with_trainer_args
+from entprobe.checkpoints.trainer_args import explicit_keys, with_trainer_args
 from entprobe.runtime import distributed as D
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 
 def _require(ok: bool, key: str, msg: str) -> None:
@@ -132,9 +132,15 @@ def to_typed(cfg, explicit: list[str] | None = None) -> EntprobeConfig:
     """The typed config of a composed one (``config.structured``: the schema merge), range-checked
     (``validate``): what every entry point runs first. ``explicit``: the overrides the user gave (the
     command line's); with them, a model=hf checkpoint's training_args.bin fills the keys they leave
-    (``checkpoints.trainer_args``; None: not read)."""
+    (``checkpoints.trainer_args``; None: not read), and a default setting FSDP2 cannot run is turned
+    off with a printed note (``sharding.defaults_to_turn_off``; one the user set is refused)."""
     if explicit is not None and isinstance(cfg, DictConfig):
         cfg = with_trainer_args(cfg, explicit, show=D.env_rank() == 0)
+        for key, off, why in defaults_to_turn_off(cfg, explicit_keys(explicit)):
+            OmegaConf.update(cfg, key, off, merge=False)
+            if D.env_rank() == 0:
+                print(f"entprobe: note: ddp.strategy=fsdp2 sets {key}={str(off).lower()} ({why}); "
+                      f"use ddp.strategy=ddp to keep it", flush=True)
     obj = structured(cfg)
     validate(obj)
     return obj

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from entprobe.runtime import distributed as D
+from entprobe.runtime import sharding
 from entprobe.reporting import sweep
 from entprobe.rollouts.saved_batches import check_saved, check_tokens, fingerprint, load_batches, save_batches
 from entprobe.config import ConfigError, EntprobeConfig
@@ -65,12 +66,20 @@ def rank_seed(seed: int) -> int:
 
 
 def sample_global(cfg: EntprobeConfig, lm, task, ctx: ProbeContext) -> tuple[RolloutBatch, RolloutBatch]:
-    """E and U as global batches; each rank samples the contiguous share ``shard`` will give it."""
+    """E and U as global batches; each rank samples the contiguous share ``shard`` will give it.
+    Under FSDP2 (``sharding.sharded``) every rank samples the whole batch with the run's own seeds
+    (the draws of a one-process run), stopping together, and takes rank 0's."""
     b, s = cfg.batch, cfg.sampling
 
     def draw(B, seed, label):
         if B < D.world():
             raise ConfigError(f"batch.B_{label}={B} prompts cannot be split over {D.world()} ranks")
+        if sharding.sharded():  # every forward all-gathers: all ranks sample the whole batch in step
+            idx = draw_prompt_indices(len(task.prompts), B, seed)
+            with ctx.phase(f"sample_{label}"):
+                whole = sample_batch(lm.model, lm.tokenizer, task, idx, b.G, s, seed, b.advantage.value, b.adv_eps,
+                                     stop_together=True, **prompt_kwargs(cfg, lm.source))
+            return D.broadcast_object(whole)  # rank 0's draws on every rank, whatever the rounding
         idx = draw_prompt_indices(len(task.prompts), B, seed).tensor_split(D.world())[D.rank()]
         with ctx.phase(f"sample_{label}"):
             mine = sample_batch(lm.model, lm.tokenizer, task, idx, b.G, s, rank_seed(seed), b.advantage.value,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from entprobe.runtime import distributed as D
 from entprobe.runtime.atomic_io import torch_save_atomic
 from entprobe.runtime.input_files import InputFileError, load_torch_file
 from entprobe.rollouts.logprobs import position_ids_from_mask
@@ -258,14 +259,18 @@ def _kv_cache(out):
 
 def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eos_id: int,
              pad_id: int, temperature: float, top_k: int, top_p: float,
-             seed: int, device, first_prompt: int = 0) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
+             seed: int, device, first_prompt: int = 0,
+             stop_together: bool = False) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
     """Sample G responses per prompt with a KV cache; returns per-row prompt ids, response ids,
     and per-token ``log_softmax(logits / temperature)`` of each sampled token (rows = prompt-major).
 
     Each row draws from its own stream (``row_keys``: seed, prompt position ``first_prompt + i``
     in the whole batch, response index): token t of a row is the inverse-CDF pick of the row's
     t-th uniform on its (filtered) probabilities. A token that flips in one response (an ulp of a
-    logit on another machine) changes that response only; B prompts are a prefix of 2B."""
+    logit on another machine) changes that response only; B prompts are a prefix of 2B.
+
+    ``stop_together``: every rank of the process group runs as many forward calls (the loop ends
+    when every rank's rows are done), as a model sharded with FSDP2 needs (each call all-gathers)."""
     rows = [p for p in prompt_ids for _ in range(G)]
     N, P = len(rows), max(len(p) for p in rows)
     r = torch.arange(N)
@@ -290,7 +295,7 @@ def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eo
         toks.append(torch.where(done, -1, nxt))
         lps.append(logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1))
         done = done | (nxt == eos_id)
-        if done.all():
+        if D.all_true(bool(done.all())) if stop_together else done.all():
             break
         mask = torch.cat([mask, (toks[-1] >= 0).long().unsqueeze(-1)], dim=1)
         out = model(input_ids=nxt.unsqueeze(-1), attention_mask=mask,
@@ -329,12 +334,13 @@ def assemble(prompts: list[list[int]], responses: list[list[int]], logprobs: lis
 def sample_batch(model, tokenizer, task, prompt_index: torch.Tensor, G: int, sampling, seed: int,
                  advantage: str, adv_eps: float, chat_template: str = "auto",
                  system_prompt: str | None = None, progress=None, style: str = "entprobe",
-                 template_kwargs: dict | None = None) -> RolloutBatch:
+                 template_kwargs: dict | None = None, stop_together: bool = False) -> RolloutBatch:
     """Sample G responses for each prompt in ``prompt_index`` (reproducible from ``seed``; each
     response from its own stream keyed by its prompt's position in ``prompt_index``, see
     ``generate``: the first k prompts draw the same responses whatever follows them), the
     prompts tokenized under the convention ``style`` (``prompt_ids``), the rewards the task's
-    (``tasks.score_rows``: its reward functions called once on the whole batch)."""
+    (``tasks.score_rows``: its reward functions called once on the whole batch). ``stop_together``:
+    see ``generate`` (every rank must then sample the same number of prompts)."""
     if sampling.top_k or sampling.top_p < 1.0:
         warnings.warn("truncated sampling (top_k/top_p) draws from a distribution other than "
                       "pi_theta: every entropy estimator is biased. Use top_k=0, top_p=1 for "
@@ -352,7 +358,8 @@ def sample_batch(model, tokenizer, task, prompt_index: torch.Tensor, G: int, sam
         ids = encode_prompts(tokenizer, texts, str(getattr(chat_template, "value", chat_template)), system_prompt,
                              style, template_kwargs)
         p, r, l = generate(model, ids, G, sampling.max_new_tokens, eos, pad, sampling.temperature,
-                           sampling.top_k, sampling.top_p, seed, device, first_prompt=s)
+                           sampling.top_k, sampling.top_p, seed, device, first_prompt=s,
+                           stop_together=stop_together)
         all_p += p; all_r += r; all_l += l
         if progress is not None:
             progress(len(texts))

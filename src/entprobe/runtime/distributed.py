@@ -215,6 +215,15 @@ def gather_objects(obj) -> list:
     return parts
 
 
+def all_true(flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank (one collective; ``flag`` itself without a group)."""
+    if not is_dist():
+        return bool(flag)
+    t = torch.tensor([int(bool(flag))], dtype=torch.int64, device=_comm_device(torch.empty(0)))
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
 def broadcast_object(obj):
     """Rank 0's ``obj`` on every rank."""
     if not is_dist():

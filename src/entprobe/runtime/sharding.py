@@ -116,6 +116,23 @@ def max_over_ranks(n: int) -> int:
     return int(t.item())
 
 
+# on in the default config, not possible under FSDP2: (key, the value that turns it off, why)
+OFF_UNDER_FSDP2 = (("importance.resample_on_low_ess", False,
+                    "resampling E at the updated parameters is not sharded"),)
+
+
+def defaults_to_turn_off(cfg, explicit: set[str]) -> list[tuple[str, object, str]]:
+    """The ``OFF_UNDER_FSDP2`` settings that are on under ``ddp.strategy=fsdp2`` without the user
+    having set them (``explicit``: the keys they gave): turned off with a notice, where a setting
+    the user asked for is refused (``config_errors``)."""
+    from omegaconf import OmegaConf
+
+    if str(getattr(cfg.ddp.strategy, "value", cfg.ddp.strategy)) != "fsdp2":
+        return []
+    return [(key, off, why) for key, off, why in OFF_UNDER_FSDP2
+            if key not in explicit and OmegaConf.select(cfg, key) != off]
+
+
 def config_errors(cfg) -> list[tuple[str, str]]:
     """(key, message) for each setting that cannot run under ``ddp.strategy=fsdp2``, each naming
     what to use instead; checked with the config, before anything loads."""
@@ -131,10 +148,6 @@ def config_errors(cfg) -> list[tuple[str, str]]:
         out.append(("probe.projection", f"{proj} keeps or forward-differentiates per-unit gradients, which "
                                         "ddp.strategy=fsdp2 does not shard: use probe.projection=backward "
                                         "(auto resolves to it under fsdp2), or ddp.strategy=ddp"))
-    if not cfg.batch.load:
-        out.append(("batch.load", "ddp.strategy=fsdp2 probes saved batches (generation is not sharded): "
-                                  "save them with a ddp or one-process run (batch.save=<dir>) and set "
-                                  "batch.load=<dir>"))
     if i.enabled and i.resample_on_low_ess:
         out.append(("importance.resample_on_low_ess", "resampling generates, which ddp.strategy=fsdp2 does "
                                                       "not shard: set importance.resample_on_low_ess=false"))
