@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import json
 import math
 
 import pytest
@@ -99,6 +100,33 @@ def test_api_equals_the_cli_and_leaves_model_and_optimizer_as_they_were(cli):
     assert_results_equal(res, res_cli)
     assert res["batch_source"] == "sampled"
 
+    # the task by name: the command line's task=arithmetic, built from the same keys
+    res = entprobe.probe(model, opt, tok, "arithmetic", batch={"B_E": 4, "B_U": 4, "G": 4}, **QUIET)
+    assert_same(before, everything(model, opt))
+    assert_results_equal(res, res_cli)
+
+
+def test_a_task_by_name_takes_the_task_keys(cli, tmp_path):
+    """task.* keys apply to a task named by a string (refused with a Task object); a jsonl task
+    reads its path; unknown names and a second task choice are one-line ConfigErrors."""
+    _, cfg, _ = cli
+    model, opt, tok = loaded_like_the_cli(cfg)
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(3) for b in range(3)))
+    small = {"batch": {"B_E": 2, "B_U": 2, "G": 2}, "importance": {"enabled": False}, **QUIET}
+    res = entprobe.probe(model, opt, tok, "jsonl", task={"path": str(data)}, run_dir=str(tmp_path / "run"), **small)
+    assert math.isfinite(res["deltaH1"])
+    assert (tmp_path / "run" / "results.json").is_file()
+    with pytest.raises(ConfigError, match="task 'nope': not a built-in task; name one of arithmetic, jsonl"):
+        entprobe.probe(model, opt, tok, "nope", **small)
+    with pytest.raises(ConfigError, match="task: the task is 'arithmetic'"):
+        entprobe.probe(model, opt, tok, "arithmetic", task="jsonl", **small)
+    with pytest.raises(ConfigError, match="task.path"):
+        entprobe.probe(model, opt, tok, "jsonl", **small)  # jsonl needs its file
+    with pytest.raises(ConfigError, match="task.* builds a task"):  # a Task object: task keys do not apply
+        entprobe.probe(model, opt, tok, build_task(cfg.task.__dict__), task={"num_prompts": 3}, **small)
+
 
 def test_overrides_are_the_cli_keys_with_its_checks(cli, tmp_path):
     res_cli, cfg, batches = cli
@@ -118,8 +146,8 @@ def test_overrides_are_the_cli_keys_with_its_checks(cli, tmp_path):
             entprobe.probe(model, opt, tok, (E, U), **overrides)
     with pytest.raises(ConfigError, match="pass \\(E, U\\)"):
         entprobe.probe(model, opt, tok, U)
-    with pytest.raises(TypeError, match="task_or_batches is a str"):
-        entprobe.probe(model, opt, tok, "data.jsonl")
+    with pytest.raises(TypeError, match="task_or_batches is a int"):
+        entprobe.probe(model, opt, tok, 3)
     # a prompt longer than the model's context: refused before any pass, naming the task and its length
     long_task = build_task(cfg.task.__dict__)
     long_task.prompts = [dataclasses.replace(long_task.prompts[0], text="1+" * 5000 + "1=")] + long_task.prompts[1:]

@@ -2,6 +2,8 @@
 
     import entprobe
     results = entprobe.probe(model, optimizer, tokenizer, task)                 # samples E and U
+    results = entprobe.probe(model, optimizer, tokenizer, "arithmetic")         # a built-in task by name
+    results = entprobe.probe(model, optimizer, tokenizer, "jsonl", task={"path": "prompts.jsonl"})
     results = entprobe.probe(model, optimizer, tokenizer, (E, U), batch={"B_E": 8})  # (see below)
     results = entprobe.probe(model, optimizer, tokenizer, task, objective="trl",
                              **{"objective.loss_type": "dr_grpo", "probe.mode": "single_batch"})
@@ -11,7 +13,9 @@ Overrides are the command line's config keys, composed onto the same YAML defaul
 schema (same validation, same errors): dotted keys (``**{"batch.B_E": 8}``), nested dicts
 (``batch={"B_E": 8}``), and a string for a config group picks its option (``objective="trl"``).
 Keys that describe what is loaded from disk (``model.*``, ``optimizer.state_path``, ``batch.load``,
-...) are refused: the model, optimizer and task or batches are the ones passed. ``run_dir=DIR``
+...) are refused: the model, optimizer and task or batches are the ones passed. A task named by a
+string is the command line's ``task=<name>`` (its options: ``task_names()``), built from the same
+``task.*`` keys, which then apply (``task={"path": ...}``). ``run_dir=DIR``
 writes the command line's outputs there (results.json, report.md, per_unit.json, ...); without
 it they go to a temporary folder that is removed.
 
@@ -46,6 +50,7 @@ from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.runtime.rundir import marks_failure, set_aside_earlier_run
 from entprobe.tasks import Task
 from entprobe.tasks.base import check_encodable
+from entprobe.tasks.build import build_task
 from entprobe.tasks.lengths import check_prompt_lengths
 
 GROUPS = ("batch", "sampling", "objective", "probe", "importance", "optimizer", "ddp", "model", "task",
@@ -131,11 +136,29 @@ def compose_config(choices: list[str]):
         Singleton._instances.update(saved)
 
 
-def api_config(overrides: Mapping[str, Any], batches_given: bool) -> tuple[EntprobeConfig, bool]:
-    """The typed, validated config of ``probe``'s keyword arguments and whether ``run_dir`` was given."""
+def task_names() -> list[str]:
+    """The built-in tasks a string may name: the options of the config group ``task`` (conf/task/)."""
+    return sorted(f.name[:-5] for f in (resources.files("entprobe") / "conf" / "task").iterdir()
+                  if f.name.endswith(".yaml"))
+
+
+def api_config(overrides: Mapping[str, Any], batches_given: bool,
+               task_name: str | None = None) -> tuple[EntprobeConfig, bool]:
+    """The typed, validated config of ``probe``'s keyword arguments and whether ``run_dir`` was given;
+    ``task_name``: a built-in task chosen by name (``task=<name>``; the ``task.*`` keys then apply)."""
 
     choices, values = flatten_overrides(overrides)
+    if task_name is not None:
+        if task_name not in task_names():
+            raise ConfigError(f"task {task_name!r}: not a built-in task; name one of {', '.join(task_names())} "
+                              "or pass a Task (prompts and a reward)")
+        if any(c.split("=")[0] == "task" for c in choices):
+            raise ConfigError(f"task: the task is {task_name!r} (the positional argument); drop task=... from the "
+                              "keywords, or pass the name there only")
+        choices = [*choices, f"task={task_name}"]
     for key in [c.split("=")[0] for c in choices] + list(values):
+        if task_name is not None and (key == "task" or key.startswith("task.")):
+            continue
         why = _refusal(key)
         if why:
             raise ConfigError(f"{key}: {why}")
@@ -196,9 +219,10 @@ def _is_batches(x) -> bool:
     if isinstance(x, RolloutBatch) or (isinstance(x, (tuple, list)) and len(x) == 2
                                        and all(isinstance(b, RolloutBatch) for b in x)):
         return True
-    if isinstance(x, Task):
+    if isinstance(x, (Task, str)):
         return False
-    raise TypeError(f"task_or_batches is a {type(x).__name__}: pass a Task (prompts and a reward), an (E, U) "
+    raise TypeError(f"task_or_batches is a {type(x).__name__}: pass a Task (prompts and a reward), the name of a "
+                    f"built-in task ({', '.join(task_names())}), an (E, U) "
                     "pair of RolloutBatch, or one RolloutBatch (probe.mode=single_batch without importance)")
 
 
@@ -225,7 +249,13 @@ def probe(model: torch.nn.Module, optimizer, tokenizer, task_or_batches, /, **ov
     command line's ``OptimizerStateError`` when the param groups are at lr 0 (a schedule's end) and
     no ``optimizer={"lr": ...}`` says which step to probe."""
     batches = _is_batches(task_or_batches)
-    cfg, has_run_dir = api_config(overrides, batches)
+    task_name = task_or_batches if isinstance(task_or_batches, str) else None
+    cfg, has_run_dir = api_config(overrides, batches, task_name)
+    if task_name is not None:
+        try:
+            task_or_batches = build_task(OmegaConf.structured(cfg.task))
+        except ValueError as exc:  # a task.* key that builds no task (task.path missing, no prompts): its message
+            raise ConfigError(str(exc)) from None
     given = _given_batches(task_or_batches, cfg) if batches else None
     if D.world() > 1:
         raise RuntimeError("entprobe.probe runs in one process; under torch.distributed use the command line "
