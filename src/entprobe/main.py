@@ -7,7 +7,7 @@ import hydra
 from omegaconf import DictConfig
 
 from entprobe.cli.probe_job import hydra_job, load_from_disk, load_probe, renamed_overrides, run  # noqa: F401
-from entprobe.cli.user_errors import hydra_exit_status, hydra_one_line
+from entprobe.cli.user_errors import hydra_exit_status, hydra_one_line, multirun_failures_one_line
 from entprobe.pipeline.config_checks import to_typed  # noqa: F401
 
 
@@ -27,7 +27,8 @@ def main() -> float | None:
     names accepted; exits 2 after an error meant for the user (``entprobe: error: ...``)."""
     sys.argv[1:] = renamed_overrides(sys.argv[1:])
     try:
-        return hydra_main()
+        with multirun_failures_one_line():
+            return hydra_main()
     except SystemExit as exc:
         raise SystemExit(hydra_exit_status(exc.code)) from None
 

@@ -89,6 +89,53 @@ def hydra_one_line(multirun: bool) -> Iterator[None]:
         raise
 
 
+HYDRA_JOB_FAILED = "Error executing job with overrides: "
+HYDRA_HINT = "\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n"
+
+
+class _OneLineStderr:
+    """stderr while Hydra reports a failed multirun job: its ``Error executing job with overrides:
+    [...]`` line and the ``entprobe: error: ...`` line after it become one line naming the job
+    (``entprobe: error: job a=1 b=2: ...``), and the HYDRA_FULL_ERROR hint is dropped when every
+    failure was a user error. Every other write goes through unchanged, as it comes."""
+
+    def __init__(self, stream):
+        self.stream, self.pending = stream, None
+
+    def write(self, s: str) -> int:
+        if s.startswith(HYDRA_JOB_FAILED):
+            self.pending = s[len(HYDRA_JOB_FAILED):].strip()
+            return len(s)
+        if self.pending is not None:
+            job, self.pending = self.pending, None
+            if s.startswith("entprobe: error: "):
+                overrides = " ".join(o.strip().strip("'\"") for o in job.strip("[]").split(",") if o.strip())
+                return self.stream.write(f"entprobe: error: job {overrides or '(no overrides)'}: "
+                                         f"{s[len('entprobe: error: '):]}")
+            self.stream.write(HYDRA_JOB_FAILED + job + os.linesep)
+        if s == HYDRA_HINT and _failed["user"] and not _failed["other"]:
+            return len(s)
+        return self.stream.write(s)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def multirun_failures_one_line() -> Iterator[None]:
+    """Around Hydra's entry: a multirun job that fails with a user error is reported as one line
+    (``_OneLineStderr``); untouched with ``HYDRA_FULL_ERROR=1``."""
+    if full_error():
+        yield
+        return
+    real = sys.stderr
+    sys.stderr = _OneLineStderr(real)
+    try:
+        yield
+    finally:
+        sys.stderr = real
+
+
 def hydra_exit_status(code) -> object:
     """The exit status for Hydra's ``SystemExit(code)``: 2 instead of Hydra's 1 when the failures of
     a multirun were user errors (``hydra_one_line``), ``code`` otherwise."""
