@@ -13,7 +13,9 @@ entropy change before ``optimizer.step()`` and measure it after.
 samples a held-out batch E at theta (B_E prompts, G responses: responses the step is not fit to),
 builds the update AdamW will apply to the gradient now in ``.grad`` (closed form: the optimizer's
 own lr, betas, eps, decay and state; ``stages.prediction.build_step_model``) and predicts
-``deltaH_pred = -Xbar_E . Delta theta`` with its SE over E's prompts (``predict_on_held_out``).
+``deltaH_pred = -Xbar_E . Delta theta`` with its SE over E's prompts (``predict_on_held_out``:
+each prompt projected onto the whole update, one direction; the parts ``deltaH_pred_<part>`` are
+point values; ``probe.projection=ghost`` takes the projections from layer hooks in one backward).
 ``after_step``: E's log-probs at the parameters the real step produced, the importance-sampling
 estimate of the change (``deltaH_true`` +- SE) and the paired difference with the prediction
 (``deltaH_true_minus_pred`` +- SE, ``pred_consistent``: its 95% interval holds 0).
@@ -164,7 +166,7 @@ class OnlineProbe:
             with ctx.phase("geometry"):
                 geo, _ = live_geometry(cfg, self.optimizer, ctx.names, ctx.params, ctx.buffers_device)
                 update = build_step_model(ctx, geo.optimizer, geo.lr, Ybar, geo.P, "optimizer", None)
-            pred = predict_on_held_out(ctx, E, update, cfg.probe, with_entropy=False)
+            pred = predict_on_held_out(ctx, E, update, cfg.probe, with_entropy=False, total_only=True)
             del Ybar, update
             x_theta = pv.dot(pred.Xbar, [p.detach() for p in ctx.params], dtype=torch.float64)  # no copy of theta
         res = {**pred.res, "lr": geo.lr, "step": step, "B_E": E.B, "G": E.G}

@@ -109,7 +109,9 @@ def covered_params(model: torch.nn.Module, params: list[torch.Tensor]) -> tuple[
 def ghost_supported(model: torch.nn.Module) -> bool:
     """Hooks see each forward once: not under gradient checkpointing."""
     base = getattr(model, "module", model)
-    return not getattr(base, "is_gradient_checkpointing", False)
+    name = "is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing") else \
+        "is_gradient_checkpointing"  # the name transformers 5 gives it (the old one warns)
+    return not getattr(base, name, False)
 
 
 class GhostHooks:
