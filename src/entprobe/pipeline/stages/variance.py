@@ -18,6 +18,9 @@ kept or batched gradient is read once for all of them, forward mode takes one pa
   quarter of the free CUDA memory) on every rank, else ``fused``.
 - ``backward`` (reference): one backward per unit, the gradient moved to the
   buffers' device and dotted there.
+- ``ghost``: the E side from layer hooks during one backward per microbatch (ghost_projection.py);
+  U as ``stored`` when its gradients fit (``unit_grads_fit``), else as ``fused``. Not picked by ``auto``
+  (not cheaper on CPU, docs/variance.md).
 
 Cost (training-step units, benchmarks/README.md): the forward-mode pass is one forward carrying a tangent. Per linear layer it
 does three matmuls (``W x``, ``dW x``, ``W dx``), as many as a forward+backward (``W x``,
