@@ -244,7 +244,7 @@ def test_auto_projection_rule():
     from types import SimpleNamespace
 
     def ctx_of(n):
-        return SimpleNamespace(params=[torch.empty(n)], device=torch.device("cpu"), model=SimpleNamespace(),
+        return SimpleNamespace(params=[torch.empty(n)], device=torch.device("cpu"), model=SimpleNamespace(training=True),
                                buffers_device=torch.device("cpu"), buffers_dtype=torch.float32)
 
     big = SMALL_MODEL_PARAMS  # fp32: 4 bytes a parameter
@@ -266,7 +266,9 @@ def test_auto_projection_rule():
     # docs/variance.md; and ghost is refused under gradient checkpointing (hooks would fire twice)
     assert all(resolve_projection(ProbeConfig(), ctx_of(n), b) != "ghost" for n in (10, small, big) for b in (1, 8))
     ckpt = ctx_of(1)
-    ckpt.model.is_gradient_checkpointing = True
+    ckpt.model = SimpleNamespace(is_gradient_checkpointing=True, training=False)  # eval: no recomputation
+    assert resolve_projection(ProbeConfig(projection=ProjectionMode.ghost), ckpt, 8) == "ghost"
+    ckpt.model.training = True
     with pytest.raises(ConfigError, match="probe.projection=ghost: the model uses gradient checkpointing"):
         resolve_projection(ProbeConfig(projection=ProjectionMode.ghost), ckpt, 8)
     assert resolve_unit_backward(ProbeConfig(), ctx_of(big - 1)) == "vmap"

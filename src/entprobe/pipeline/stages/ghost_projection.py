@@ -107,11 +107,12 @@ def covered_params(model: torch.nn.Module, params: list[torch.Tensor]) -> tuple[
 
 
 def ghost_supported(model: torch.nn.Module) -> bool:
-    """Hooks see each forward once: not under gradient checkpointing."""
+    """Hooks see each forward once: not under gradient checkpointing, which Hugging Face models
+    apply in train mode only (the online probe's passes run in eval mode: supported there)."""
     base = getattr(model, "module", model)
     name = "is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing") else \
         "is_gradient_checkpointing"  # the name transformers 5 gives it (the old one warns)
-    return not getattr(base, name, False)
+    return not (base.training and getattr(base, name, False))
 
 
 class GhostHooks:
