@@ -9,6 +9,8 @@ run inside ``no_sync()``. When projection directions are given, each unit is its
 variance path: the E side of Stage 2 costs no extra pass, and no gradient is copied). With
 ``keep_unit_grads`` each unit is its own backward too and its gradient is kept on the model's
 device (the ``stored`` variance path: ``Y_u . P Xbar`` once Xbar is known, no second pass over U).
+With ``unit_backward="ghost"`` a microbatch is one backward and module hooks read each unit's
+projections off the layers' activations and output gradients (ghost_projection.py).
 
 Non-finite gradients are caught without an extra pass where a cheaper witness exists: a unit's
 projections onto finite directions are finite iff its gradient is (NaN and Inf propagate into
@@ -141,7 +143,9 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
     the buffers only once per microbatch. With ``keep_unit_grads`` every unit's gradient tensors
     are kept on the model's device (no copy); the microbatch's sum is formed there and reaches the
     buffers once per microbatch. Per-unit gradients come from one backward per unit
-    (``unit_backward="loop"``) or one batched backward per microbatch (``"vmap"``).
+    (``unit_backward="loop"``) or one batched backward per microbatch (``"vmap"``); with
+    ``"ghost"`` (directions only) the projections are read off the layers during one plain backward
+    per microbatch (``ghost_projection.GhostHooks``, which also write the gradient sum).
     """
     if batch.B == 0:
         raise ValueError(f"{label}: the batch is empty")
