@@ -17,12 +17,13 @@ per-unit gradient is a sum over u's tokens t (docs/variance.md):
   ``w * xhat`` and ``(1 + w) * xhat``); bias: ``sum_t g_t``.
 
 The hooks also write each covered parameter's summed gradient into ``.grad`` (from the same
-products: the per-unit gradients' sum, or ``g^T a`` added in place), with its ``requires_grad`` off during
-the pass, so autograd takes activation gradients only: the pass costs about a plain
-forward+backward plus the dots. A parameter is covered when every module holding it is one of these (tied embeddings: the lookup
-and the output layer add their parts). The others (``GhostHooks.uncovered``) take the batched
-backward (``accumulate``). Not for gradient checkpointing (its recomputed forward would fire the
-hooks twice; ``ghost_supported``).
+products: the per-unit gradients' sum, or ``g^T a`` added in place), with its ``requires_grad``
+off during the pass, so autograd takes activation gradients only: the pass costs about a plain
+forward+backward plus the dots. A parameter is covered when every module holding it is one of
+these (tied embeddings: the lookup and the output layer add their parts). The others
+(``GhostHooks.uncovered``) take a batched backward restricted to them (``accumulate``). Not under
+gradient checkpointing in train mode (its recomputed forward would fire the hooks twice;
+``ghost_supported``).
 """
 from __future__ import annotations
 
