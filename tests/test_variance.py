@@ -219,6 +219,24 @@ def test_every_path_equals_backward_through_run_two_batch(ex, mode, tmp_path):
             assert rel(res[key], ref[key]) < 1e-5, (proj, how, key, res[key], ref[key])
 
 
+def test_ghost_with_u_gradients_over_budget_takes_forward_mode_on_u(ex, tmp_path):
+    """ghost keeps U's per-unit gradients only within the budget (as auto's stored); over it U's
+    projections come from forward mode (as fused): the same V_X, V_Y and SEs, the promised passes."""
+    setup = ex.setup
+    E, U = setup.sample(6, 3, seed=11), setup.sample(5, 3, seed=12)
+    geo, icfg = Geometry(ex.opt, ex.lr, ex.P), ImportanceConfig(enabled=False)
+    out = {}
+    for proj, budget in (("ghost", 0.0), ("backward", 4096.0)):
+        ctx = setup.ctx("dr_grpo", mb_size=2)
+        pcfg = ProbeConfig(projection=ProjectionMode(proj), unit_grads_budget_mb=budget, top_k_params=0)
+        out[proj] = (run_two_batch(ctx, E, U, geo, pcfg, icfg, tmp_path), ctx.stats.passes)
+    (res, passes), (ref, _) = out["ghost"], out["backward"]
+    assert passes == {"forward": 3 * 11 + 3 * 2 * 5, "backward": 3 * 11, "jvp": 3 * 2 * 5}
+    assert res["projection"] == "ghost" and "unit_backward" not in res
+    for key in VAR_KEYS:
+        assert rel(res[key], ref[key]) < 1e-5, (key, res[key], ref[key])
+
+
 @pytest.mark.parametrize("proj", ["stored", "fused", "jvp"])
 def test_directions_stored_per_parameter_give_the_same_numbers(ex, proj, tmp_path, monkeypatch):
     """Large models keep the k directions as one [k, n_i] block per parameter (each its own
