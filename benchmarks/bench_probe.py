@@ -33,11 +33,13 @@ geometry with a real AdamW step. Its E/U seeds are swapped (U = seed 1) so that 
     OMP_NUM_THREADS=1 python benchmarks/bench_probe.py --model smollm2 --reps 3   # ~15 min on 2 cores
     python benchmarks/bench_probe.py --model default -- batch.B_E=16 batch.B_U=16  # extra overrides
     python benchmarks/bench_probe.py --model smollm2 --default-malloc   # allocation costs as a user's run
+    python benchmarks/bench_probe.py --model smollm2 --compare ghost --no-literal   # auto's path beside ghost
 
 Exits 0 whatever the ratio (a measurement); ``--target`` (default 2.0) only labels the line.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gc
 import json
@@ -123,18 +125,19 @@ def timed(fn, device) -> tuple[float, float, float, object]:
     return wall, cpu, mem.mib, out
 
 
-def bench(model: str, reps: int, extra: list[str]) -> dict:
+def bench(model: str, reps: int, extra: list[str], compare: tuple[str, ...] = (), literal: bool = True) -> dict:
     from entprobe.config import ProjectionMode
     from entprobe.pipeline.modes.two_batch import run_two_batch
     from entprobe.pipeline.stages.context import PhaseStats
     from entprobe.pipeline.stages.snapshot import restore, take
 
     cfg, lm, ctx, E, U, geo = build(model, extra)
-    schedules = {
-        "probe": (cfg.probe, cfg.importance),
-        "literal": (dataclasses.replace(cfg.probe, projection=ProjectionMode.backward),
-                    dataclasses.replace(cfg.importance, reuse_probe_gradient=False)),
-    }
+    schedules = {"probe": (cfg.probe, cfg.importance)}
+    for proj in compare:  # the same probe with another projection path, in the same repetitions
+        schedules[f"p:{proj}"] = (dataclasses.replace(cfg.probe, projection=ProjectionMode(proj)), cfg.importance)
+    if literal:
+        schedules["literal"] = (dataclasses.replace(cfg.probe, projection=ProjectionMode.backward),
+                                dataclasses.replace(cfg.importance, reuse_probe_gradient=False))
     blocks = ("train", "step", *schedules)
     wall, cpu, mem = ({k: [] for k in blocks} for _ in range(3))
     phases = {k: [] for k in schedules}
@@ -200,11 +203,11 @@ def report(r: dict) -> None:
           f"MALLOC_MMAP_THRESHOLD_ {r['malloc_mmap_threshold']}")
     print(f"1 unit (a training step over E ∪ U) = {r['unit_s']:.3f} s ({r['clock']} time): fwd+bwd "
           f"{r['fwd_bwd_s']:.3f} s + AdamW step {r['optimizer_step_s']:.3f} s")
-    print(f"{'block':<9}{'units':>7}{'paired':>8}{'wall':>7}{'fwd+bwd':>9}{'peak MiB':>10}   "
+    print(f"{'block':<11}{'units':>7}{'paired':>8}{'wall':>7}{'fwd+bwd':>9}{'peak MiB':>10}   "
           f"{r['clock']} s / wall s per repetition")
     for k in r["units"]:
         per = " ".join(f"{c:.2f}/{w:.2f}" for c, w in zip(r[f"{r['clock']}_s"][k], r["wall_s"][k]))
-        print(f"{k:<9}{r['units'][k]:>7.2f}{r['paired_units'][k]:>8.2f}{r['wall_units'][k]:>7.2f}"
+        print(f"{k:<11}{r['units'][k]:>7.2f}{r['paired_units'][k]:>8.2f}{r['wall_units'][k]:>7.2f}"
               f"{r['fwd_bwd_units'][k]:>9.2f}{r['peak_mib'][k]:>10.1f}   {per}")
     print(f"  units: median {r['clock']} time / (train + step medians); paired: median of per-repetition "
           "ratios; wall: the same from wall-clock medians; fwd+bwd: over the train block alone")
@@ -214,17 +217,34 @@ def report(r: dict) -> None:
         print(f"  {k}: " + ", ".join(f"{q}={v:.4g}" for q, v in c.items() if v is not None))
 
 
+def own_args() -> argparse.Namespace:
+    """This script's options beside ``bench_args``' (taken out of ``sys.argv``): ``--compare PROJ``
+    (also time the probe with ``probe.projection=PROJ``, e.g. ghost, in the same repetitions) and
+    ``--no-literal`` (skip the spec-literal schedule)."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--compare", nargs="+", default=[], choices=["stored", "fused", "jvp", "ghost", "backward"])
+    ap.add_argument("--no-literal", action="store_true")
+    cut = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
+    own, rest = ap.parse_known_args(sys.argv[1:cut])
+    sys.argv[1:cut] = rest
+    return own
+
+
 def main() -> int:
     reexec_with_bench_env()
+    own = own_args()
     a = bench_args(__doc__, MODELS, "default", 5, 2.0, "probe budget in units")
     out = []
     for m in a.model:
-        r = bench(m, a.reps, a.overrides)
+        r = bench(m, a.reps, a.overrides, tuple(own.compare), not own.no_literal)
         report(r)
         out.append(r)
-        within = r["units"]["probe"] <= a.target
-        print(f"  probe {r['units']['probe']:.2f} units vs target {a.target}: {'within' if within else 'over'}; "
-              f"spec-literal / probe = {r['units']['literal'] / r['units']['probe']:.2f}")
+        for k in r["units"]:
+            if k == "probe" or k.startswith("p:"):
+                print(f"  {k} {r['units'][k]:.2f} units vs target {a.target}: "
+                      f"{'within' if r['units'][k] <= a.target else 'over'}")
+        if "literal" in r["units"]:
+            print(f"  spec-literal / probe = {r['units']['literal'] / r['units']['probe']:.2f}")
         gc.collect()
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))

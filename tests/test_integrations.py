@@ -225,3 +225,49 @@ def test_readme_snippets_run(tmp_path):
     exec(trl_cb, ns)
     logged = [h for h in ns["trainer"].state.log_history if "entprobe/deltaH_true" in h]
     assert [h["step"] for h in logged] == [10]
+
+
+def test_online_probe_paths_give_the_same_numbers(tmp_path, monkeypatch):
+    """On one E and one step, the online probe's results do not depend on how E's per-prompt
+    projections are taken (``probe.projection=ghost``: layer hooks in one backward; the default
+    batched backward; a backward per prompt), and projecting onto the whole update alone (the
+    online default) gives the SE of projecting onto each part and summing; the parts' values stay."""
+    from online_probe import trainer_parts
+
+    import entprobe.integrations.online as online
+    from entprobe.tasks.arithmetic import ArithmeticTask
+
+    p = trainer_parts(str(tmp_path), 1)
+    model, tok, task = p["model"], p["tokenizer"], ArithmeticTask(512, 9, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    ids = tok(["12+34=46", "5*6=30"], return_tensors="pt", padding=True).input_ids
+
+    def gradient():
+        opt.zero_grad()
+        model(input_ids=ids).logits.square().mean().backward()
+    gradient()
+    opt.step()
+    gradient()
+    kinds = {"default": {}, "ghost": {"probe": {"projection": "ghost"}},
+             "loop": {"probe": {"unit_backward": "loop"}}, "parts": {}}
+    probes = {k: OnlineProbe(model, opt, tok, task, every=1, batch={"B_E": 4}, **kw) for k, kw in kinds.items()}
+    pending = {}
+    for k, probe in probes.items():
+        if k == "parts":  # each part projected separately, as entprobe.probe does
+            predict = online.predict_on_held_out
+            monkeypatch.setattr(online, "predict_on_held_out", lambda *a, **kw: predict(*a, **{**kw, "total_only": False}))
+        assert probe.before_step(2)
+        pending[k] = probe._pending.pred.e
+    opt.step()
+    res = {k: (probe.after_step(), probe.history[-1]) for k, probe in probes.items()}
+    ref, ref_full = res["default"]
+    assert pending["default"].shape == (4, 1) and pending["parts"].shape == (4, 3)
+    assert "SE_deltaH_pred_gradient" in res["parts"][1] and "SE_deltaH_pred_gradient" not in ref_full
+    for k, (logged, full) in res.items():
+        assert set(logged) == set(ref)
+        e = pending[k].sum(1)
+        assert float((e - pending["default"][:, 0]).abs().max()) <= 1e-5 * float(e.abs().max()), k
+        for key in ("deltaH_pred", "SE_deltaH_pred", "deltaH_pred_gradient", "deltaH_pred_momentum",
+                    "deltaH_true", "SE_deltaH_true_minus_pred"):
+            assert abs(full[key] - ref_full[key]) <= 1e-5 * abs(ref_full[key]), (k, key, full[key], ref_full[key])
+    assert ref_full["SE_deltaH_pred"] > 0 and ref_full["deltaH_pred_momentum"] != 0

@@ -33,9 +33,10 @@ from entprobe.checkpoints.builtin import tiny_llama_config
 from entprobe.cli.probe_job import run
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.pipeline.stages.accumulate import accumulate, x_loss_of, y_loss_of
-from entprobe.config import ImportanceConfig, ProbeConfig, ProjectionMode, UnitBackward
+from entprobe.config import ConfigError, ImportanceConfig, ProbeConfig, ProjectionMode, UnitBackward
 from entprobe.pipeline.geometry import Geometry
 from entprobe.pipeline.modes.two_batch import run_two_batch
+from entprobe.pipeline.stages import ghost_projection
 from entprobe.pipeline.stages.context import nograd_prompts
 from entprobe.pipeline.stages.variance import (SMALL_MODEL_PARAMS, UNIT_GRADS_ALWAYS_MB, project_backward, project_jvp, resolve_projection,
                                       resolve_unit_backward)
@@ -185,7 +186,7 @@ def test_fused_equals_backward_on_exact_model(ex, mode):
         assert rel(x, y) < 1e-5, key
 
 
-PATHS = ("stored", "fused", "jvp")
+PATHS = ("stored", "fused", "jvp", "ghost")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -205,6 +206,7 @@ def test_every_path_equals_backward_through_run_two_batch(ex, mode, tmp_path):
     # forward mode carries one direction a pass: E projects onto P Ybar and the update's gradient,
     # momentum and weight-decay parts (4), U onto P Xbar and J * Xbar (2)
     promised = {"stored": {"forward": 3 * 11, "backward": 3 * 11},  # one backward per unit, no extra pass
+                "ghost": {"forward": 3 * 11, "backward": 3 * 11},  # E: one backward per microbatch; U as stored
                 "fused": {"forward": 3 * 11 + 3 * 2 * 5, "backward": 3 * 11, "jvp": 3 * 2 * 5},
                 "jvp": {"forward": 3 * 11 + 3 * (4 * 6 + 2 * 5), "backward": 3 * 11, "jvp": 3 * (4 * 6 + 2 * 5)}}
     for (proj, how), (res, passes) in out.items():
@@ -215,6 +217,24 @@ def test_every_path_equals_backward_through_run_two_batch(ex, mode, tmp_path):
         assert rel(res["bars_dot"], ref["bars_dot"]) < 1e-12, (proj, how)
         for key in VAR_KEYS:
             assert rel(res[key], ref[key]) < 1e-5, (proj, how, key, res[key], ref[key])
+
+
+def test_ghost_with_u_gradients_over_budget_takes_forward_mode_on_u(ex, tmp_path):
+    """ghost keeps U's per-unit gradients only within the budget (as auto's stored); over it U's
+    projections come from forward mode (as fused): the same V_X, V_Y and SEs, the promised passes."""
+    setup = ex.setup
+    E, U = setup.sample(6, 3, seed=11), setup.sample(5, 3, seed=12)
+    geo, icfg = Geometry(ex.opt, ex.lr, ex.P), ImportanceConfig(enabled=False)
+    out = {}
+    for proj, budget in (("ghost", 0.0), ("backward", 4096.0)):
+        ctx = setup.ctx("dr_grpo", mb_size=2)
+        pcfg = ProbeConfig(projection=ProjectionMode(proj), unit_grads_budget_mb=budget, top_k_params=0)
+        out[proj] = (run_two_batch(ctx, E, U, geo, pcfg, icfg, tmp_path), ctx.stats.passes)
+    (res, passes), (ref, _) = out["ghost"], out["backward"]
+    assert passes == {"forward": 3 * 11 + 3 * 2 * 5, "backward": 3 * 11, "jvp": 3 * 2 * 5}
+    assert res["projection"] == "ghost" and "unit_backward" not in res
+    for key in VAR_KEYS:
+        assert rel(res[key], ref[key]) < 1e-5, (key, res[key], ref[key])
 
 
 @pytest.mark.parametrize("proj", ["stored", "fused", "jvp"])
@@ -242,7 +262,7 @@ def test_auto_projection_rule():
     from types import SimpleNamespace
 
     def ctx_of(n):
-        return SimpleNamespace(params=[torch.empty(n)], device=torch.device("cpu"),
+        return SimpleNamespace(params=[torch.empty(n)], device=torch.device("cpu"), model=SimpleNamespace(training=True),
                                buffers_device=torch.device("cpu"), buffers_dtype=torch.float32)
 
     big = SMALL_MODEL_PARAMS  # fp32: 4 bytes a parameter
@@ -258,8 +278,17 @@ def test_auto_projection_rule():
     assert resolve_projection(ProbeConfig(unit_grads_budget_mb=need), ctx_of(big), 8) == "fused"
     assert resolve_projection(ProbeConfig(unit_grads_budget_mb=need * 0.99, unit_grads_max_copies=8),
                               ctx_of(big), 8) == "fused"
-    for proj in ("stored", "fused", "jvp", "backward"):
+    for proj in ("stored", "fused", "jvp", "backward", "ghost"):
         assert resolve_projection(ProbeConfig(projection=ProjectionMode(proj)), ctx_of(1), 8) == proj
+    # auto never picks ghost: on CPU it measured no cheaper than vmap (builtin) or loop (SmolLM2),
+    # docs/variance.md; and ghost is refused under gradient checkpointing (hooks would fire twice)
+    assert all(resolve_projection(ProbeConfig(), ctx_of(n), b) != "ghost" for n in (10, small, big) for b in (1, 8))
+    ckpt = ctx_of(1)
+    ckpt.model = SimpleNamespace(is_gradient_checkpointing=True, training=False)  # eval: no recomputation
+    assert resolve_projection(ProbeConfig(projection=ProjectionMode.ghost), ckpt, 8) == "ghost"
+    ckpt.model.training = True
+    with pytest.raises(ConfigError, match="probe.projection=ghost: the model uses gradient checkpointing"):
+        resolve_projection(ProbeConfig(projection=ProjectionMode.ghost), ckpt, 8)
     assert resolve_unit_backward(ProbeConfig(), ctx_of(big - 1)) == "vmap"
     assert resolve_unit_backward(ProbeConfig(), ctx_of(big)) == "loop"
     assert resolve_unit_backward(ProbeConfig(unit_backward=UnitBackward.loop), ctx_of(1)) == "loop"
@@ -301,6 +330,56 @@ def test_jvp_matches_backward_with_tied_embeddings():
     assert (b_ref != 0).sum() >= 2 and rel(b, b_ref) < 1e-5
 
 
+def _random_directions(params, k: int, seed: int) -> pv.DirectionSet:
+    gen = torch.Generator().manual_seed(seed)
+    return pv.stack_directions([[torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in params]
+                                for _ in range(k)])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ghost_equals_backward_on_exact_model(ex, mode):
+    """probe.projection=ghost: the per-unit projections read off the layers' activations and output
+    gradients during one backward per microbatch equal the per-unit backward's (fp64: to 1e-10),
+    and the gradient sum the hooks write equals autograd's."""
+    setup = ex.setup
+    E = setup.sample(6, 3, seed=11)
+    ctx = setup.ctx(mode, mb_size=4)
+    assert ghost_projection.covered_params(setup.model, ctx.params)[0] == set(range(len(ctx.params)))
+    d = _random_directions(ctx.params, 3, 0)
+    acc = accumulate(ctx, E, x_loss_of(ctx), "X over E", directions=d, unit_backward="ghost")
+    assert ctx.stats.passes == {"forward": 18, "backward": 18}
+    assert all(p.requires_grad for p in ctx.params)  # switched off inside the pass only
+    ref = project_backward(ctx, E, d, "X", "a_u over E")
+    plain = accumulate(ctx, E, x_loss_of(ctx), "X over E")
+    assert rel(acc.proj, ref) < 1e-10 and acc.proj.std() > 0.1 * acc.proj.abs().max()
+    assert rel(torch.cat([g.reshape(-1) for g in acc.sum_buf]), torch.cat([g.reshape(-1) for g in plain.sum_buf])) < 1e-12
+
+
+def test_ghost_tied_embeddings_and_uncovered_parameters(monkeypatch):
+    """Tied input/output embeddings add the lookup's part (padding row excluded) and the output
+    layer's (its ghost_linear form: the materialised per-unit gradients forced over their limit);
+    a parameter of a layer type without a rule (here the norms, by pretending they have none)
+    takes the batched backward, and the projections still equal the per-unit backward's."""
+    setup = make_setup()
+    cfg = tiny_llama_config(len(setup.tokenizer), hidden=16, layers=1, heads=2, max_positions=16)
+    cfg.tie_word_embeddings = True
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        setup.model = LlamaForCausalLM(cfg).double().train()
+    E = setup.sample(4, 3, seed=2)
+    assert (E.input_ids[E.attention_mask.bool()] == 0).any()  # the pad id is sampled as a token
+    ctx = setup.ctx("sequence", mb_size=2)
+    d = _random_directions(ctx.params, 2, 1)
+    ref = project_backward(ctx, E, d, "X", "ref")
+    monkeypatch.setattr(ghost_projection, "MATERIALIZE_MAX_BYTES", 0)  # every linear layer by ghost_linear
+    kind = ghost_projection._kind
+    monkeypatch.setattr(ghost_projection, "_kind", lambda m: None if "Norm" in type(m).__name__ else kind(m))
+    hooks = ghost_projection.GhostHooks(setup.model, ctx.params, d)
+    assert {ctx.names[i].split(".")[-2] for i in hooks.uncovered} == {"input_layernorm", "post_attention_layernorm", "norm"}
+    acc = accumulate(ctx, E, x_loss_of(ctx), "X", directions=d, unit_backward="ghost")
+    assert rel(acc.proj, ref) < 1e-10
+
+
 @pytest.fixture(scope="module")
 def builtin_runs(tmp_path_factory) -> dict:
     """run(cfg) on the builtin Llama for each weighting mode and projection (ground truth off)."""
@@ -320,7 +399,8 @@ def test_every_path_equals_backward_on_builtin(builtin_runs, mode):
     assert b["projection"] == "backward" and b["passes/backward"] == 2 * n * G and "passes/jvp" not in b
     # backward and forward-mode passes beyond Stage 1's one backward per response (forward mode:
     # one pass per direction, 4 on E and 2 on U with AdamW's decay, see above)
-    extra = {"stored": (0, None), "fused": (0, 2 * B_U * G), "jvp": (0, (4 * b["B_E"] + 2 * B_U) * G)}
+    extra = {"stored": (0, None), "fused": (0, 2 * B_U * G), "jvp": (0, (4 * b["B_E"] + 2 * B_U) * G),
+             "ghost": (0, None)}
     assert builtin_runs[mode, "auto"]["projection"] == "stored"  # 76 k parameters: 8 units fit
     for proj in ("auto", *PATHS):
         f = builtin_runs[mode, proj]

@@ -44,6 +44,7 @@ class ProjectionMode(str, Enum):
     fused = "fused"  # per-unit dots during the X pass + one forward-mode pass over U
     jvp = "jvp"  # one forward-mode pass per side (no per-unit backward; best when host-bound)
     backward = "backward"  # reference: per-unit backward, grads moved to the buffers
+    ghost = "ghost"  # E's per-unit dots from layer hooks in one backward per microbatch; U as stored or fused
 
 
 class Strategy(str, Enum):

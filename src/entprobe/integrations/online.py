@@ -13,7 +13,9 @@ entropy change before ``optimizer.step()`` and measure it after.
 samples a held-out batch E at theta (B_E prompts, G responses: responses the step is not fit to),
 builds the update AdamW will apply to the gradient now in ``.grad`` (closed form: the optimizer's
 own lr, betas, eps, decay and state; ``stages.prediction.build_step_model``) and predicts
-``deltaH_pred = -Xbar_E . Delta theta`` with its SE over E's prompts (``predict_on_held_out``).
+``deltaH_pred = -Xbar_E . Delta theta`` with its SE over E's prompts (``predict_on_held_out``:
+each prompt projected onto the whole update, one direction; the parts ``deltaH_pred_<part>`` are
+point values; ``probe.projection=ghost`` takes the projections from layer hooks in one backward).
 ``after_step``: E's log-probs at the parameters the real step produced, the importance-sampling
 estimate of the change (``deltaH_true`` +- SE) and the paired difference with the prediction
 (``deltaH_true_minus_pred`` +- SE, ``pred_consistent``: its 95% interval holds 0).
@@ -26,6 +28,7 @@ samples at the current parameters (the TRL callback passes the trainer's own gen
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -36,7 +39,7 @@ import torch
 
 from entprobe.math import paramvec as pv
 from entprobe.pipeline.api import api_config, left_as_it_was
-from entprobe.config import ConfigError, EntprobeConfig
+from entprobe.config import ConfigError, EntprobeConfig, Preconditioner
 from entprobe.pipeline.in_memory import probe_context
 from entprobe.pipeline.geometry import live_geometry, live_lr, unwrap_optimizer
 from entprobe.math.importance import psis_backend
@@ -113,6 +116,8 @@ class OnlineProbe:
         self.model, self.optimizer, self.tokenizer = model, unwrap_optimizer(optimizer), tokenizer
         self.held_out, self.every = held_out, every
         self.cfg = config if config is not None else online_config(overrides, fixed)
+        self._geo_cfg = dataclasses.replace(self.cfg, optimizer=dataclasses.replace(
+            self.cfg.optimizer, preconditioner=Preconditioner.identity))
         self.history: list[dict] = []
         self.skipped: list[tuple[int, str]] = []
         self._pending: _Pending | None = None
@@ -162,9 +167,12 @@ class OnlineProbe:
                 raise ConfigError(f"held-out E was sampled at temperature {E.temperature}, the probe's log-probs "
                                   f"use sampling.temperature={cfg.sampling.temperature}: make them agree")
             with ctx.phase("geometry"):
-                geo, _ = live_geometry(cfg, self.optimizer, ctx.names, ctx.params, ctx.buffers_device)
+                # the update comes from the optimizer itself (closed form, or its step on a snapshot):
+                # no preconditioner P, and none of the parameter-sized passes that build its
+                # diagnostics (1.2 s a probe on SmolLM2-135M)
+                geo, _ = live_geometry(self._geo_cfg, self.optimizer, ctx.names, ctx.params, ctx.buffers_device)
                 update = build_step_model(ctx, geo.optimizer, geo.lr, Ybar, geo.P, "optimizer", None)
-            pred = predict_on_held_out(ctx, E, update, cfg.probe, with_entropy=False)
+            pred = predict_on_held_out(ctx, E, update, cfg.probe, with_entropy=False, total_only=True)
             del Ybar, update
             x_theta = pv.dot(pred.Xbar, [p.detach() for p in ctx.params], dtype=torch.float64)  # no copy of theta
         res = {**pred.res, "lr": geo.lr, "step": step, "B_E": E.B, "G": E.G}

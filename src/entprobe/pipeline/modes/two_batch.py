@@ -35,7 +35,7 @@ from entprobe.pipeline.stages.prediction import (build_step_model, compare_with_
                                         prediction_results)
 from entprobe.pipeline.stages.what_if import run_what_if
 from entprobe.pipeline.stages.variance import (project_backward, project_jvp, project_stored, resolve_projection,
-                                      resolve_unit_backward)
+                                      resolve_unit_backward, unit_grads_fit)
 
 
 def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry, pcfg, icfg) -> Stage12:
@@ -44,21 +44,23 @@ def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Ge
     projections onto ``P Xbar`` and ``J Xbar``."""
     mode = resolve_projection(pcfg, ctx, U.B) if pcfg.variance_enabled else None
     unit_bwd = resolve_unit_backward(pcfg, ctx, (U, E))
+    # U's per-unit gradients kept for b_u (stored; ghost when they fit, else forward mode as fused)
+    keep_u = mode == "stored" or (mode == "ghost" and unit_grads_fit(pcfg, ctx, U.B))
     with ctx.phase("accumulate_Y_U"):
-        accY = accumulate(ctx, U, y_loss_of(ctx), "Y over U", keep_unit_grads=mode == "stored",
+        accY = accumulate(ctx, U, y_loss_of(ctx), "Y over U", keep_unit_grads=keep_u,
                           unit_backward=unit_bwd)
         Ybar, B_U = global_mean(accY.sum_buf, accY.B)
     # The update the optimizer will apply to this gradient (known before the step is taken)
     step = build_step_model(ctx, geo.optimizer, geo.lr, Ybar, geo.P, icfg.step_mode.value, icfg.max_grad_norm)
-    fused = mode in ("stored", "fused")  # a_u taken during the X pass
-    dir_dev = ctx.device if mode in ("stored", "fused", "jvp") else ctx.buffers_device
+    fused = mode in ("stored", "fused", "ghost")  # a_u taken during the X pass
+    dir_dev = ctx.device if mode in ("stored", "fused", "jvp", "ghost") else ctx.buffers_device
     # E-side directions, one [k, N] matrix: P Ybar (deltaH1), then each part of the update (the
     # prediction), each written in place into its row
     dirE = directions(ctx, [mul_into(Ybar, geo.P)], step, dir_dev)
     PY = dirE.column(0)  # P Ybar: deltaH1 and the attribution table
     with ctx.phase("accumulate_X_E"):
         accX = accumulate(ctx, E, x_loss_of(ctx), "X over E", directions=dirE if fused else None,
-                          with_entropy=True, unit_backward=unit_bwd)
+                          with_entropy=True, unit_backward="ghost" if mode == "ghost" else unit_bwd)
         Xbar, B_E = global_mean(accX.sum_buf, accX.B)
     terms = pv.dot_terms(Xbar, PY)  # Xbar . P Ybar per parameter: bars_dot and the attribution table
     step_dots = pv.dot_set(Xbar, dirE)[1:].tolist()  # Xbar . Delta theta_part
@@ -79,12 +81,12 @@ def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Ge
             reuse = dirE if fused else None
             dirU = directions(ctx, [mul_into(Xbar, geo.P)] + fill_JX, None, dir_dev, storage=reuse)
             del reuse
-            if mode == "stored":
+            if keep_u:
                 a, b = accX.proj, project_stored(accY.unit_grads, dirU)
                 accY.unit_grads = None
-            elif mode in ("fused", "jvp"):  # forward mode over U (and over E for jvp)
+            elif mode in ("fused", "jvp", "ghost"):  # forward mode over U (and over E for jvp)
                 jvp_mb = pcfg.jvp_mb_size_prompts
-                if mode == "fused":
+                if mode != "jvp":
                     a = accX.proj
                 else:
                     a = project_jvp(ctx, E, dirE, "X", "a_u over E", mb_size=ctx.nograd_mb(E, True, jvp_mb))
@@ -98,7 +100,8 @@ def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Ge
     del dirE
     return Stage12(geo.lr, list(ctx.names), Ybar, Xbar, B_E, B_U, accY.S, accY.token_logp, accX.S, accX.entropy,
                    terms, nX, nPY, nh_dot, step.names, step.kind, step_dots, a, b, mode,
-                   unit_bwd if fused and pcfg.variance_enabled else None, step_terms)
+                   unit_bwd if (mode in ("stored", "fused") or keep_u) and pcfg.variance_enabled else None,
+                   step_terms)
 
 
 def stage12_of(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry, pcfg, icfg,

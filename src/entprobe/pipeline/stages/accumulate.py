@@ -9,6 +9,8 @@ run inside ``no_sync()``. When projection directions are given, each unit is its
 variance path: the E side of Stage 2 costs no extra pass, and no gradient is copied). With
 ``keep_unit_grads`` each unit is its own backward too and its gradient is kept on the model's
 device (the ``stored`` variance path: ``Y_u . P Xbar`` once Xbar is known, no second pass over U).
+With ``unit_backward="ghost"`` a microbatch is one backward and module hooks read each unit's
+projections off the layers' activations and output gradients (ghost_projection.py).
 
 Non-finite gradients are caught without an extra pass where a cheaper witness exists: a unit's
 projections onto finite directions are finite iff its gradient is (NaN and Inf propagate into
@@ -17,6 +19,7 @@ only when a check fails, so the error still names the microbatch and the paramet
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -30,6 +33,7 @@ from entprobe.runtime.distributed import no_sync
 from entprobe.math.estimators import x_loss
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.pipeline.stages.context import ProbeContext, is_filler
+from entprobe.pipeline.stages.ghost_projection import GhostHooks
 
 
 @dataclass
@@ -139,7 +143,9 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
     the buffers only once per microbatch. With ``keep_unit_grads`` every unit's gradient tensors
     are kept on the model's device (no copy); the microbatch's sum is formed there and reaches the
     buffers once per microbatch. Per-unit gradients come from one backward per unit
-    (``unit_backward="loop"``) or one batched backward per microbatch (``"vmap"``).
+    (``unit_backward="loop"``) or one batched backward per microbatch (``"vmap"``); with
+    ``"ghost"`` (directions only) the projections are read off the layers during one plain backward
+    per microbatch (``ghost_projection.GhostHooks``, which also write the gradient sum).
     """
     if batch.B == 0:
         raise ValueError(f"{label}: the batch is empty")
@@ -147,78 +153,87 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
         raise ValueError(f"{label}: G={batch.G}; need >= 2 responses per prompt")
     if torch.is_inference_mode_enabled():
         raise RuntimeError(f"{label}: probe passes cannot run under torch.inference_mode()")
-    if unit_backward not in ("loop", "vmap"):
-        raise ValueError(f"unit_backward={unit_backward!r}; use loop or vmap")
+    if unit_backward not in ("loop", "vmap", "ghost"):
+        raise ValueError(f"unit_backward={unit_backward!r}; use loop, vmap or ghost")
+    if unit_backward == "ghost" and (directions is None or keep_unit_grads):
+        raise ValueError(f"{label}: unit_backward=ghost projects onto directions and keeps no unit gradient")
     S_all, lp_all, ent_all, proj, units, unit_labels = [], [], [], [], [], []
     per_unit = directions is not None or keep_unit_grads
     if per_unit and sharding.sharded():
         raise ValueError(f"{label}: per-unit gradients (probe.projection=stored/fused) do not run under "
                          "ddp.strategy=fsdp2; use probe.projection=backward")
     vmap = per_unit and unit_backward == "vmap"
-    running = directions is not None and not keep_unit_grads and not vmap  # projections by increase
+    ghost = per_unit and unit_backward == "ghost"  # projections from hooks in one backward (ghost_projection.py)
+    running = directions is not None and not keep_unit_grads and not vmap and not ghost  # by increase
     # Buffers of the parameters' own device and dtype: .grad is the sum (backward accumulates
     # into it, the same additions in the same order), adopted as the buffer at the end.
-    in_grad = (not per_unit or running) and all(p.device == ctx.buffers_device and p.dtype == ctx.buffers_dtype
-                                                for p in ctx.params)
+    in_grad = (not per_unit or running or ghost) and all(
+        p.device == ctx.buffers_device and p.dtype == ctx.buffers_dtype for p in ctx.params)
     buf = None if in_grad else pv.zeros(ctx.params, ctx.buffers_device, ctx.buffers_dtype)
     ctx.zero_grad()
     before = 0.0  # grad . directions so far (running projections)
-    for start, mb in ctx.iterate(batch, ctx.mb_size, label):
-        # loop: each unit is its own backward; .grad keeps summing (over the microbatch, or over
-        # the batch when it is the buffer) and a unit's projection is the increase of
-        # grad . direction (no extra buffer, no copy of the unit's gradient).
-        pieces = [(0, mb)] if vmap or not per_unit else mb.microbatches(1)
-        mb_units = []
-        if not in_grad:
-            before = 0.0
-        for off, piece in pieces:
-            what = f"{label} microbatch prompts [{start + off}, {start + off + piece.B})"
-            if vmap:
-                S, lp, ent, gb = _vmap_unit_grads(ctx, piece, loss_of, what, with_entropy)
-                for p, g in zip(ctx.params, gb):
-                    p.grad = g.sum(0)
-                check_grads(ctx, what)
-                if directions is not None:
-                    proj.append(pv.dot_rows_set(gb, directions))
-                if keep_unit_grads:
-                    mb_units.append(gb)
-                ctx.stats.count("backward", piece.B * piece.G)
-            else:
-                with torch.enable_grad(), no_sync(ctx.model):  # forward too: DDP arms its all-reduce there
-                    S, lp, ent = ctx.forward_S(piece, what, with_entropy=with_entropy)
-                    loss = loss_of(S, piece)
-                    if not loss.requires_grad:
-                        raise RuntimeError(f"{what}: the probe loss has no gradient path (is autograd "
-                                           "disabled, or are all parameters frozen?)")
-                    loss.backward()
-                ctx.stats.count("backward", 0 if is_filler(piece) else piece.B * piece.G)
-                if keep_unit_grads:
-                    mb_units.append([g.detach().unsqueeze(0) for g in pv.grads(ctx.params)])  # a view
-                    unit_labels.append(what)
-                    ctx.zero_grad()  # the next unit's backward starts from None: no copy of this one
+    hooks = GhostHooks(ctx.model, ctx.params, directions) if ghost else contextlib.nullcontext()
+    with hooks:
+        for start, mb in ctx.iterate(batch, ctx.mb_size, label):
+            # loop: each unit is its own backward; .grad keeps summing (over the microbatch, or over
+            # the batch when it is the buffer) and a unit's projection is the increase of
+            # grad . direction (no extra buffer, no copy of the unit's gradient).
+            pieces = [(0, mb)] if vmap or ghost or not per_unit else mb.microbatches(1)
+            mb_units = []
+            if not in_grad:
+                before = 0.0
+            for off, piece in pieces:
+                what = f"{label} microbatch prompts [{start + off}, {start + off + piece.B})"
+                if ghost:
+                    S, lp, ent, p_mb = _ghost_unit_grads(ctx, hooks, piece, loss_of, what, with_entropy)
+                    proj.append(p_mb)
+                    ctx.stats.count("backward", piece.B * piece.G)
+                elif vmap:
+                    S, lp, ent, gb = _vmap_unit_grads(ctx, piece, loss_of, what, with_entropy)
+                    for p, g in zip(ctx.params, gb):
+                        p.grad = g.sum(0)
+                    check_grads(ctx, what)
                     if directions is not None:
-                        proj.append(pv.dot_rows_set(mb_units[-1], directions))
-                        _check_projections(ctx, proj[-1], what, mb_units[-1])
-                elif directions is not None:
-                    now = pv.dot_set(pv.grads(ctx.params), directions)
-                    proj.append((now - before).unsqueeze(0))
-                    _check_projections(ctx, proj[-1], what)
-                    before = now
-            if is_filler(piece):  # FSDP2: a collective pass that adds nothing
+                        proj.append(pv.dot_rows_set(gb, directions))
+                    if keep_unit_grads:
+                        mb_units.append(gb)
+                    ctx.stats.count("backward", piece.B * piece.G)
+                else:
+                    with torch.enable_grad(), no_sync(ctx.model):  # forward too: DDP arms its all-reduce there
+                        S, lp, ent = ctx.forward_S(piece, what, with_entropy=with_entropy)
+                        loss = loss_of(S, piece)
+                        if not loss.requires_grad:
+                            raise RuntimeError(f"{what}: the probe loss has no gradient path (is autograd "
+                                               "disabled, or are all parameters frozen?)")
+                        loss.backward()
+                    ctx.stats.count("backward", 0 if is_filler(piece) else piece.B * piece.G)
+                    if keep_unit_grads:
+                        mb_units.append([g.detach().unsqueeze(0) for g in pv.grads(ctx.params)])  # a view
+                        unit_labels.append(what)
+                        ctx.zero_grad()  # the next unit's backward starts from None: no copy of this one
+                        if directions is not None:
+                            proj.append(pv.dot_rows_set(mb_units[-1], directions))
+                            _check_projections(ctx, proj[-1], what, mb_units[-1])
+                    elif directions is not None:
+                        now = pv.dot_set(pv.grads(ctx.params), directions)
+                        proj.append((now - before).unsqueeze(0))
+                        _check_projections(ctx, proj[-1], what)
+                        before = now
+                if is_filler(piece):  # FSDP2: a collective pass that adds nothing
+                    continue
+                S_all.append(S.detach().cpu())
+                lp_all.append(lp.detach().cpu())
+                if ent is not None:
+                    ent_all.append(ent.detach().cpu())
+            units.extend(mb_units)
+            if keep_unit_grads and not vmap:  # .grad is empty; the units are checked through their sum
+                _add_units_(buf, mb_units)
                 continue
-            S_all.append(S.detach().cpu())
-            lp_all.append(lp.detach().cpu())
-            if ent is not None:
-                ent_all.append(ent.detach().cpu())
-        units.extend(mb_units)
-        if keep_unit_grads and not vmap:  # .grad is empty; the units are checked through their sum
-            _add_units_(buf, mb_units)
-            continue
-        if not running:  # running: every unit's projections were checked
-            check_grads(ctx, f"{label} microbatch prompts [{start}, {start + mb.B})")  # the running sum
-        if not in_grad:
-            pv.add_grads_(buf, ctx.params)
-            ctx.zero_grad()
+            if not running:  # running: every unit's projections were checked
+                check_grads(ctx, f"{label} microbatch prompts [{start}, {start + mb.B})")  # the running sum
+            if not in_grad:
+                pv.add_grads_(buf, ctx.params)
+                ctx.zero_grad()
     if keep_unit_grads and not vmap and directions is None:
         _check_unit_sum(ctx, buf, units, unit_labels)
     if in_grad:
@@ -227,6 +242,33 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
     return Accumulated(buf, torch.cat(S_all), torch.cat(lp_all), torch.cat(ent_all) if ent_all else None,
                        torch.cat([x.cpu() for x in proj]) if directions is not None else None, batch.B,
                        units if keep_unit_grads else None)
+
+
+def _ghost_unit_grads(ctx: ProbeContext, hooks: GhostHooks, piece: RolloutBatch, loss_of, what: str,
+                      with_entropy: bool):
+    """One forward and one backward over ``piece``; its units' projections from ``hooks`` (the
+    covered parameters) plus, for the uncovered ones, a batched backward restricted to them."""
+    hooks.start(piece.B)
+    with torch.enable_grad(), no_sync(ctx.model):
+        S, lp, ent = ctx.forward_S(piece, what, with_entropy=with_entropy)
+        loss = loss_of(S, piece)
+        if not loss.requires_grad:
+            raise RuntimeError(f"{what}: the probe loss has no gradient path (is autograd "
+                               "disabled, or are all parameters frozen?)")
+        extra = None
+        if hooks.uncovered:
+            ps = [ctx.params[i] for i in hooks.uncovered]
+            losses = torch.stack([loss_of(S[u:u + 1], piece.select(u)) for u in range(piece.B)])
+            eye = torch.eye(piece.B, dtype=losses.dtype, device=losses.device)
+            with hooks.paused():
+                gb = torch.autograd.grad(losses, ps, grad_outputs=eye, is_grads_batched=True, allow_unused=True,
+                                         retain_graph=True)
+            d = hooks.directions
+            extra = sum(g.reshape(piece.B, -1).to(d.dtype) @ d.block(i).T
+                        for i, g in zip(hooks.uncovered, gb) if g is not None)
+        loss.backward()
+    proj = hooks.take()
+    return S, lp, ent, proj if extra is None or isinstance(extra, int) else proj + extra
 
 
 def global_mean(buf: pv.Buffer, B_local: int) -> tuple[pv.Buffer, int]:

@@ -35,7 +35,7 @@ from entprobe.reporting.attribution import headline
 from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.pipeline.stages.step_split import plain_adamw
 from entprobe.pipeline.stages.snapshot import restore, take
-from entprobe.pipeline.stages.variance import resolve_unit_backward
+from entprobe.pipeline.stages.variance import resolve_projection, resolve_unit_backward
 from entprobe.math.adamw import AdamWHyper, StepModel, adamw_jacobian_times_into, adamw_update_into
 
 
@@ -232,7 +232,7 @@ def prediction_results(names: list[str], kind: str, step_dots: list[float], e: t
     se = math.sqrt(VE)
     lo, hi = est.interval(res["deltaH_pred"], se, B_E - 1)
     res.update({"SE_deltaH_pred": se, "ci95_pred_low": lo, "ci95_pred_high": hi, "SE_deltaH_pred_E": se})
-    if len(names) > 1:
+    if len(names) > 1 and e.shape[1] == len(names):  # per part (e of the total alone: point values only)
         for j, k in enumerate(names):
             res[f"SE_deltaH_pred_{k}"] = math.sqrt(est.mean_variance(e[:, j]))
     if u is None:
@@ -279,24 +279,50 @@ class HeldOutPrediction:
     Xbar: pv.Buffer  # the global mean of E's X (buffers device)
     S: torch.Tensor  # [B_E, G] this rank's E sequence log-probs at theta
     entropy: torch.Tensor | None  # [B_E, G, T] token entropies at theta (None: not asked for)
-    e: torch.Tensor  # [B_E, parts] per-prompt contributions ``-X_n . Delta theta_part`` (gathered)
+    e: torch.Tensor  # [B_E, parts] per-prompt contributions ``-X_n . Delta theta_part`` (gathered);
+    # [B_E, 1] (the whole update's) when predicted with ``total_only``
+
+
+def _sum_rows_into_first(dset: pv.DirectionSet) -> None:
+    """Row 0 := the sum of rows 1..k-1 (the update's parts: the whole update)."""
+    first = dset.column(0)
+    for o, x in zip(first, dset.column(1)):
+        o.copy_(x)
+    for j in range(2, dset.k):
+        for o, x in zip(first, dset.column(j)):
+            o.add_(x)
+
+
+def held_out_unit_backward(pcfg, ctx: ProbeContext, E: RolloutBatch) -> str:
+    """How the X pass over held-out E takes its per-prompt projections: ``ghost`` when
+    ``probe.projection=ghost`` (layer hooks in one backward per microbatch), else
+    ``probe.unit_backward`` (``resolve_unit_backward``)."""
+    if pcfg.projection.value == "ghost":
+        resolve_projection(pcfg, ctx, 0)  # its checks (gradient checkpointing)
+        return "ghost"
+    return resolve_unit_backward(pcfg, ctx, (E,))
 
 
 def predict_on_held_out(ctx: ProbeContext, E: RolloutBatch, step: StepModel, pcfg,
-                        with_entropy: bool = True) -> HeldOutPrediction:
+                        with_entropy: bool = True, total_only: bool = False) -> HeldOutPrediction:
     """``deltaH_pred = -Xbar_E . Delta theta`` of a step known before it is taken, on responses E it
     was not fit to: one X pass over E projects each prompt onto the update's parts (the E side of
     every SE) and keeps E's log-probs (and, ``with_entropy``, token entropies) at theta for the
-    measurement after the step."""
+    measurement after the step. ``total_only``: each prompt is projected onto the whole update
+    only (one direction instead of one per part: ``SE_deltaH_pred`` needs no more); the parts'
+    values ``deltaH_pred_<part>`` stay, their SEs are not computed."""
     with ctx.phase("step_parts"):  # the update's parts, written into the projection directions
-        dirE = directions(ctx, [], step, ctx.device)
+        total = total_only and len(step.names) > 1
+        dirE = directions(ctx, [lambda out: None] if total else [], step, ctx.device)
+        if total:
+            _sum_rows_into_first(dirE)
     with ctx.phase("accumulate_X_E"):
-        accX = accumulate(ctx, E, x_loss_of(ctx), "X over held-out E", directions=dirE, with_entropy=with_entropy,
-                          unit_backward=resolve_unit_backward(pcfg, ctx, (E,)))
+        accX = accumulate(ctx, E, x_loss_of(ctx), "X over held-out E", directions=dirE.first(1) if total else dirE,
+                          with_entropy=with_entropy, unit_backward=held_out_unit_backward(pcfg, ctx, E))
         Xbar, B_E = global_mean(accX.sum_buf, accX.B)
-    step_dots = pv.dot_set(Xbar, dirE).tolist()
+    step_dots = pv.dot_set(Xbar, dirE).tolist()[1 if total else 0:]  # Xbar . Delta theta_part
     # each parameter tensor's part of the headline, -Xbar_i . Delta theta_i (nats): attr_pred/*
-    step_terms = sum(pv.dot_terms(dirE.column(j), Xbar) for j in range(dirE.k))
+    step_terms = sum(pv.dot_terms(dirE.column(j), Xbar) for j in range(1 if total else 0, dirE.k))
     del dirE
     e = -D.gather_units(accX.proj)
     res = {"gt/B_E": B_E, **prediction_results(step.names, step.kind, step_dots, e, None),

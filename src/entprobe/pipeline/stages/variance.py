@@ -18,6 +18,9 @@ kept or batched gradient is read once for all of them, forward mode takes one pa
   quarter of the free CUDA memory) on every rank, else ``fused``.
 - ``backward`` (reference): one backward per unit, the gradient moved to the
   buffers' device and dotted there.
+- ``ghost``: the E side from layer hooks during one backward per microbatch (ghost_projection.py);
+  U as ``stored`` when its gradients fit (``unit_grads_fit``), else as ``fused``. Not picked by ``auto``
+  (not cheaper on CPU, docs/variance.md).
 
 Cost (training-step units, benchmarks/README.md): the forward-mode pass is one forward carrying a tangent. Per linear layer it
 does three matmuls (``W x``, ``dW x``, ``W dx``), as many as a forward+backward (``W x``,
@@ -41,7 +44,9 @@ from entprobe.runtime import sharding
 from entprobe.runtime.distributed import no_sync
 from entprobe.math.estimators import x_unit_coeffs
 from entprobe.rollouts.sampling import RolloutBatch
+from entprobe.config import ConfigError
 from entprobe.pipeline.stages.context import ProbeContext, device_budget_bytes, model_dims
+from entprobe.pipeline.stages.ghost_projection import ghost_supported
 
 
 def _math_sdpa():
@@ -192,8 +197,17 @@ def resolve_projection(pcfg, ctx: ProbeContext, B_U_local: int) -> str:
     mode = pcfg.projection.value
     if sharding.sharded():  # the one projection path that runs sharded (config.py refuses the others)
         return "backward"
+    if mode == "ghost" and not ghost_supported(ctx.model):
+        raise ConfigError("probe.projection=ghost: the model uses gradient checkpointing, whose recomputed "
+                          "forward the layer hooks would count twice; use probe.projection=auto")
     if mode != "auto":
         return mode
+    return "stored" if unit_grads_fit(pcfg, ctx, B_U_local) else "fused"
+
+
+def unit_grads_fit(pcfg, ctx: ProbeContext, B_U_local: int) -> bool:
+    """Whether U's per-unit gradients may be kept (``resolve_projection``'s rule for ``stored``;
+    one collective decides for every rank)."""
     B_max = -(-int(D.reduce_scalars(B_U_local)[0]) // D.world())  # shards differ by at most 1
     n = sum(p.numel() for p in ctx.params)
     need_mb = B_max * sum(p.numel() * p.element_size() for p in ctx.params) / 2**20
@@ -201,7 +215,7 @@ def resolve_projection(pcfg, ctx: ProbeContext, B_U_local: int) -> str:
     reserved = 2 * n * ctx.buffers_dtype.itemsize if ctx.buffers_device == ctx.device else 0
     budget = min(pcfg.unit_grads_budget_mb, device_budget_bytes(ctx.device, reserved) / 2**20)
     fits = need_mb <= budget and (B_max <= pcfg.unit_grads_max_copies or need_mb <= UNIT_GRADS_ALWAYS_MB)
-    return "stored" if D.reduce_scalars(float(fits))[0] == D.world() else "fused"
+    return D.reduce_scalars(float(fits))[0] == D.world()
 
 
 CUDA_HOST_BOUND_FLOPS = 2e13  # a microbatch backward below ~4 N tokens FLOPs is host-bound on a GPU
