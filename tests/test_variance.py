@@ -24,19 +24,16 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
 
 from conftest import compose_cfg
 from entprobe.math import estimators as est
 from entprobe.math import paramvec as pv
-from entprobe.checkpoints.builtin import tiny_llama_config
 from entprobe.cli.probe_job import run
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.pipeline.stages.accumulate import accumulate, x_loss_of, y_loss_of
 from entprobe.config import ConfigError, ImportanceConfig, ProbeConfig, ProjectionMode, UnitBackward
 from entprobe.pipeline.geometry import Geometry
 from entprobe.pipeline.modes.two_batch import run_two_batch
-from entprobe.pipeline.stages import ghost_projection
 from entprobe.pipeline.stages.context import nograd_prompts
 from entprobe.pipeline.stages.variance import (SMALL_MODEL_PARAMS, UNIT_GRADS_ALWAYS_MB, project_backward, project_jvp, resolve_projection,
                                       resolve_unit_backward)
@@ -306,78 +303,6 @@ def test_nograd_microbatch_size(ex):
     ctx.nograd_memory_mb = 0.0
     assert ctx.nograd_mb(E, True) == 2  # never below the gradient passes' microbatch
     assert ctx.nograd_mb(E, True, fixed=3) == 3
-
-
-def test_jvp_matches_backward_with_tied_embeddings():
-    """Tied input/output embeddings (SmolLM2 and many small LMs): the output side gives the
-    padding row a direction, which the lookup must not use, since backward() gives that row no
-    gradient through nn.Embedding(padding_idx). Without that rule b_u was off by ~50% here."""
-    setup = make_setup()
-    cfg = tiny_llama_config(len(setup.tokenizer), hidden=16, layers=1, heads=2, max_positions=16)
-    cfg.tie_word_embeddings = True
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        setup.model = LlamaForCausalLM(cfg).double().train()
-    emb = setup.model.model.embed_tokens
-    assert setup.model.lm_head.weight is emb.weight and emb.padding_idx == 0
-    E, U = setup.sample(4, 3, seed=1), setup.sample(4, 3, seed=2)
-    assert (U.input_ids[U.attention_mask.bool()] == 0).any()  # the pad id is sampled as a token
-    ctx = setup.ctx("sequence", mb_size=2)
-    v = pv.scale_(accumulate(ctx, E, x_loss_of(ctx), "X over E").sum_buf, 1.0 / E.B)
-    assert v[0][0].abs().sum() > 0  # the padding row has a direction (from lm_head)
-    d = pv.stack_directions([v])
-    b, b_ref = project_jvp(ctx, U, d, "Y", "b_u")[:, 0], project_backward(ctx, U, d, "Y", "b_u")[:, 0]
-    assert (b_ref != 0).sum() >= 2 and rel(b, b_ref) < 1e-5
-
-
-def _random_directions(params, k: int, seed: int) -> pv.DirectionSet:
-    gen = torch.Generator().manual_seed(seed)
-    return pv.stack_directions([[torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in params]
-                                for _ in range(k)])
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_ghost_equals_backward_on_exact_model(ex, mode):
-    """probe.projection=ghost: the per-unit projections read off the layers' activations and output
-    gradients during one backward per microbatch equal the per-unit backward's (fp64: to 1e-10),
-    and the gradient sum the hooks write equals autograd's."""
-    setup = ex.setup
-    E = setup.sample(6, 3, seed=11)
-    ctx = setup.ctx(mode, mb_size=4)
-    assert ghost_projection.covered_params(setup.model, ctx.params)[0] == set(range(len(ctx.params)))
-    d = _random_directions(ctx.params, 3, 0)
-    acc = accumulate(ctx, E, x_loss_of(ctx), "X over E", directions=d, unit_backward="ghost")
-    assert ctx.stats.passes == {"forward": 18, "backward": 18}
-    assert all(p.requires_grad for p in ctx.params)  # switched off inside the pass only
-    ref = project_backward(ctx, E, d, "X", "a_u over E")
-    plain = accumulate(ctx, E, x_loss_of(ctx), "X over E")
-    assert rel(acc.proj, ref) < 1e-10 and acc.proj.std() > 0.1 * acc.proj.abs().max()
-    assert rel(torch.cat([g.reshape(-1) for g in acc.sum_buf]), torch.cat([g.reshape(-1) for g in plain.sum_buf])) < 1e-12
-
-
-def test_ghost_tied_embeddings_and_uncovered_parameters(monkeypatch):
-    """Tied input/output embeddings add the lookup's part (padding row excluded) and the output
-    layer's (its ghost_linear form: the materialised per-unit gradients forced over their limit);
-    a parameter of a layer type without a rule (here the norms, by pretending they have none)
-    takes the batched backward, and the projections still equal the per-unit backward's."""
-    setup = make_setup()
-    cfg = tiny_llama_config(len(setup.tokenizer), hidden=16, layers=1, heads=2, max_positions=16)
-    cfg.tie_word_embeddings = True
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        setup.model = LlamaForCausalLM(cfg).double().train()
-    E = setup.sample(4, 3, seed=2)
-    assert (E.input_ids[E.attention_mask.bool()] == 0).any()  # the pad id is sampled as a token
-    ctx = setup.ctx("sequence", mb_size=2)
-    d = _random_directions(ctx.params, 2, 1)
-    ref = project_backward(ctx, E, d, "X", "ref")
-    monkeypatch.setattr(ghost_projection, "MATERIALIZE_MAX_BYTES", 0)  # every linear layer by ghost_linear
-    kind = ghost_projection._kind
-    monkeypatch.setattr(ghost_projection, "_kind", lambda m: None if "Norm" in type(m).__name__ else kind(m))
-    hooks = ghost_projection.GhostHooks(setup.model, ctx.params, d)
-    assert {ctx.names[i].split(".")[-2] for i in hooks.uncovered} == {"input_layernorm", "post_attention_layernorm", "norm"}
-    acc = accumulate(ctx, E, x_loss_of(ctx), "X", directions=d, unit_backward="ghost")
-    assert rel(acc.proj, ref) < 1e-10
 
 
 @pytest.fixture(scope="module")
