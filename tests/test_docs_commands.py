@@ -44,7 +44,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
     f"python -m entprobe.main {CKPT} optimizer.state_path=/ckpt/checkpoint-500 task=jsonl "
     "task.path=data/math.jsonl task.reward=boxed batch.B_E=16 batch.B_U=16 batch.G=8 "
     "sampling.max_new_tokens=512 model.dtype=bfloat16": ("compose", "your checkpoint and data"),
-    "python -m entprobe.main model=smollm2 optimizer.preconditioner=identity optimizer.lr=1e-5": ("slow", ""),
+    "python -m entprobe.main experiment=smollm2_smoke": ("slow", ""),
     "python -m entprobe.main model=hf model.path=/ckpt/lora/checkpoint-500 model.base_path=/models/base "
     "task=jsonl task.path=data/math.jsonl task.reward=boxed":
         ("compose", "your LoRA checkpoint and base model; tests/test_peft.py probes a TRL + peft one"),

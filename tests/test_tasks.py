@@ -186,3 +186,29 @@ def test_longest_prompt_is_counted_as_the_sampler_tokenizes_it():
     prompts = [Prompt(t, "0") for t in ("1+2=", "33+3=", "4+4=")] * 100  # past one ENCODE_CHUNK
     prompts[290] = Prompt("123+456=", "579")
     assert longest_prompt(tok, prompts, chat_template="never") == (290, 9)  # BOS + 8 characters
+
+
+def test_arithmetic_question_task_and_the_smollm2_preset(tmp_path):
+    """task=arithmetic_question: the arithmetic pool asked as a question and scored on the last
+    number (a chat model answers in a sentence); the default arithmetic task is unchanged; a bad
+    template or reward is named; experiment=smollm2_smoke uses the question task."""
+    from entprobe.pipeline.config_checks import to_typed
+
+    plain = build_task(OmegaConf.structured(to_typed(compose_cfg(tmp_path)).task))
+    q_cfg = to_typed(compose_cfg(tmp_path, "task=arithmetic_question")).task
+    q = build_task(OmegaConf.structured(q_cfg))
+    assert [p.answer for p in q.prompts] == [p.answer for p in plain.prompts]  # the same pool, other words
+    a, b = plain.prompts[0].text[:-1].split("+")
+    assert plain.prompts[0].text == f"{a}+{b}=" and int(a) + int(b) == int(plain.prompts[0].answer)
+    assert q.prompts[0].text == f"What is {a} + {b}?"
+    answer = q.prompts[0].answer
+    assert q.reward(f"{a} + {b} = {answer}", q.prompts[0]) == 1.0  # the last number is the answer
+    assert plain.reward(f"{a} + {b} = {answer}", plain.prompts[0]) == float(a == answer)  # first number
+    assert q.reward(f"It is {int(answer) + 1}.", q.prompts[0]) == 0.0
+    with pytest.raises(ValueError, match="task.template=.*must hold the operands as {a} and {b}"):
+        build_task({"_target_": "entprobe.tasks.arithmetic.ArithmeticTask", "template": "What is it?"})
+    with pytest.raises(ValueError, match="task.reward='exact'; choose one of"):
+        build_task({"_target_": "entprobe.tasks.arithmetic.ArithmeticTask", "reward": "exact"})
+    smoke = to_typed(compose_cfg(tmp_path, "experiment=smollm2_smoke"))
+    assert smoke.task.template == q_cfg.template and smoke.task.reward == "last_number"
+    assert smoke.model.source.value == "gguf" and smoke.optimizer.preconditioner.value == "identity"

@@ -318,6 +318,7 @@ class TaskConfig:
     _target_: str = "entprobe.tasks.arithmetic.ArithmeticTask"
     path: Optional[str] = None
     reward: str = "numeric"
+    template: str = "{a}+{b}="  # the arithmetic task's prompt text, with the operands as {a} and {b}
     num_prompts: int = 512
     max_operand: int = 9
     seed: int = 0

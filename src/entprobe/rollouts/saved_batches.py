@@ -40,7 +40,8 @@ PAIR = ("E.pt", "U.pt", META)  # the order a committed pair moves into place: th
 STAGING, READY = ".saving-", ".ready-"
 DIGESTS = "sha256"  # the fingerprint's "digests": how its model / tokenizer identities were hashed
 # the value a task key had in effect before it was added (prompts tokenized as entprobe, built-in rewards)
-_TASK_BEFORE = {"tokenize": "entprobe", "chat_template_kwargs": {}, "reward_funcs": [], "reward_weights": None}
+_TASK_BEFORE = {"tokenize": "entprobe", "chat_template_kwargs": {}, "reward_funcs": [], "reward_weights": None,
+                "template": "{a}+{b}="}
 LOCK = ".lock"
 _CHUNK, _CHUNKS = 1 << 16, 16
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
