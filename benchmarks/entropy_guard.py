@@ -6,9 +6,9 @@ unguarded (the online probe every step, nothing acted on) and once with ``Entrop
 
 Prints, per run: the final and minimum entropy (the trainer's logged token entropy of the step's
 completions, and the probe's H on its held-out E), the reward over the last 10 steps, the number
-of guard actions (cuts; factor moves), the probe + guard time as a fraction of the run's training
+of guard actions (cuts, the first cut's step; factor moves), the probe + guard time as a fraction of the run's training
 time; and, from the unguarded run (item 4 of issue 26), the online probe's sign agreement and
-coverage. Plots entropy, reward and the lr used against the step (``--out``). Exits 0 whatever the
+coverage (and the guarded run's, and both runs' together). Plots entropy, reward and the lr used against the step (``--out``). Exits 0 whatever the
 figures are.
 """
 from __future__ import annotations
@@ -80,6 +80,7 @@ def figures(r: dict) -> dict:
             "reward_end": statistics.mean(h["reward"] for h in r["logs"][-10:]),
             "reward_all": statistics.mean(h["reward"] for h in r["logs"]),
             "cuts": sum(d.action == "cut" for d in r["decisions"]), "moves": len(moves),
+            "first_cut": next((d.step for d in r["decisions"] if d.action == "cut"), None),
             "cost": r["probe_s"] / (r["wall"] - r["probe_s"])}
 
 
@@ -100,25 +101,28 @@ def plot(runs: dict, a, path: str) -> None:
                    label=f"{name}: probe's H on held-out E (the guard's)")
         rew = [h["reward"] for h in r["logs"]]
         smooth = [statistics.mean(rew[max(0, i - 4):i + 1]) for i in range(len(rew))]
-        ax[1].plot(steps, smooth, color=c, label=name)
+        ax[1].plot(steps, smooth, color=c, label=f"{name}: mean of the last 10 steps {statistics.mean(rew[-10:]):.3f}")
         ax[2].plot(range(1, len(r["lrs"]) + 1), r["lrs"], color=c, label=name, drawstyle="steps-mid")
     cuts = [d.step for d in runs["guarded"]["decisions"] if d.action == "cut"]
     ax[2].scatter(cuts, [runs["guarded"]["lrs"][s - 1] for s in cuts], marker="v", color="tab:blue", s=18, zorder=3,
                   label="guarded: a cut (the step's prediction resolved past the band's edge)")
     if cuts:
-        ax[1].text(0.98, 0.9, f"the guard's first cut: step {cuts[0]} (predictions before it were unresolved)",
+        first = runs["guarded"]["decisions"][0].step
+        for i in (0, 1):
+            ax[i].axvline(cuts[0], color="tab:blue", ls=":", lw=0.8)
+        ax[1].text(0.98, 0.95, f"dotted line: the guard's first cut, step {cuts[0]} (its first probe: step {first})",
                    transform=ax[1].transAxes, ha="right", va="top", fontsize=8)
     if a.floor is not None:
         ax[0].axhline(a.floor, color="k", ls="--", lw=0.8, label=f"guard floor {a.floor}")
     ax[0].set_ylabel("entropy (nats/token)")
     ax[0].legend(fontsize=7, loc="upper right")
-    ax[1].set_ylabel("reward (mean of 5 steps)")
+    ax[1].set_ylabel("reward, exact answers\n(running mean of 5 steps)")
     ax[1].set_ylim(-0.02, 0.6)
-    ax[1].legend(fontsize=8, loc="center right")
+    ax[1].legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0.88))
     ax[2].set_yscale("log")
     ax[2].set_ylabel("lr of the step taken")
     ax[2].set_xlabel("optimizer step")
-    ax[2].legend(fontsize=8, loc="center right")
+    ax[2].legend(fontsize=8, loc="center left", bbox_to_anchor=(0.08, 0.5))
     g = f"floor {a.floor}, max_decay {a.max_decay}, z {a.z}, every {a.guard_every}"
     fig.suptitle(f"EntropyGuard on TRL GRPOTrainer, built-in model, arithmetic, lr {a.lr} constant\n(guard: {g})",
                  fontsize=10)
@@ -130,8 +134,8 @@ def plot(runs: dict, a, path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--lr", type=float, default=1e-2, help="constant lr (1e-2 collapses the entropy)")
-    ap.add_argument("--B", type=int, default=8, help="prompts per step (G = 4)")
+    ap.add_argument("--lr", type=float, default=5e-3, help="constant lr (5e-3 collapses the entropy at step 9)")
+    ap.add_argument("--B", type=int, default=16, help="prompts per step (G = 4)")
     ap.add_argument("--B-E", type=int, default=32, help="held-out prompts per probe")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--floor", type=float, default=0.2, help="the guard's floor (nats, the probe's H)")
@@ -153,12 +157,14 @@ def main() -> None:
         f = figures(r)
         print(f"  {name:>9}: entropy final (mean of last 5) {f['H_final']:.4f}, min {f['H_min']:.4f}; probe's H final "
               f"{f['probe_H_final']:.4f}, min {f['probe_H_min']:.4f}; reward last 10 steps {f['reward_end']:.3f} "
-              f"(all steps {f['reward_all']:.3f}); guard cuts {f['cuts']}, factor moves {f['moves']}; "
+              f"(all steps {f['reward_all']:.3f}); guard cuts {f['cuts']} (first at step {f['first_cut']}), "
+              f"factor moves {f['moves']}; "
               f"{'guard (probe included)' if name == 'guarded' else 'probe'} time {r['probe_s']:.1f} s = "
               f"{f['cost']:.0%} of the rest of the run's training time ({r['wall']:.1f} s in all)")
-    for name, r in runs.items():
+    pooled = {"both": {"history": runs["unguarded"]["history"] + runs["guarded"]["history"]}}
+    for name, r in {**runs, **pooled}.items():
         q = probe_quality(r["history"])
-        print(f"online probe, {name} run: {q['probes']} probes, {q['measurable']} measurable, {q['used']} of them "
+        print(f"online probe, {name} run{'s' if name == 'both' else ''}: {q['probes']} probes, {q['measurable']} measurable, {q['used']} of them "
               "with a nonzero prediction (the rest: exactly 0, no sign):")
         print(f"  sign agreement (measured vs predicted): {q['sign_all']:.1%} of those {q['used']}; "
               f"{q['sign_resolved']:.1%} of the {q['both_resolved']} where both 95% intervals exclude 0")

@@ -173,6 +173,48 @@ def test_plain_loop_guard_sets_the_lr_it_decided_and_the_prediction_is_the_step_
         assert r["ci95_pred_low"] <= r["deltaH_pred"] <= r["ci95_pred_high"]
 
 
+def test_online_probe_pending_view_and_rescale():
+    """``OnlineProbe.pending`` (the guard's input) shows the waiting prediction: its step, deltaH_pred
+    and SE, lr, and E's entropy H, which after the step is the ``H_orig`` the probe logs;
+    ``rescale_pending(f)`` makes it the prediction of the step at f x lr (deltaH_pred, SE, interval, lr
+    scaled; the measured step then agrees with it); with nothing waiting it is None / refused."""
+    from entprobe.checkpoints.default_checkpoint import policy_loss, trainer_adamw
+    from entprobe.config import SamplingConfig
+    from entprobe.integrations import OnlineProbe
+    from entprobe.integrations.grpo_trainer import TrainArgs, load_policy, load_task
+    from entprobe.rollouts.sampling import draw_prompt_indices, sample_batch
+
+    model, tokenizer = load_policy(TrainArgs(out=""))
+    task = load_task(TrainArgs(out=""))
+    optimizer = trainer_adamw(model, 1e-3, 0.01)
+    probe = OnlineProbe(model, optimizer, tokenizer, task, every=1, batch={"B_E": 4})
+    assert probe.pending is None
+    with pytest.raises(RuntimeError, match="no prediction is waiting"):
+        probe.rescale_pending(0.5)
+    for step in (1, 2):
+        b = sample_batch(model, tokenizer, task, draw_prompt_indices(len(task.prompts), 4, step), 4,
+                         SamplingConfig(max_new_tokens=4), step, "dr_grpo", 1e-6)
+        optimizer.zero_grad()
+        policy_loss(model, b, "dr_grpo").backward()
+        if probe.before_step(step):
+            p = probe.pending
+            assert (p.step, p.lr) == (2, pytest.approx(1e-3, rel=1e-12))
+            probe.rescale_pending(0.25)
+            q = probe.pending
+            assert (q.deltaH_pred, q.SE, q.lr, q.H) == (pytest.approx(0.25 * p.deltaH_pred, rel=1e-12),
+                                                        pytest.approx(0.25 * p.SE, rel=1e-12),
+                                                        pytest.approx(0.25e-3, rel=1e-12), p.H)
+            for g in optimizer.param_groups:
+                g["lr"] *= 0.25
+        optimizer.step()
+        probe.after_step()
+    assert probe.pending is None
+    r = probe.history[-1]
+    assert r["H_orig"] == pytest.approx(p.H, rel=1e-9)
+    assert r["deltaH_pred"] == pytest.approx(q.deltaH_pred, rel=1e-12) and r["lr"] == pytest.approx(0.25e-3)
+    assert r["deltaH1_step"] == pytest.approx(r["deltaH_pred"], rel=1e-3, abs=1e-9)  # the step taken
+
+
 def test_trl_callback_applies_the_factor_on_top_of_the_scheduler_and_logs_its_decisions(tmp_path, step_lrs,
                                                                                        monkeypatch):
     """docs/guard.md's TRL snippet, verbatim, 3 steps of GRPOTrainer with a linear schedule, the
@@ -218,7 +260,8 @@ def test_benchmark_command_runs_verbatim(tmp_path):
     assert cmd in (ROOT / "docs" / "guard.md").read_text()
     (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd.replace("python ", f"{sys.executable} ", 1), shell=True, cwd=tmp_path, env=env,
+    # the command as documented, shortened to 8 steps (the test's time; the figures are docs/guard.md's)
+    proc = subprocess.run(cmd.replace("python ", f"{sys.executable} ", 1) + " --steps 8", shell=True, cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for line in ("unguarded: entropy final", "guarded: entropy final", "sign agreement", "coverage: paired 95%"):

@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from entprobe.config import ConfigError
 from entprobe.integrations.online import OnlineProbe
 from entprobe.integrations.trl import EntropyProbeCallback
-from entprobe.math import estimators as est
 
 @dataclass(frozen=True)
 class GuardRule:
@@ -151,19 +150,6 @@ def decide(rule: GuardRule, step: int, d: float, se: float, H: float, prev: floa
                     reason=f"{pm}: {why}; factor {prev:.3g} -> {f:.3g}", **base)
 
 
-def scale_pending(probe: OnlineProbe, f: float) -> None:
-    """Rescale the probe's waiting prediction to the step at ``f`` x its lr: every value linear in
-    the step (``deltaH_pred`` and its parts, SEs, interval, attributions, per-prompt contributions)
-    and ``lr``. Exact for AdamW's closed-form update, ``-lr (m_hat / (sqrt(v_hat) + eps) + wd theta)``."""
-    pend = probe._pending
-    for res in (pend.res, pend.pred.res):
-        for k, v in res.items():
-            if isinstance(v, float) and k.startswith(("deltaH_pred", "SE_deltaH_pred", "ci95_pred", "attr_pred/")):
-                res[k] = v * f
-    pend.res["lr"] *= f
-    pend.pred.e = pend.pred.e * f
-
-
 class EntropyGuard:
     """The guard around a plain loop's ``optimizer.step()`` (module docstring), on an
     ``OnlineProbe`` that predicts every ``probe.every`` steps. ``decisions``: every decision with
@@ -189,13 +175,11 @@ class EntropyGuard:
         t0, probe = time.perf_counter(), self.probe
         self._decision = None
         if probe.before_step(step):
-            pend = probe._pending
-            res, E = pend.res, pend.E
-            H = float(-est.weighted_S(pend.pred.S, E.gen_lengths, E.Lmax, probe._ctx.weighting_mode).double().mean())
-            dec = decide(self.rule, step, res["deltaH_pred"], res["SE_deltaH_pred"], H, self.factor)
+            p = probe.pending
+            dec = decide(self.rule, step, p.deltaH_pred, p.SE, p.H, self.factor)
             self.factor, self._decision = dec.factor, dec
             self.decisions.append(dec)
-            scale_pending(probe, dec.factor)
+            probe.rescale_pending(dec.factor)
         groups = probe.optimizer.param_groups
         self._scheduled = [g["lr"] for g in groups]
         for g in groups:

@@ -50,6 +50,7 @@ from entprobe.pipeline.stages.ground_truth import eval_at_current, importance_es
 from entprobe.pipeline.stages.prediction import HeldOutPrediction, build_step_model, compare_with_prediction, predict_on_held_out
 from entprobe.tasks import Task
 from entprobe.pipeline.api import flatten_overrides
+from entprobe.math import estimators as est
 
 # what the online probe reads from the config; every other key describes the command line's own
 # step (objective, optimizer file, ...), which the online probe takes from the training loop
@@ -90,6 +91,18 @@ class _Pending:
     pred: HeldOutPrediction
     x_dot_theta: float  # Xbar . theta before the step, products and sums in fp64 (deltaH1_step after it)
     res: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PendingPrediction:
+    """A read-only view of the prediction waiting for its step (``OnlineProbe.pending``): the step,
+    its predicted entropy change ``deltaH_pred`` and ``SE`` (at ``lr``, the lr the prediction is
+    for), and ``H``, E's entropy at theta in the probe's units (as ``H_orig`` is logged)."""
+    step: int
+    deltaH_pred: float
+    SE: float
+    H: float
+    lr: float
 
 
 class OnlineProbe:
@@ -209,6 +222,32 @@ class OnlineProbe:
         self.history.append(res)
         # pred_consistent None (the measurement is unmeasurable: no test was made) is logged as NaN
         return {f"entprobe/{k}": float("nan") if res[k] is None else float(res[k]) for k in LOGGED if k in res}
+
+    @property
+    def pending(self) -> PendingPrediction | None:
+        """The prediction ``before_step`` made and ``after_step`` has not measured yet (None when
+        there is none)."""
+        pend = self._pending
+        if pend is None:
+            return None
+        E, res = pend.E, pend.res
+        H = float(-est.weighted_S(pend.pred.S, E.gen_lengths, E.Lmax, self._ctx.weighting_mode).double().mean())
+        return PendingPrediction(pend.step, res["deltaH_pred"], res["SE_deltaH_pred"], H, res["lr"])
+
+    def rescale_pending(self, factor: float) -> None:
+        """Make the waiting prediction that of the step at ``factor`` x its lr (for a caller that
+        scales the lr after ``before_step``): every value linear in the step (``deltaH_pred`` and its
+        parts, SEs, interval, attributions, per-prompt contributions) and ``lr`` are multiplied by
+        ``factor``. Exact for AdamW's closed-form update, ``-lr (m_hat / (sqrt(v_hat) + eps) + wd theta)``."""
+        pend = self._pending
+        if pend is None:
+            raise RuntimeError("rescale_pending: no prediction is waiting (call it after a before_step that returned True)")
+        for res in (pend.res, pend.pred.res):
+            for k, v in res.items():
+                if isinstance(v, float) and k.startswith(("deltaH_pred", "SE_deltaH_pred", "ci95_pred", "attr_pred/")):
+                    res[k] = v * factor
+        pend.res["lr"] *= factor
+        pend.pred.e = pend.pred.e * factor
 
 
 def _now() -> float:
