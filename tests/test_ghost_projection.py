@@ -32,16 +32,22 @@ def rel(x, y) -> float:
     return float((x - y).abs().max() / y.abs().max())
 
 
-def test_jvp_matches_backward_with_tied_embeddings():
-    """Tied input/output embeddings (SmolLM2 and many small LMs): the output side gives the
-    padding row a direction, which the lookup must not use, since backward() gives that row no
-    gradient through nn.Embedding(padding_idx). Without that rule b_u was off by ~50% here."""
+def tied_setup():
+    """The exact setup's tokenizer and sampler on a 1-layer fp64 Llama with tied input/output embeddings."""
     setup = make_setup()
     cfg = tiny_llama_config(len(setup.tokenizer), hidden=16, layers=1, heads=2, max_positions=16)
     cfg.tie_word_embeddings = True
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         setup.model = LlamaForCausalLM(cfg).double().train()
+    return setup
+
+
+def test_jvp_matches_backward_with_tied_embeddings():
+    """Tied input/output embeddings (SmolLM2 and many small LMs): the output side gives the
+    padding row a direction, which the lookup must not use, since backward() gives that row no
+    gradient through nn.Embedding(padding_idx). Without that rule b_u was off by ~50% here."""
+    setup = tied_setup()
     emb = setup.model.model.embed_tokens
     assert setup.model.lm_head.weight is emb.weight and emb.padding_idx == 0
     E, U = setup.sample(4, 3, seed=1), setup.sample(4, 3, seed=2)
@@ -83,12 +89,7 @@ def test_ghost_tied_embeddings_and_uncovered_parameters(monkeypatch):
     layer's (its ghost_linear form: the materialised per-unit gradients forced over their limit);
     a parameter of a layer type without a rule (here the norms, by pretending they have none)
     takes the batched backward, and the projections still equal the per-unit backward's."""
-    setup = make_setup()
-    cfg = tiny_llama_config(len(setup.tokenizer), hidden=16, layers=1, heads=2, max_positions=16)
-    cfg.tie_word_embeddings = True
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        setup.model = LlamaForCausalLM(cfg).double().train()
+    setup = tied_setup()
     E = setup.sample(4, 3, seed=2)
     assert (E.input_ids[E.attention_mask.bool()] == 0).any()  # the pad id is sampled as a token
     ctx = setup.ctx("sequence", mb_size=2)
