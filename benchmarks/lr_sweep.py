@@ -230,7 +230,7 @@ def write_png(rows: list[dict], path: Path, header: str) -> None:
                     mfc=style["mfc"] or f"C{j}", color=f"C{j}", capsize=3, label=f"{label}, 95% interval")
         shown += [*y, *lo, *hi]
     if pred[0][2] == "deltaH_pred" and any(math.isfinite(r["deltaH1"]) for r in ok):
-        ax.plot(lr, [r["deltaH1"] for r in ok], "x:", color="grey", label="seeds' deltaH1 = -lr Xbar.P.Ybar (not the AdamW step)")
+        ax.plot(lr, [r["deltaH1"] for r in ok], "x:", color="grey", label="deltaH1 = -lr Xbar.P.Ybar (Adam's preconditioned gradient alone, not the AdamW step)")
         shown += [r["deltaH1"] for r in ok]
     ax.set_xscale("log")
     plots.symlog_y(ax, shown)

@@ -83,6 +83,8 @@ COVERAGE: dict[str, tuple[str, str]] = {
     ".venv/bin/python benchmarks/smollm2_checkpoint.py --out /tmp/smollm2_adamw": ("slow", ""),
     ".venv/bin/python benchmarks/lr_sweep.py --checkpoint /tmp/smollm2_adamw --lrs 1e-6,1e-5,3e-5,1e-4,3e-4,1e-3 "
     "--B-E 6 --B-U 6 --G 4 --max-new-tokens 8 --out /tmp/lr_sweep -- batch.seed_U=3 batch.seed_E=2": ("slow", ""),
+    ".venv/bin/python benchmarks/lr_sweep.py --checkpoint /tmp/smollm2_adamw --lrs 1e-6,1e-5,3e-5,1e-4,3e-4 "
+    "--B-E 6 --B-U 6 --G 4 --max-new-tokens 24 --out /tmp/lr_sweep_mom": ("slow", ""),
     # docs/calibration.md (the SmolLM2 checkpoints, then the benchmark: ~30 min on 2 CPU cores)
     ".venv/bin/python benchmarks/smollm2_checkpoint.py --out /tmp/calib/smollm2_dr_grpo --loss dr_grpo -- "
     "task.reward=last_number 'task.system_prompt=\"Answer with just the number.\"'": ("slow", ""),
