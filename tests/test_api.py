@@ -118,7 +118,7 @@ def test_a_task_by_name_takes_the_task_keys(cli, tmp_path):
     res = entprobe.probe(model, opt, tok, "jsonl", task={"path": str(data)}, run_dir=str(tmp_path / "run"), **small)
     assert math.isfinite(res["deltaH1"])
     assert (tmp_path / "run" / "results.json").is_file()
-    with pytest.raises(ConfigError, match="task 'nope': not a built-in task; name one of arithmetic, jsonl"):
+    with pytest.raises(ConfigError, match="task .nope.: not a built-in task; name one of arithmetic, arithmetic_question, jsonl"):
         entprobe.probe(model, opt, tok, "nope", **small)
     with pytest.raises(ConfigError, match="task: the task is 'arithmetic'"):
         entprobe.probe(model, opt, tok, "arithmetic", task="jsonl", **small)
