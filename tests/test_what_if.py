@@ -239,16 +239,21 @@ def test_lr_factor_scales_adamws_update_exactly(exact, updates):
     assert (d - 3.0 * plain).abs().max() < 1e-12 * d.abs().max(), float((d - 3.0 * plain).abs().max())
 
 
-def test_what_if_predictions_are_unbiased_for_the_exact_first_order_change(exact, updates):
+@pytest.fixture(scope="module")
+def contributions(exact, updates):
+    """Each of 400 sampled E prompts' contribution ``-X_n . Delta theta_s`` [400, settings + plain]."""
+    E = exact.setup.sample(400, 2, seed=31)
+    return -project_backward(exact.ctx, E, updates[1], "X", "E").double()
+
+
+def test_what_if_predictions_are_unbiased_for_the_exact_first_order_change(exact, updates, contributions):
     """E[-X_n . Delta theta_s] = grad H . Delta theta_s exactly (sequence functional): over 400
     prompts, the mean contribution is within 4 SE of the enumerated value for every setting, and
     so is its difference from the plain step's (paired per prompt), which is > 8 SE from 0: the
     check would see a setting predicted as the plain step."""
     new, dset, plain = updates
-    s = exact.setup
     gH = exact.gH
-    E = s.sample(400, 2, seed=31)
-    e = -project_backward(exact.ctx, E, dset, "X", "E").double()  # [400, settings + plain]
+    e = contributions
     for j, (key, *_rest) in enumerate(new):
         target, base = float(gH @ flat(dset.column(j))), float(gH @ plain)
         m, se = float(e[:, j].mean()), float(e[:, j].std() / math.sqrt(e.shape[0]))
@@ -257,6 +262,22 @@ def test_what_if_predictions_are_unbiased_for_the_exact_first_order_change(exact
         md, sed = float(d.mean()), float(d.std() / math.sqrt(d.numel()))
         assert abs(md - (target - base)) < 4 * sed, (key, md, target - base, sed)
         assert abs(target - base) > 8 * sed, (key, target, base, sed)
+
+
+def test_what_if_intervals_cover_the_exact_change_at_b_8(exact, updates, contributions):
+    """Each setting's 95% interval (``what_if.summary``: t with B_E - 1 df over the prompts'
+    contributions) at B_E = 8, over 50 disjoint E batches of the 400 prompts (G = 2), against the
+    enumerated first-order change grad H . Delta theta_s. Measured: 41/50 (82%) for lr x 3 (the
+    headline's E-side interval, scaled), Clip-Cov and top-entropy, 47/50 for the entropy bonus
+    (with G = 4: 86-98%): the t interval under-covers at B_E = 8 on this policy's skewed per-prompt
+    contributions (docs/what_if.md). Asserted: at least 70% (a missing sqrt or an SE over B instead
+    of sqrt(B) falls far below)."""
+    new, dset, _ = updates
+    for j, (key, *_rest) in enumerate(new):
+        target = float(exact.gH @ flat(dset.column(j)))
+        held = [wi.summary(b)["ci95_low"] <= target <= wi.summary(b)["ci95_high"]
+                for b in contributions[:, j].split(8)]
+        assert len(held) == 50 and 0.70 <= sum(held) / len(held), (key, sum(held))
 
 
 @pytest.mark.parametrize("key", ["lr_x3", "entropy_coef=0.2", "clip_cov=0.1", "top_entropy_quantile=0.2"])
