@@ -290,3 +290,75 @@ def test_builtin_trainer_guard_option(tmp_path):
         check_args(parse_train_args(["--out", str(tmp_path / "x"), "--guard-floor", "0.2"]))
     with pytest.raises(ConfigError, match="--guard-max-decay=-1.0"):
         check_args(parse_train_args(["--out", str(tmp_path / "x"), "--probe-every", "1", "--guard-max-decay", "-1"]))
+
+
+def test_guard_state_dict_round_trips_and_refuses_a_bad_factor():
+    """``state_dict`` carries the factor in force; ``load_state_dict`` restores it and refuses what no
+    guard could have saved, naming the key."""
+    g = G.EntropyGuard.__new__(G.EntropyGuard)
+    g.factor, g.decisions = 0.3, []
+    assert g.state_dict() == {"factor": 0.3, "decided_at": None}
+    g.load_state_dict({"factor": 0.125, "decided_at": 7})
+    assert g.factor == 0.125
+    for bad in ({"factor": 0.0}, {"factor": float("nan")}, {"factor": "0.5"}, {}, None):
+        with pytest.raises(ConfigError, match="'factor' must be a finite number > 0"):
+            g.load_state_dict(bad)
+
+
+def test_trl_resume_continues_with_the_saved_factor(tmp_path, step_lrs, monkeypatch, capsys):
+    """A GRPOTrainer run guarded every 2 steps, step 2's decision forced to 0.25 and checkpointed:
+    checkpoint-2's trainer_state.json holds the guard's state, and ``train(resume_from_checkpoint=)``
+    takes step 3 (not probed: the factor in force holds) at 0.25 x the lr, as the uninterrupted run
+    would; a fresh run starts at 1."""
+    pytest.importorskip("trl")
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from online_probe import build_trainer
+
+    real = G.decide
+    monkeypatch.setattr(G, "decide", lambda *a: dataclasses.replace(real(*a), factor=0.25) if a[1] == 2 else real(*a))
+
+    def guarded(steps):
+        tr = build_trainer(str(tmp_path), steps, prompts_per_step=4)
+        tr.args.save_strategy, tr.args.save_steps = "steps", 2
+        cb = G.EntropyGuardCallback(tr, every_n_steps=2, guard={"max_decay": 0.0}, batch={"B_E": 4})
+        tr.add_callback(cb)
+        return tr, cb
+
+    tr, cb = guarded(2)
+    tr.train()
+    assert [d.step for d in cb.decisions] == [2] and cb.guard.factor == 0.25
+    assert [(s, lrs[0]) for s, lrs in cb.guard.lrs] == [(1, 1e-3), (2, pytest.approx(2.5e-4, rel=1e-12))]
+    saved = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())["stateful_callbacks"]
+    assert saved[G.STATE_KEY] == {"factor": 0.25, "decided_at": 2}
+    step_lrs.clear()
+    tr, cb = guarded(3)
+    tr.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert "EntropyGuard resumed at step 2 with lr factor 0.25" in capsys.readouterr().out
+    assert cb.decisions == [] and [s for s, _ in cb.guard.lrs] == [3]
+    assert [lrs for opt, lrs in step_lrs if opt is tr.optimizer.optimizer] == [[pytest.approx(2.5e-4, rel=1e-12)] * 2]
+
+
+def test_builtin_trainer_resume_continues_with_the_logged_factor(tmp_path):
+    """``python -m entprobe.train --resume``: the guard starts from the factor the checkpoint's last
+    step logged (set to 0.37 in checkpoint-2's trainer_state.json), so step 3, which the probe does
+    not predict (--probe-every 2), takes 0.37 x the schedule's lr."""
+    import json
+
+    from entprobe.cli.train import parse_train_args
+    from entprobe.integrations.grpo_trainer import train
+
+    opts = ["--out", str(tmp_path / "run"), "--B", "4", "--probe-every", "2", "--probe-B-E", "4",
+            "--guard-max-decay", "0", "--save-every", "2"]
+    train(parse_train_args(opts + ["--steps", "2"]), log=lambda s: None)
+    state_file = tmp_path / "run" / "checkpoint-2" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert "entprobe/guard_lr_factor" in state["log_history"][-1]
+    state["log_history"][-1]["entprobe/guard_lr_factor"] = 0.37
+    state_file.write_text(json.dumps(state))
+    lines, entries = [], []
+    train(parse_train_args(opts + ["--steps", "3", "--resume", "last"]), log=lines.append, on_step=entries.append)
+    assert "[entprobe] guard resumed with lr factor 0.37" in lines
+    assert [e["step"] for e in entries] == [3] and entries[0]["entprobe/guard_lr_factor"] == 0.37
+    assert entries[0]["entprobe/guard_lr"] == pytest.approx(0.37 * entries[0]["learning_rate"], rel=1e-12)

@@ -10,7 +10,8 @@ and log history are read back, and since each step's sampling is seeded by its s
 resumed run takes the steps the uninterrupted one would have. Every ``probe_every`` steps ``OnlineProbe``
 predicts the step's entropy change before ``optimizer.step()`` and measures it after; its
 ``entprobe/*`` metrics join that step's entry of the log history; with ``guard_floor`` /
-``guard_max_decay`` an ``EntropyGuard`` on that probe sets each step's lr (docs/guard.md). Every ``save_every`` steps, and at
+``guard_max_decay`` an ``EntropyGuard`` on that probe sets each step's lr (docs/guard.md; a resumed
+run continues with the factor its checkpoint's last step logged). Every ``save_every`` steps, and at
 the last step, ``out/checkpoint-<step>/`` is written (``trainer_checkpoint``).
 """
 from __future__ import annotations
@@ -174,6 +175,9 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
         folder = resume_folder(a)
         start, history = read_trainer_checkpoint(folder, opt, sched, a.B * a.G)
         log(f"[entprobe] resumed from {folder} at step {start}")
+        if guarded and history and "entprobe/guard_lr_factor" in history[-1]:  # every step logs the factor in force
+            stepper.load_state_dict({"factor": history[-1]["entprobe/guard_lr_factor"]})
+            log(f"[entprobe] guard resumed with lr factor {stepper.factor:.4g}")
         changed, recorded = changed_run_args(folder, vars(a))
         for key, was, now in changed:
             log(f"[entprobe] --{key.replace('_', '-')} {now} replaces the checkpoint's {was} ({recorded}): "

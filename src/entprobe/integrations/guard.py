@@ -36,6 +36,11 @@ the lr the scheduler wrote into each param group just before ``optimizer.step()`
 scheduler's lr is put back right after, so the scheduler never sees it. The probe's prediction
 (its ``deltaH_pred``, SE, interval, parts, per-prompt contributions and ``lr``) is rescaled by the
 factor: what it logs and compares with the measurement is the prediction of the step taken.
+
+A resumed run continues with the factor in force when its checkpoint was written: ``state_dict()`` /
+``load_state_dict()`` in a plain loop (save it beside the optimizer's); ``EntropyGuardCallback``
+keeps it in the checkpoint's ``trainer_state.json`` (``stateful_callbacks[STATE_KEY]``) and reads it
+back when TRL resumes.
 """
 from __future__ import annotations
 
@@ -46,6 +51,8 @@ from dataclasses import dataclass
 from entprobe.config import ConfigError
 from entprobe.integrations.online import OnlineProbe
 from entprobe.integrations.trl import EntropyProbeCallback
+
+STATE_KEY = "entprobe.EntropyGuard"  # the guard's entry in TrainerState.stateful_callbacks
 
 @dataclass(frozen=True)
 class GuardRule:
@@ -168,6 +175,19 @@ class EntropyGuard:
         self._decision: Decision | None = None
         self.time_s = 0.0
 
+    def state_dict(self) -> dict:
+        """What a resumed run needs to go on as the uninterrupted one would: the factor in force (it
+        holds until the next probe) and the step of the last decision."""
+        return {"factor": self.factor, "decided_at": self.decisions[-1].step if self.decisions else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``'s factor (a ConfigError for a value no guard could have set)."""
+        f = state.get("factor") if isinstance(state, dict) else None
+        if not isinstance(f, (int, float)) or isinstance(f, bool) or not (f > 0 and math.isfinite(f)):
+            raise ConfigError(f"EntropyGuard state {state!r}: its 'factor' must be a finite number > 0 "
+                              "(a state saved by EntropyGuard.state_dict())")
+        self.factor = float(f)
+
     def before_step(self, step: int) -> float:
         """Call with the step's gradient in ``.grad``, the scheduler's lr in the param groups: the
         probe predicts (when due), the guard decides, each group's lr is multiplied by the factor.
@@ -212,7 +232,12 @@ class EntropyGuardCallback(EntropyProbeCallback):
     ``overrides`` as ``EntropyProbeCallback``'s) and the guard's factor on top of the scheduler's lr
     at ``on_pre_optimizer_step``, put back at ``on_optimizer_step`` (before the trainer's
     ``lr_scheduler.step()``). ``guard``: ``EntropyGuard``'s keywords (floor, max_decay, ...).
-    The ``entprobe/guard_*`` metrics join the trainer's logs; ``decisions`` lists every decision."""
+    The ``entprobe/guard_*`` metrics join the trainer's logs; ``decisions`` lists every decision.
+    The guard's ``state_dict()`` goes into each checkpoint's ``trainer_state.json`` (key
+    ``STATE_KEY`` of ``stateful_callbacks``, written at every step's end, before the trainer saves);
+    ``trainer.train(resume_from_checkpoint=...)`` starts from the factor saved there.
+    (transformers' ``restore_callback_states_from_checkpoint`` is not needed; with it on, transformers
+    warns that it found no callback named ``entprobe.EntropyGuard`` to rebuild: this callback reads it itself.)"""
 
     def __init__(self, trainer, every_n_steps: int = 1, guard: dict | None = None, **overrides):
         super().__init__(trainer, every_n_steps, **overrides)
@@ -227,9 +252,18 @@ class EntropyGuardCallback(EntropyProbeCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         super().on_train_begin(args, state, control, **kwargs)
         self.guard = EntropyGuard(self.probe, **self.guard_kwargs)
+        saved = (state.stateful_callbacks or {}).get(STATE_KEY) if state.global_step > 0 else None
+        if saved is not None:
+            self.guard.load_state_dict(saved)
+            if state.is_world_process_zero:
+                print(f"entprobe: EntropyGuard resumed at step {state.global_step} with lr factor "
+                      f"{self.guard.factor:.4g} (trainer_state.json)", flush=True)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.guard.before_step(state.global_step + 1)
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self._to_log.update(self.guard.after_step())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        state.stateful_callbacks[STATE_KEY] = self.guard.state_dict()  # saved with the checkpoint, if one follows
