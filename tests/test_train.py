@@ -108,6 +108,12 @@ def test_bad_options_name_themselves(run_out, tmp_path):
         train(TrainArgs(out=str(tmp_path / "x"), model=str(tmp_path)))
     with pytest.raises(ConfigError, match=r"--G=1: group advantages need >= 2"):
         train(TrainArgs(out=str(tmp_path / "x"), G=1))
+    # the built-in model's context is 64 tokens: a prompt plus 100 new tokens cannot fit (its positions
+    # past 64 were never trained); refused naming the prompt, its length and the option to lower
+    with pytest.raises(ConfigError, match=r"--task='arithmetic', prompt \d+: the prompt is \d+ tokens .* with "
+                                          r"--max-new-tokens=100 needs \d+ > the model's context of 64 tokens "
+                                          r"\(the model's config\).*lower --max-new-tokens"):
+        train(TrainArgs(out=str(tmp_path / "x"), max_new_tokens=100))
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path / "x"), "--loss", "ppo"])
     assert not (tmp_path / "x").exists()  # nothing written before the options are checked

@@ -32,6 +32,7 @@ from entprobe.checkpoints.default_checkpoint import LOSSES
 from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
 from entprobe.tasks.arithmetic import ArithmeticTask
 from entprobe.tasks.jsonl import JsonlTask
+from entprobe.tasks.lengths import model_context, refuse_long_prompts
 from entprobe.integrations.online import OnlineProbe
 from entprobe.integrations.guard import EntropyGuard
 from entprobe.reporting.over_steps import write_history
@@ -160,6 +161,8 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
     model, tok = load_policy(a)
     task = load_task(a)
     check_encodable(task, tok, f"--task={a.task!r}")
+    refuse_long_prompts(task, tok, model_context(tok, [], model.config.to_dict()), a.max_new_tokens,
+                        f"--task={a.task!r}", new_key="--max-new-tokens")
     opt = trainer_adamw(model, a.lr, a.weight_decay)
     from transformers import get_scheduler
 

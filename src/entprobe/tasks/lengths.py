@@ -91,16 +91,25 @@ def check_prompt_lengths(task, tokenizer, cfg, where: str, loaded: str | None = 
     exceeds the model's context (``model_context``: ``config``, a model's in memory, else the
     config.json of model.path, model.base_path or the tokenizer's folder), naming the prompt
     (file:line, or the task and its index) and its length."""
-    kw = prompt_kwargs(cfg, loaded)
-    context, source = model_context(tokenizer, [cfg.model.path, cfg.model.base_path, getattr(
+    context = model_context(tokenizer, [cfg.model.path, cfg.model.base_path, getattr(
         tokenizer, "name_or_path", None)], config)
-    new = int(cfg.sampling.max_new_tokens)
-    i, n = longest_prompt(tokenizer, task.prompts, **kw)
-    if n + new <= context:
+    refuse_long_prompts(task, tokenizer, context, int(cfg.sampling.max_new_tokens), where,
+                        **prompt_kwargs(cfg, loaded))
+
+
+def refuse_long_prompts(task, tokenizer, context: tuple[int, str], max_new_tokens: int, where: str,
+                        new_key: str = "sampling.max_new_tokens", **encode_kwargs) -> None:
+    """The check of ``check_prompt_lengths`` for a known ``context`` (``model_context``'s (tokens,
+    source)): the longest prompt (tokenized with ``encode_kwargs``) plus ``max_new_tokens`` (the
+    option ``new_key``) must fit in it; else an InputFileError for a file's prompt (file:line), a
+    ConfigError for the task's."""
+    (n_ctx, source), new = context, int(max_new_tokens)
+    i, n = longest_prompt(tokenizer, task.prompts, **encode_kwargs)
+    if n + new <= n_ctx:
         return
     p = task.prompts[i]
     at = p.origin or f"{where}, prompt {i}"
     cls = InputFileError if p.origin else ConfigError  # a file's prompt, or the task's config
-    raise cls(f"{at}: the prompt is {n} tokens ({len(p.text)} characters), and with sampling.max_new_tokens="
-              f"{new} needs {n + new} > the model's context of {context} tokens ({source}): shorten or drop "
-              "the prompt, or lower sampling.max_new_tokens")
+    raise cls(f"{at}: the prompt is {n} tokens ({len(p.text)} characters), and with {new_key}="
+              f"{new} needs {n + new} > the model's context of {n_ctx} tokens ({source}): shorten or drop "
+              f"the prompt, or lower {new_key}")
