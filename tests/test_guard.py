@@ -333,11 +333,15 @@ def test_trl_resume_continues_with_the_saved_factor(tmp_path, step_lrs, monkeypa
     saved = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())["stateful_callbacks"]
     assert saved[G.STATE_KEY] == {"factor": 0.25, "decided_at": 2}
     step_lrs.clear()
+    (tmp_path / "entprobe_over_steps.csv").unlink()  # as if the first process had died before its end
     tr, cb = guarded(3)
     tr.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert "EntropyGuard resumed at step 2 with lr factor 0.25" in capsys.readouterr().out
     assert cb.decisions == [] and [s for s, _ in cb.guard.lrs] == [3]
     assert [lrs for opt, lrs in step_lrs if opt is tr.optimizer.optimizer] == [[pytest.approx(2.5e-4, rel=1e-12)] * 2]
+    # the resumed run probed nothing itself: its over-steps table holds step 2's probe from the log history
+    rows = (tmp_path / "entprobe_over_steps.csv").read_text().splitlines()
+    assert len(rows) == 2 and rows[1].startswith("2,ok,")
 
 
 def test_builtin_trainer_resume_continues_with_the_logged_factor(tmp_path):

@@ -147,7 +147,7 @@ def test_the_trl_callback_plots_its_history_at_the_end(tmp_path, capsys):
                 "SE_deltaH_pred": 0.005, "ci95_pred_low": -0.01 * s - 0.01, "ci95_pred_high": -0.01 * s + 0.01,
                 "deltaH_true": -0.012 * s, "SE_deltaH_true": 0.006, "lr": 1e-6} for s in (20, 10)]
     cb.probe = SimpleNamespace(history=history)
-    args, state = SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(is_world_process_zero=True)
+    args, state = SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(is_world_process_zero=True, log_history=[])
     cb.on_train_end(args, state, None)
     rows = OS.read_csv(tmp_path / "entprobe_over_steps.csv")
     assert [(r["step"], r["H"], r["deltaH_pred"]) for r in rows] == [(10, 11.0, -0.1), (20, 21.0, -0.2)]

@@ -35,7 +35,7 @@ from entprobe.tasks.jsonl import JsonlTask
 from entprobe.tasks.lengths import model_context, refuse_long_prompts
 from entprobe.integrations.online import OnlineProbe
 from entprobe.integrations.guard import EntropyGuard
-from entprobe.reporting.over_steps import write_history
+from entprobe.reporting.over_steps import merged_history, write_history
 from entprobe.checkpoints.default_checkpoint import policy_loss, trainer_adamw
 
 ADV_EPS = 1e-6  # grpo advantages: (r - mean) / (std + ADV_EPS)
@@ -225,9 +225,6 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
             log(f"[entprobe] step {step}: loss {entry['loss']:+.4f} reward {entry['reward']:.3f} "
                 f"entropy {entry['entropy']:.3f} -> {written[-1]}")
     if probe is not None:  # the online probe's steps, plotted as entprobe.probe_run plots a run's checkpoints
-        probed = {e["step"]: {"step": e["step"], **{k[9:]: v for k, v in e.items() if k.startswith("entprobe/")}}
-                  for e in history if "entprobe/deltaH_pred" in e}  # a resumed run's earlier probes: as logged
-        probed.update({r["step"]: r for r in probe.history})  # this process's: every result
-        for path in write_history(list(probed.values()), a.out):
+        for path in write_history(merged_history(history, probe.history), a.out):  # a resumed run's earlier ones too
             log(f"[entprobe] over steps: {path}")
     return written

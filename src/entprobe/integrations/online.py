@@ -64,7 +64,7 @@ ONLINE_KEYS = ("batch.B_E", "batch.G", "batch.seed_E", "sampling", "probe.mb_siz
 LOGGED = ("deltaH_pred", "SE_deltaH_pred", "ci95_pred_low", "ci95_pred_high", "deltaH_true", "SE_deltaH_true",
           "deltaH_true_minus_pred", "SE_deltaH_true_minus_pred", "z_true_minus_pred", "pred_consistent",
           "deltaH_pred_gradient", "deltaH_pred_momentum", "deltaH_pred_weight_decay", "deltaH1_step",
-          "H_orig", "ESS_frac", "lr", "time_s")
+          "H_orig", "ESS_frac", "lr", "time_s", "step")  # step: the probed one (a log entry may come later)
 
 
 def online_config(overrides: Mapping[str, Any], fixed: Mapping[str, Any] | None = None) -> EntprobeConfig:

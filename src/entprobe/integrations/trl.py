@@ -34,7 +34,7 @@ from transformers import TrainerCallback
 from entprobe.config import ConfigError
 from entprobe.math.importance import psis_backend
 from entprobe.integrations.online import OnlineProbe, online_config
-from entprobe.reporting.over_steps import write_history
+from entprobe.reporting.over_steps import merged_history, write_history
 from entprobe.rollouts.sampling import RolloutBatch
 
 
@@ -167,7 +167,9 @@ class EntropyProbeCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         """``entprobe_over_steps.csv`` and ``.png`` (reporting/over_steps.py) of ``history`` in the
-        trainer's ``output_dir``, their paths printed (nothing when no step was probed)."""
+        trainer's ``output_dir``, their paths printed (nothing when no step was probed); after a
+        resume, with the earlier probes as the log history holds them (``merged_history``)."""
         if state.is_world_process_zero:
-            for path in write_history(self.history, args.output_dir):
+            # a resumed run's earlier probes come from the log history its checkpoint carried
+            for path in write_history(merged_history(state.log_history, self.history), args.output_dir):
                 print(f"entprobe: over steps {path}", flush=True)

@@ -174,6 +174,20 @@ def report(rows: Sequence[Mapping], run_dir: str, csv_name: str = CSV_FILE, plot
     return "\n".join(lines) + "\n"
 
 
+def merged_history(log_history: Sequence[Mapping], history: Sequence[Mapping]) -> list[dict]:
+    """A resumed run's probes: those an earlier process logged (``log_history`` entries holding
+    ``entprobe/deltaH_pred``, at the probed step ``entprobe/step``, else the entry's ``step``), as
+    logged (``entprobe/`` dropped from their keys), then this process's full ``history`` over them."""
+    probed = {}
+    for e in log_history:
+        if "entprobe/deltaH_pred" in e:
+            step = int(e.get("entprobe/step", e.get("step", -1)))
+            probed[step] = {**{k[len("entprobe/"):]: v for k, v in e.items() if k.startswith("entprobe/")},
+                            "step": step}
+    probed.update({int(r["step"]): dict(r) for r in history})
+    return list(probed.values())
+
+
 def write_history(history: Sequence[Mapping], folder: str | Path, title: str = "") -> list[Path]:
     """The online probe's ``history`` as ``entprobe_over_steps.csv`` and ``.png`` in ``folder`` (the
     trainer's output folder); their paths, none when nothing was probed."""
