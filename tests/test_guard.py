@@ -336,7 +336,10 @@ def test_trl_resume_continues_with_the_saved_factor(tmp_path, step_lrs, monkeypa
     (tmp_path / "entprobe_over_steps.csv").unlink()  # as if the first process had died before its end
     tr, cb = guarded(3)
     tr.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
-    assert "EntropyGuard resumed at step 2 with lr factor 0.25" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "EntropyGuard resumed at step 2 with lr factor 0.25" in out
+    assert re.search(r"entprobe: 1 probe\(s\) took [\d.]+ s, [\d.]+% of the [\d.]+ s of training without them "
+                     r"\([\d.]+ s a probe, every 2 step\(s\), B_E = 4\)", out)  # the first run's cost line
     assert cb.decisions == [] and [s for s, _ in cb.guard.lrs] == [3]
     assert [lrs for opt, lrs in step_lrs if opt is tr.optimizer.optimizer] == [[pytest.approx(2.5e-4, rel=1e-12)] * 2]
     # the resumed run probed nothing itself: its over-steps table holds step 2's probe from the log history
@@ -366,3 +369,11 @@ def test_builtin_trainer_resume_continues_with_the_logged_factor(tmp_path):
     assert "[entprobe] guard resumed with lr factor 0.37" in lines
     assert [e["step"] for e in entries] == [3] and entries[0]["entprobe/guard_lr_factor"] == 0.37
     assert entries[0]["entprobe/guard_lr"] == pytest.approx(0.37 * entries[0]["learning_rate"], rel=1e-12)
+
+
+def test_cost_line_is_the_probes_time_over_the_rest_of_training():
+    from entprobe.integrations.trl import cost_line
+
+    h = [{"time_s": 2.0, "B_E": 8}, {"time_s": 3.0, "B_E": 8}]
+    assert cost_line(h, 105.0, 10) == ("entprobe: 2 probe(s) took 5.0 s, 5.0% of the 100.0 s of training without "
+                                       "them (2.5 s a probe, every 10 step(s), B_E = 8)")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 
 import torch
 from transformers import TrainerCallback
@@ -96,6 +97,16 @@ def rewards_skipped(trainer):
             trainer._calculate_rewards = own
 
 
+def cost_line(history: list[dict], train_s: float, every: int) -> str:
+    """What the probes cost this run (wall clock): their time over the training's without them,
+    ``sum(time_s) / (train_s - sum(time_s))``."""
+    probe_s = sum(float(r.get("time_s", 0.0)) for r in history)
+    rest = train_s - probe_s
+    share = f"{100 * probe_s / rest:.1f}% of the {rest:.1f} s of training without them" if rest > 0 else "all of it"
+    return (f"entprobe: {len(history)} probe(s) took {probe_s:.1f} s, {share} "
+            f"({probe_s / len(history):.1f} s a probe, every {every} step(s), B_E = {history[-1].get('B_E', '?')})")
+
+
 class EntropyProbeCallback(TrainerCallback):
     """Predict and measure the entropy change of every ``every_n_steps``-th optimizer step of a
     ``GRPOTrainer`` (module docstring). ``overrides``: the online probe's config keys
@@ -144,6 +155,7 @@ class EntropyProbeCallback(TrainerCallback):
         return trl_rollout_batch(out, tr.num_generations, self.cfg.sampling.temperature)
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self._t_begin = time.perf_counter()
         tr = self.trainer
         self.probe = OnlineProbe(tr.model, tr.optimizer, tr.processing_class, self.sample_held_out, self.every,
                                  config=self.cfg)
@@ -167,9 +179,12 @@ class EntropyProbeCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         """``entprobe_over_steps.csv`` and ``.png`` (reporting/over_steps.py) of ``history`` in the
-        trainer's ``output_dir``, their paths printed (nothing when no step was probed); after a
+        trainer's ``output_dir``, their paths printed (nothing when no step was probed), and a line
+        with what the probes cost (``cost_line``); after a
         resume, with the earlier probes as the log history holds them (``merged_history``)."""
         if state.is_world_process_zero:
+            if self.history and getattr(self, "_t_begin", None) is not None:
+                print(cost_line(self.history, time.perf_counter() - self._t_begin, self.every), flush=True)
             # a resumed run's earlier probes come from the log history its checkpoint carried
             for path in write_history(merged_history(state.log_history, self.history), args.output_dir):
                 print(f"entprobe: over steps {path}", flush=True)
