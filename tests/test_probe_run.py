@@ -109,6 +109,94 @@ def test_a_bad_override_is_a_one_line_error_before_any_checkpoint(run_dir, tmp_p
     assert not (tmp_path / "out").exists()
 
 
+FAKE_RESULTS = {"H_orig": 1.0, "SE_H_orig": 0.1, "B_E": 2, "deltaH_pred": -0.01, "deltaH_true": -0.02}
+
+
+@pytest.fixture
+def probed_jobs(monkeypatch):
+    """``probe_run``'s probe job replaced by one that records the typed config it is given (no model)."""
+    import entprobe.cli.probe_run as PR
+
+    jobs = []
+    monkeypatch.setattr(PR, "run", lambda typed: jobs.append(typed) or dict(FAKE_RESULTS))
+    return jobs
+
+
+def empty_run(root: Path, steps=(1, 2)) -> Path:
+    for step in steps:
+        (root / f"checkpoint-{step}").mkdir(parents=True)
+    return root
+
+
+@pytest.mark.parametrize("override,says", [
+    ("batch.G=1", "batch.G: is 1; need >= 2 responses per prompt"),
+    ("batch.B_E=1", "batch.B_E: is 1; need >= 2 prompts"),
+    ("optimizer.lr=-1", "optimizer.lr: must be > 0"),
+    ("importance.is_mode=bogus", "importance.is_mode=bogus: Invalid value 'bogus', expected one of [cv, snis")])
+def test_a_bad_value_is_refused_once_before_any_checkpoint(override, says, tmp_path, probed_jobs, capsys):
+    """A value the probe job's config checks refuse (``to_typed``) stops the run before the first
+    checkpoint, with the job's own message: exit 2, one line, nothing written."""
+    run = empty_run(tmp_path / "run")
+    with pytest.raises(SystemExit) as info:
+        main([str(run), "--out", str(tmp_path / "out"), override, "logging.logger=none"])
+    assert info.value.code == 2 and probed_jobs == []
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("entprobe: error: ") and says in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_value_a_checkpoint_settles_is_left_to_each_checkpoint(tmp_path, probed_jobs):
+    """``objective.loss_type`` alone is refused (a key of objective=trl), but a TRL checkpoint's
+    training_args.bin sets objective=trl: not refused up front. A first checkpoint whose
+    training_args.bin is damaged fails alone; the next is probed."""
+    import torch
+    import trl
+
+    run = empty_run(tmp_path / "run")
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, bf16=False, report_to=[])
+    for step in (1, 2):
+        torch.save(args, run / f"checkpoint-{step}" / "training_args.bin")
+    given = ["objective.loss_type=dapo", "logging.logger=none", "logging.progress=false"]
+    assert main([str(run), "--out", str(tmp_path / "out"), *given]) == 0
+    assert [(j.objective.preset.value, j.objective.loss_type) for j in probed_jobs] == [("trl", "dapo")] * 2
+    (run / "checkpoint-1" / "training_args.bin").write_bytes(b"not a torch file")
+    assert main([str(run), "--out", str(tmp_path / "out2"), *given]) == 0
+    rows = OS.read_csv(tmp_path / "out2" / OS.CSV_FILE)
+    assert [(r["step"], r["status"]) for r in rows] == [(1, "failed"), (2, "ok")]
+    assert "training_args.bin" in rows[0]["reason"] and len(probed_jobs) == 3
+
+
+def test_the_wandb_runs_of_one_probe_run_share_a_group_and_are_named_by_step(tmp_path, probed_jobs, monkeypatch,
+                                                                             capsys):
+    """``logging.logger=wandb``: a run per checkpoint, ``step-<N>``, all in one group (RUN_DIR's name
+    and a random suffix: a second probe_run is another group); ``logging.wandb.group`` / ``.name``
+    given: that group, ``<name>-step-<N>``. wandb itself faked: nothing leaves the process."""
+    import sys
+    from types import SimpleNamespace
+
+    inits = []
+
+    def init(**kw):
+        inits.append(kw)
+        return SimpleNamespace(summary={}, log=lambda media: None, finish=lambda exit_code: None)
+    monkeypatch.setitem(sys.modules, "wandb", SimpleNamespace(init=init, Table=lambda **kw: None, Image=str))
+    for var in ("WANDB_MODE", "WANDB_ERROR_REPORTING", "WANDB_DISABLE_GIT"):  # offline_env sets them
+        monkeypatch.delenv(var, raising=False)
+    run = empty_run(tmp_path / "grpo")
+    given = ["logging.logger=wandb", "logging.wandb.mode=offline", "logging.progress=false"]
+    for out in ("a", "b"):
+        assert main([str(run), "--out", str(tmp_path / out), *given]) == 0
+    groups = [kw["group"] for kw in inits]
+    assert [kw["name"] for kw in inits] == ["step-1", "step-2"] * 2
+    assert groups[0] == groups[1] != groups[2] == groups[3] and groups[0].startswith("grpo-")
+    assert [kw["dir"] for kw in inits[:2]] == [str(tmp_path / "a" / "step-1"), str(tmp_path / "a" / "step-2")]
+    assert f"step-<N>, in the group {groups[0]} (project entprobe)" in capsys.readouterr().out
+    inits.clear()
+    assert main([str(run), "--out", str(tmp_path / "c"), *given, "logging.wandb.group=mine",
+                 "logging.wandb.name=lr3"]) == 0
+    assert [(kw["group"], kw["name"]) for kw in inits] == [("mine", "lr3-step-1"), ("mine", "lr3-step-2")]
+
+
 def test_checkpoints_found_by_step_and_chosen(tmp_path):
     for name in ("checkpoint-10", "checkpoint-2", "global_step_5/actor", "checkpoint-x", "other"):
         (tmp_path / name).mkdir(parents=True)

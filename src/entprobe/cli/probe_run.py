@@ -8,16 +8,23 @@ step. The config is composed once from the package's conf/ with the Hydra overri
 probed by the probe job itself (``cli.probe_job.run``) with ``model.path`` and
 ``optimizer.state_path`` set to it, into ``<out>/step-<N>/`` (its report.md, results.json). A
 checkpoint whose schedule has ended (next lr 0) is skipped, one that fails otherwise is recorded as
-failed with its one-line reason; the others go on. ``<out>`` gets ``over_steps.csv``,
-``over_steps.png`` and ``report.md`` (reporting/over_steps.py). Exit status: 0 when at least one
-checkpoint was probed, 1 when none was, 2 for a user error (no checkpoint in RUN_DIR, ...).
+failed with its one-line reason; the others go on. A value the probe job's config checks refuse
+whatever the checkpoint (``check_overrides``: ``batch.G=1``, ``optimizer.lr=-1``) is refused once,
+before any checkpoint, as any user error. With ``logging.logger=wandb`` each checkpoint is a wandb
+run named ``step-<N>``, all of one probe_run in one group (``job_config``, ``wandb_group``).
+``<out>`` gets ``over_steps.csv``, ``over_steps.png`` and ``report.md`` (reporting/over_steps.py).
+Exit status: 0 when at least one checkpoint was probed, 1 when none was, 2 for a user error (no
+checkpoint in RUN_DIR, a bad override, ...).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import re
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,19 +108,68 @@ def compose_run(overrides: list[str]):
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
             return compose(config_name="config", overrides=overrides, return_hydra_config=True)
-    except HydraException as exc:  # a key the schema does not have, a bad group choice, bad syntax
-        raise ConfigError(f"the overrides {' '.join(overrides)}: {exc} (python -m entprobe.main --help lists the "
-                          "keys)") from None
+    except HydraException as exc:  # a key the schema does not have, a bad value's type, a bad group choice, syntax
+        why = (str(exc.__cause__).strip().splitlines() or [""])[0] if exc.__cause__ else ""  # e.g. the enum's values
+        raise ConfigError(f"the overrides {' '.join(overrides)}: {exc}{': ' + why if why else ''} (python -m "
+                          "entprobe.main --help lists the keys)") from None
     finally:
         GlobalHydra.instance().clear()
 
 
-def probe_one(cfg, explicit: list[str], ck: Checkpoint, job_dir: Path) -> dict:
-    """The probe job on one checkpoint into ``job_dir`` (``probe_job.run``, with the logger the job
-    would make); returns its results."""
+def job_config(cfg, ck: Checkpoint, job_dir: Path, group: str | None = None):
+    """The composed config of one checkpoint's job: ``model.path`` and ``optimizer.state_path`` set to
+    the checkpoint, ``run_dir`` to ``job_dir``; its wandb run in ``group`` unless
+    ``logging.wandb.group`` is given, named ``step-<N>`` (``<logging.wandb.name>-step-<N>`` when given)."""
     job = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     job.model.path, job.optimizer.state_path, job.run_dir = str(ck.model_path), str(ck.state_path), str(job_dir)
-    typed = to_typed(job, explicit=[*explicit, f"model.path={ck.model_path}", f"optimizer.state_path={ck.state_path}"])
+    w = job.logging.wandb
+    w.group = w.group or group
+    w.name = f"{w.name}-step-{ck.step}" if w.name else f"step-{ck.step}"
+    return job
+
+
+def with_paths(explicit: list[str], ck: Checkpoint) -> list[str]:
+    """The user's overrides and the checkpoint's paths: what the job treats as given on the command line."""
+    return [*explicit, f"model.path={ck.model_path}", f"optimizer.state_path={ck.state_path}"]
+
+
+def wandb_group(run_dir: Path) -> str:
+    """The wandb group of one probe_run's runs: RUN_DIR's name and 6 random hex digits (a second
+    probe_run of the same training run is a group of its own)."""
+    return f"{Path(run_dir).resolve().name[:100]}-{uuid.uuid4().hex[:6]}"
+
+
+def check_overrides(cfg, explicit: list[str], first: Checkpoint, out: Path) -> None:
+    """The probe job's config checks (``to_typed``), once, before any checkpoint is probed: a
+    ConfigError the config gives on its own (no training_args.bin read) and, word for word, with
+    the first checkpoint's training_args.bin as its job reads it, is the overrides' (or the
+    defaults'), and is raised. Anything else is left to each checkpoint's job: an error a checkpoint's
+    settings cure (a TRL key with ``objective=trl`` from its training_args.bin) or cause, or a
+    checkpoint's damaged file, stays that checkpoint's."""
+    job, given = job_config(cfg, first, out / f"step-{first.step}"), with_paths(explicit, first)
+    alone = job.copy()
+    alone.model.trainer_args = "ignore"
+    with contextlib.redirect_stdout(io.StringIO()):  # the notes to_typed prints: each job prints its own
+        try:
+            to_typed(alone, explicit=given)
+            return
+        except ConfigError as exc:
+            refused = exc
+        try:
+            to_typed(job, explicit=given)
+        except ConfigError as exc:
+            if str(exc) == str(refused):
+                raise refused from None
+        except Exception:  # noqa: BLE001 -- the checkpoint's own problem: its job records it
+            pass
+
+
+def probe_one(cfg, explicit: list[str], ck: Checkpoint, job_dir: Path, group: str | None = None) -> dict:
+    """The probe job on one checkpoint into ``job_dir`` (``probe_job.run``, with the logger the job
+    would make; a wandb run in ``group``, ``job_config``); returns its results."""
+    job = job_config(cfg, ck, job_dir, group)
+    explicit = with_paths(explicit, ck)
+    typed = to_typed(job, explicit=explicit)
     config = OmegaConf.to_container(OmegaConf.structured(typed), enum_to_str=True)
     logger = make_logger(typed.logging, job_dir, config, True, explicit, None, typed)
     ok = False
@@ -144,6 +200,11 @@ def probe_run(run_dir: Path, overrides: list[str], out: Path | None = None, step
     out = Path(out) if out is not None else Path(str(cfg.hydra.run.dir))
     with open_dict(cfg):
         del cfg["hydra"]
+    check_overrides(cfg, explicit, chosen[0], out)  # a bad value: refused before any checkpoint, nothing written
+    group, w = wandb_group(run_dir), cfg.logging.wandb
+    if getattr(cfg.logging.logger, "value", cfg.logging.logger) == "wandb" and w.mode != "disabled":
+        log(f"entprobe: wandb: a run per checkpoint, {w.name + '-' if w.name else ''}step-<N>, in the group "
+            f"{w.group or group} (project {w.project})")
     out.mkdir(parents=True, exist_ok=True)
     from tqdm.auto import tqdm
 
@@ -154,7 +215,7 @@ def probe_run(run_dir: Path, overrides: list[str], out: Path | None = None, step
         job_dir = out / f"step-{ck.step}"
         t0 = time.perf_counter()
         try:
-            res = probe_one(cfg, explicit, ck, job_dir)
+            res = probe_one(cfg, explicit, ck, job_dir, group)
             row = OS.over_steps_row(ck.step, "ok", res, job_dir.name, time_s=time.perf_counter() - t0)
         except Exception as exc:  # noqa: BLE001 -- recorded with its reason, the run goes on
             ended = isinstance(exc, OptimizerStateError) and exc.schedule_ended  # next lr 0: nothing to probe
