@@ -76,11 +76,14 @@ def build(model: str, extra: list[str]):
     from entprobe.cli.probe_job import load_probe
     from entprobe.rollouts.sampling import draw_prompt_indices, sample_batch
 
+    from entprobe.checkpoints.preflight import check_inputs
+
     cfg = compose(COMMON + MODELS[model] + extra)
+    inputs = check_inputs(cfg)  # the optimizer state (None: SGD geometry), read and checked as a run does
     torch.manual_seed(cfg.seed)
     lm, task, ctx = load_probe(cfg)
     b = cfg.batch
-    geo = build_geometry(cfg, lm, ctx.params, ctx.buffers_device)[0]
+    geo = build_geometry(cfg, lm, ctx.params, ctx.buffers_device, inputs.optimizer_state)[0]
 
     def draw(B, seed):
         batch = sample_batch(lm.model, lm.tokenizer, task, draw_prompt_indices(len(task.prompts), B, seed), b.G,

@@ -1,0 +1,27 @@
+"""The benchmark scripts still run (benchmarks/README.md): each one's cheapest built-in form, verbatim
+as a subprocess, exits 0 and prints its headline line. Their figures are measurements, not checked
+here; this keeps a script from breaking silently when the code it drives changes (bench_variance.py
+once called ``build_geometry`` with a signature two sessions old)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("args, line", [
+    (["benchmarks/bench_variance.py", "--reps", "1"], "auto picks"),
+    (["benchmarks/bench_probe.py", "--reps", "1"], "spec-literal / probe ="),
+    (["benchmarks/online_probe.py", "--steps", "4", "--every", "2"], "closed-form update vs the real step"),
+], ids=["bench_variance", "bench_probe", "online_probe"])
+def test_benchmark_runs_on_the_builtin_model(args, line):
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert line in proc.stdout, proc.stdout[-2000:]
