@@ -35,6 +35,11 @@ geometry with a real AdamW step. Its E/U seeds are swapped (U = seed 1) so that 
     python benchmarks/bench_probe.py --model smollm2 --default-malloc   # allocation costs as a user's run
     python benchmarks/bench_probe.py --model smollm2 --compare ghost --no-literal   # auto's path beside ghost
 
+Also printed: the *floor*, what any probe of this design pays whatever its per-prompt path: the
+``train`` block (a forward+backward over E ∪ U: the probe's Y and X passes repeat it) plus the
+probe's own ground-truth phases (snapshot, AdamW step, E at theta_plus, restore), and the probe's
+excess over it.
+
 Exits 0 whatever the ratio (a measurement); ``--target`` (default 2.0) only labels the line.
 """
 from __future__ import annotations
@@ -243,6 +248,13 @@ def main() -> int:
             if k == "probe" or k.startswith("p:"):
                 print(f"  {k} {r['units'][k]:.2f} units vs target {a.target}: "
                       f"{'within' if r['units'][k] <= a.target else 'over'}")
+        gt = sum(u for ph, u in r["phase_units"].get("probe", {}).items() if ph.startswith("gt_"))
+        floor = r["units"]["train"] + gt
+        print(f"  floor {floor:.2f} units: the train block's forward+backward over E ∪ U "
+              f"({r['units']['train']:.2f}), which any probe repeats as its Y and X passes, plus the probe's "
+              f"ground truth ({gt:.2f}: snapshot, AdamW step, E at theta_plus, restore); the probe's excess "
+              f"over it {r['units']['probe'] - floor:.2f} (per-prompt projections, variance, the update's "
+              "construction)")
         if "literal" in r["units"]:
             print(f"  spec-literal / probe = {r['units']['literal'] / r['units']['probe']:.2f}")
         gc.collect()

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("args, line", [
     (["benchmarks/bench_variance.py", "--reps", "1"], "auto picks"),
-    (["benchmarks/bench_probe.py", "--reps", "1"], "spec-literal / probe ="),
+    (["benchmarks/bench_probe.py", "--reps", "1"], "floor "),
     (["benchmarks/online_probe.py", "--steps", "4", "--every", "2"], "closed-form update vs the real step"),
 ], ids=["bench_variance", "bench_probe", "online_probe"])
 def test_benchmark_runs_on_the_builtin_model(args, line):
