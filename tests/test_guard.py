@@ -362,3 +362,55 @@ def test_builtin_trainer_resume_continues_with_the_logged_factor(tmp_path):
     assert "[entprobe] guard resumed with lr factor 0.37" in lines
     assert [e["step"] for e in entries] == [3] and entries[0]["entprobe/guard_lr_factor"] == 0.37
     assert entries[0]["entprobe/guard_lr"] == pytest.approx(0.37 * entries[0]["learning_rate"], rel=1e-12)
+
+
+class _StubProbe:
+    """An OnlineProbe stand-in: predicts at every step a resolved decrease that ``max_decay=0.1``
+    cuts to factor 0.25 (d -0.4 +- 0.01 at H 1)."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self._due = optimizer, False
+
+    def before_step(self, step):
+        self._due = True
+        return True
+
+    @property
+    def pending(self):
+        from entprobe.integrations.online import PendingPrediction
+        return PendingPrediction(1, -0.4, 0.01, 1.0, self.optimizer.param_groups[0]["lr"]) if self._due else None
+
+    def rescale_pending(self, factor):
+        pass
+
+    def after_step(self):
+        self._due = False
+        return {}
+
+
+def test_a_failed_optimizer_step_leaves_no_factor_in_the_param_groups():
+    """``optimizer.step()`` raising between ``before_step`` and ``after_step``: ``restore_lr`` puts
+    the scheduler's lr back in every group (two groups, different lrs); without it, the next
+    ``before_step`` does it first, so the factor is not applied on top of itself (before: 0.25 x
+    0.25, and the scheduler's lr lost for good); a group whose lr the scheduler rewrote meanwhile
+    keeps the scheduler's value."""
+    w1, w2 = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([{"params": [w1], "lr": 0.1}, {"params": [w2], "lr": 0.01}], momentum=0.9)
+    guard = G.EntropyGuard(_StubProbe(opt), max_decay=0.1)
+    lrs = lambda: [g["lr"] for g in opt.param_groups]  # noqa: E731
+    assert guard.before_step(1) == pytest.approx(0.25) and lrs() == pytest.approx([0.025, 0.0025])
+    guard.restore_lr()  # as in the loop's except after optimizer.step() raised
+    assert lrs() == [0.1, 0.01]
+    guard.restore_lr()  # idempotent
+    assert lrs() == [0.1, 0.01]
+    guard.before_step(2)  # raised again: no restore_lr, no after_step
+    guard.before_step(3)
+    assert lrs() == pytest.approx([0.025, 0.0025])  # the factor once, on the scheduler's lr
+    guard.after_step()
+    assert lrs() == [0.1, 0.01]
+    guard.before_step(4)
+    opt.param_groups[1]["lr"] = 0.005  # the scheduler stepped after the failure
+    guard.before_step(5)
+    assert lrs() == pytest.approx([0.025, 0.00125])
+    guard.after_step()
+    assert lrs() == [0.1, 0.005]
