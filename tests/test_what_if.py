@@ -393,6 +393,9 @@ def test_what_if_is_refused_in_single_batch_mode_and_measure_needs_the_reused_gr
     cfg = _cfg(lr_factors=[2.0], measure=True)
     cfg.importance.reuse_probe_gradient = False
     with pytest.raises(ConfigError, match="importance.reuse_probe_gradient=true"):
+    ({"lr_factors": [2.0, 2.0]}, "probe.what_if.lr_factors"),  # one results key: one value was lost
+    ({"lr_factors": [1.0000001, 1.0]}, "probe.what_if.lr_factors"),  # both lr_x1
+    ({"clip_cov": [0.1, 0.1]}, "probe.what_if.clip_cov"),
         validate(cfg)
 
 
