@@ -348,6 +348,30 @@ def test_verdict_and_report_show_the_what_if_settings_only_when_set(capsys):
     assert "what_if" not in capsys.readouterr().out
 
 
+def test_a_measurement_without_a_paired_se_is_not_called_inconsistent():
+    """With ``probe.variance_enabled=false`` a measured setting has no per-prompt contributions, so
+    no paired test (no ``pred_consistent``): the verdict said "NOT consistent with the prediction"
+    for a measurement 0.3% from it; it says no test was made."""
+    from entprobe.reporting.verdict import what_if_lines
+
+    untested = {k: v for k, v in WHAT_IF["lr_x2"].items() if k not in ("SE_deltaH_true_minus_pred", "pred_consistent")}
+    (row,) = what_if_lines({**BASE, "what_if": {"lr_x2": untested}})
+    assert row[3] == ("lr x 2 (lr 2e-07); measured +6.9e-06 ± 4e-06, not tested against the prediction (no paired "
+                      "SE: probe.variance_enabled=false)")
+    (row,) = what_if_lines({**BASE, "what_if": {"lr_x2": {**WHAT_IF["lr_x2"], "pred_consistent": False}}})
+    assert row[3].endswith("NOT consistent with the prediction")
+
+
+def test_a_step_whose_importance_weights_all_underflow_is_unmeasurable():
+    """A large what-if lr factor (measured: lr_factors=[1e6] with measure=true on the README's
+    command) puts every importance weight at 0: the measurement is unmeasurable (ESS/N, k-hat),
+    where it was a ZeroDivisionError traceback (max weight / mean weight)."""
+    from entprobe.pipeline.stages.ground_truth import measurability
+
+    zero = {"ESS_frac": 0.125, "psis_khat": 0.9, "is/w_max": 0.0, "is/mean_importance_ratio": 0.0}
+    assert measurability(zero, 0.3) == "ESS/N 0.12 < 0.3; k-hat 0.90 > 0.7"
+
+
 # ---------------------------------------------------------------- the config
 def _cfg(**what_if) -> EntprobeConfig:
     cfg = EntprobeConfig()
@@ -369,6 +393,9 @@ def test_what_if_is_off_by_default():
     ({"target_deltaH": 0.0}, "probe.what_if.target_deltaH"),
     ({"clip_cov": [0.1], "clip_cov_lb": 5.0, "clip_cov_ub": 1.0}, "probe.what_if.clip_cov_lb"),
     ({"measure": True}, "probe.what_if.measure"),
+    ({"lr_factors": [2.0, 2.0]}, "probe.what_if.lr_factors"),  # one results key: one value was lost
+    ({"lr_factors": [1.0000001, 1.0]}, "probe.what_if.lr_factors"),  # both lr_x1
+    ({"clip_cov": [0.1, 0.1]}, "probe.what_if.clip_cov"),
 ])
 def test_bad_what_if_values_are_one_config_error_naming_the_key(what_if, key):
     with pytest.raises(ConfigError) as exc:
@@ -393,9 +420,6 @@ def test_what_if_is_refused_in_single_batch_mode_and_measure_needs_the_reused_gr
     cfg = _cfg(lr_factors=[2.0], measure=True)
     cfg.importance.reuse_probe_gradient = False
     with pytest.raises(ConfigError, match="importance.reuse_probe_gradient=true"):
-    ({"lr_factors": [2.0, 2.0]}, "probe.what_if.lr_factors"),  # one results key: one value was lost
-    ({"lr_factors": [1.0000001, 1.0]}, "probe.what_if.lr_factors"),  # both lr_x1
-    ({"clip_cov": [0.1, 0.1]}, "probe.what_if.clip_cov"),
         validate(cfg)
 
 
