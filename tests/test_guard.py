@@ -94,6 +94,12 @@ def test_rule_parameters_are_checked():
         G.GuardRule(max_decay=0.1, min_factor=0)
     with pytest.raises(ConfigError, match="recovery=1"):
         G.GuardRule(max_decay=0.1, recovery=1)
+    # each of these made a guard that never acts (NaN compares False) or could multiply the lr by inf
+    for bad, key in ((dict(floor=math.nan), "floor=nan"), (dict(target_deltaH=math.nan), "target_deltaH=nan"),
+                     (dict(max_decay=math.inf), "max_decay=inf"), (dict(target_deltaH=0.0), "target_deltaH=0"),
+                     (dict(max_decay=0.1, max_factor=math.inf), "min_factor=0.05, max_factor=inf")):
+        with pytest.raises(ConfigError, match=f"^{key}"):
+            G.GuardRule(**bad)
 
 
 def guard_snippets() -> tuple[str, str]:

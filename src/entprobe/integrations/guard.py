@@ -73,9 +73,17 @@ class GuardRule:
             raise ConfigError("EntropyGuard: give floor, max_decay or target_deltaH (what to hold entropy to)")
         if self.max_decay is not None and not self.max_decay >= 0:
             raise ConfigError(f"max_decay={self.max_decay}: the largest decrease per step, >= 0 nats")
-        if not (0 < self.min_factor <= 1 <= self.max_factor) or not self.z >= 0 or not self.recovery > 1:
+        for key in ("floor", "max_decay", "target_deltaH"):  # NaN compares False: a guard that never acts
+            v = getattr(self, key)
+            if v is not None and not math.isfinite(v):
+                raise ConfigError(f"{key}={v}: give a finite number of nats (or leave it out)")
+        if self.target_deltaH == 0:
+            raise ConfigError("target_deltaH=0: no lr > 0 scales a nonzero predicted change to 0, so the guard would "
+                              "never steer; give a nonzero change, or max_decay=0 to allow no decrease")
+        if not (0 < self.min_factor <= 1 <= self.max_factor < math.inf) or not self.z >= 0 or not self.recovery > 1:
             raise ConfigError(f"min_factor={self.min_factor}, max_factor={self.max_factor}, z={self.z}, "
-                              f"recovery={self.recovery}: need 0 < min_factor <= 1 <= max_factor, z >= 0, recovery > 1")
+                              f"recovery={self.recovery}: need 0 < min_factor <= 1 <= max_factor (finite), z >= 0, "
+                              "recovery > 1")
 
 
 @dataclass
