@@ -144,3 +144,30 @@ def test_ghost_leaves_linear_subclasses_with_their_own_parameters_and_multihead_
     mha = torch.nn.MultiheadAttention(8, 2)
     covered, _ = ghost_projection.covered_params(mha, list(mha.parameters()))
     assert covered == set()  # out_proj.weight / bias included
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_ghost_on_a_peft_lora_model_equals_backward(dora):
+    """PEFT LoRA (its factors are plain nn.Linear layers: covered; DoRA's magnitude vectors are not
+    and take the batched backward): the projections and the gradient sum equal the per-unit
+    backward's and autograd's."""
+    from peft import LoraConfig, get_peft_model
+
+    from exact_model import LORA_TARGETS
+
+    setup = make_setup()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # init_lora_weights=False: B is not 0, so every factor has a gradient
+        setup.model = get_peft_model(setup.model, LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, use_dora=dora,
+                                                             target_modules=LORA_TARGETS, init_lora_weights=False))
+    setup.model.double().train()
+    E = setup.sample(4, 3, seed=2)
+    ctx = setup.ctx("sequence", mb_size=2)
+    d = _random_directions(ctx.params, 2, 1)
+    uncovered = ghost_projection.GhostHooks(setup.model, ctx.params, d).uncovered
+    assert {ctx.names[i].split(".")[-3] for i in uncovered} == ({"lora_magnitude_vector"} if dora else set())
+    ref = project_backward(ctx, E, d, "X", "ref")
+    acc = accumulate(ctx, E, x_loss_of(ctx), "X", directions=d, unit_backward="ghost")
+    plain = accumulate(ctx, E, x_loss_of(ctx), "X")
+    assert rel(acc.proj, ref) < 1e-10
+    assert rel(torch.cat([g.reshape(-1) for g in acc.sum_buf]), torch.cat([g.reshape(-1) for g in plain.sum_buf])) < 1e-12
