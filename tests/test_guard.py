@@ -420,3 +420,24 @@ def test_a_failed_optimizer_step_leaves_no_factor_in_the_param_groups():
     assert lrs() == pytest.approx([0.025, 0.00125])
     guard.after_step()
     assert lrs() == [0.1, 0.005]
+
+
+def test_param_groups_with_different_lrs_are_refused_before_training():
+    """The probe's geometry takes one lr: two param groups at 1e-3 and 3e-4 failed at the first
+    probe inside the training loop, telling the user to set ``optimizer.lr``, a key the online
+    probe refuses. Now: a ConfigError when the probe is made, and at a probe whose groups a
+    schedule set apart, saying to give every group the same lr."""
+    from entprobe.integrations import OnlineProbe
+
+    w1, w2 = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([{"params": [w1], "lr": 1e-3}, {"params": [w2], "lr": 3e-4}], momentum=0.9)
+    (w1.sum() + w2.sum()).backward()
+    opt.step()  # momentum state: the probe is due
+    with pytest.raises(ConfigError, match=r"^OnlineProbe: the optimizer's param groups have different lrs "
+                                          r"\(\[0.001, 0.0003\]\).*give every param group the same lr$"):
+        OnlineProbe(torch.nn.Linear(2, 2), opt, None, lambda step: None, every=1)
+    opt.param_groups[1]["lr"] = 1e-3
+    probe = OnlineProbe(torch.nn.Linear(2, 2), opt, None, lambda step: None, every=1)
+    opt.param_groups[1]["lr"] = 5e-4
+    with pytest.raises(ConfigError, match=r"^before_step\(3\): the optimizer's param groups have different lrs"):
+        probe.before_step(3)
