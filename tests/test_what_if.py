@@ -460,6 +460,8 @@ def test_readme_what_if_command_measures_each_setting_paired_with_its_prediction
         assert r["SE_expected"] == pytest.approx(f * res["SE_deltaH_pred_expected"], rel=1e-12)
     kl = w["kl_cov=0.0002"]
     assert kl["deltaH_pred"] == res["deltaH_pred"] and kl["note"] == KL_COV_NOTE and "deltaH_true" not in kl
+    for key, r in w.items():  # every setting has its value, SE, interval and how it was formed
+        assert key == "lr_for_target" or {"deltaH_pred", "SE", "ci95_low", "ci95_high", "df", "how"} <= set(r), key
     assert w["entropy_coef=0.001"]["deltaH_pred"] != res["deltaH_pred"]
     assert w["clip_cov=0.0002"]["masked_tokens"] == 1 and w["clip_cov=0.0002"]["deltaH_pred"] != res["deltaH_pred"]
     for key in ("lr_x0.5", "lr_x2", "entropy_coef=0.001", "clip_cov=0.0002"):
