@@ -403,6 +403,16 @@ def test_bad_what_if_values_are_one_config_error_naming_the_key(what_if, key):
     assert str(exc.value).startswith(key) and "\n" not in str(exc.value)
 
 
+def test_token_selecting_settings_are_refused_under_torchrun_before_the_passes(monkeypatch):
+    """Clip-Cov / KL-Cov / top_entropy_quantile select over U on one process: under torchrun the
+    stage refused them after Stages 1-2 had run; the config check refuses them first."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for what_if in ({"clip_cov": [0.1]}, {"kl_cov": [0.1]}, {"top_entropy_quantile": [0.2]}):
+        with pytest.raises(ConfigError, match=r"^probe.what_if.clip_cov/kl_cov/top_entropy_quantile: .*torchrun"):
+            validate(_cfg(**what_if))
+    validate(_cfg(lr_factors=[2.0], entropy_coef=[0.01]))  # these run on every process
+
+
 def test_composed_what_if_is_validated_on_the_dictconfig(tmp_path):
     """``validate`` also takes the composed DictConfig (no dataclass properties there)."""
     from conftest import compose_cfg
