@@ -53,6 +53,10 @@ def test_lr_for_target_inverts_the_prediction_and_says_when_no_lr_is_determined(
     holds0 = wi.lr_for_target(1e-5, pred=-2e-3, se=2e-3, ci_low=-6e-3, ci_high=2e-3, target=-1e-3)
     assert holds0["status"].startswith("not resolved: the prediction's 95% interval holds 0")
     assert math.isnan(holds0["lr_star"]) and math.isnan(holds0["ci95_lr_low"])
+    # without the variance pass there is no interval: said so (it was "holds 0", which nothing showed)
+    no_ci = wi.lr_for_target(1e-5, pred=-2e-3, se=math.nan, ci_low=math.nan, ci_high=math.nan, target=-1e-3)
+    assert no_ci["status"].startswith("not resolved: the prediction has no 95% interval (probe.variance_enabled")
+    assert math.isnan(no_ci["lr_star"])
     other_sign = wi.lr_for_target(1e-5, pred=2e-3, se=5e-4, ci_low=1e-3, ci_high=3e-3, target=-1e-3)
     assert "other sign" in other_sign["status"] and math.isnan(other_sign["lr_star"])
 
