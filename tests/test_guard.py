@@ -441,3 +441,24 @@ def test_param_groups_with_different_lrs_are_refused_before_training():
     opt.param_groups[1]["lr"] = 5e-4
     with pytest.raises(ConfigError, match=r"^before_step\(3\): the optimizer's param groups have different lrs"):
         probe.before_step(3)
+
+
+def test_trl_callback_takes_a_failed_steps_factor_off_at_the_next_train(monkeypatch):
+    """In TRL an exception in ``optimizer.step()`` leaves ``trainer.train()`` before
+    ``on_optimizer_step``; the trainer keeps its optimizer, so the next ``train()`` would have started
+    from the guard's lr as if it were the scheduler's. ``on_train_begin`` puts it back first."""
+    from types import SimpleNamespace
+
+    from entprobe.integrations.trl import EntropyProbeCallback
+
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    probe = _StubProbe(opt)
+    monkeypatch.setattr(EntropyProbeCallback, "on_train_begin", lambda self, *a, **k: None)  # keeps self.probe
+    cb = object.__new__(G.EntropyGuardCallback)
+    cb.probe, cb.guard_kwargs = probe, {"max_decay": 0.1}
+    cb.guard = G.EntropyGuard(probe, max_decay=0.1)
+    cb.guard.before_step(1)  # then optimizer.step() raised out of trainer.train()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
+    cb.on_train_begin(None, SimpleNamespace(global_step=0, stateful_callbacks={}, is_world_process_zero=True), None)
+    assert opt.param_groups[0]["lr"] == 0.1 and cb.guard.factor == 1.0
