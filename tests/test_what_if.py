@@ -400,6 +400,7 @@ def test_what_if_is_off_by_default():
     ({"lr_factors": [2.0, 2.0]}, "probe.what_if.lr_factors"),  # one results key: one value was lost
     ({"lr_factors": [1.0000001, 1.0]}, "probe.what_if.lr_factors"),  # both lr_x1
     ({"clip_cov": [0.1, 0.1]}, "probe.what_if.clip_cov"),
+    ({"clip_cov": [0.1], "seed": 10**23}, "probe.what_if.seed"),  # was torch's OverflowError after the passes
 ])
 def test_bad_what_if_values_are_one_config_error_naming_the_key(what_if, key):
     with pytest.raises(ConfigError) as exc:

@@ -215,8 +215,8 @@ def what_if_errors(cfg) -> list[tuple[str, str]]:
                     "need finite bounds with clip_cov_lb < clip_cov_ub"))
     if not (math.isfinite(w.ppo_kl_coef) and w.ppo_kl_coef >= 0):
         out.append(("probe.what_if.ppo_kl_coef", f"is {w.ppo_kl_coef}; must be a finite number >= 0"))
-    if w.seed < 0:
-        out.append(("probe.what_if.seed", f"is {w.seed}; seeds must be >= 0"))
+    if not 0 <= w.seed < 2**63:  # torch.Generator's range: a larger one failed after the passes
+        out.append(("probe.what_if.seed", f"is {w.seed}; seeds must be in [0, 2^63)"))
     if not what_if_enabled(w):
         if w.measure:
             out.append(("probe.what_if.measure", "is true but no what-if setting is given: set lr_factors, "
