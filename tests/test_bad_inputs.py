@@ -382,6 +382,12 @@ CHECKPOINT_CASES: list = [
 
 # run dirs, signals, disk and file-size limits
 RUN_CASES: list = [
+    ("what_if_lr_factors_repeated",  # both would be results key lr_x2: one was dropped silently
+     lambda e: (["probe.what_if.lr_factors=[2,2.0000001]"],
+                ["probe.what_if.lr_factors", "and 2.0000001, the same setting", "give each value once"]), ConfigError, True),
+    ("what_if_lr_factors_nan",
+     lambda e: (["probe.what_if.lr_factors=[nan]"], ["probe.what_if.lr_factors", "finite number > 0"]),
+     ConfigError, True),
 ]
 
 # tasks, prompts, reward functions, the planner

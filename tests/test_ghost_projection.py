@@ -102,3 +102,72 @@ def test_ghost_tied_embeddings_and_uncovered_parameters(monkeypatch):
     assert {ctx.names[i].split(".")[-2] for i in hooks.uncovered} == {"input_layernorm", "post_attention_layernorm", "norm"}
     acc = accumulate(ctx, E, x_loss_of(ctx), "X", directions=d, unit_backward="ghost")
     assert rel(acc.proj, ref) < 1e-10
+
+
+class _LoraLinear(torch.nn.Linear):
+    """loralib's pattern: an ``nn.Linear`` subclass holding its own low-rank factors and adding
+    ``x A^T B^T`` in its own forward (the ghost rule for ``nn.Linear`` covers weight and bias only)."""
+
+    def __init__(self, base: torch.nn.Linear, r: int = 2):
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None,
+                         dtype=base.weight.dtype)
+        gen = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            self.weight.copy_(base.weight)
+        self.lora_A = torch.nn.Parameter(torch.randn(r, base.in_features, generator=gen, dtype=base.weight.dtype))
+        self.lora_B = torch.nn.Parameter(torch.randn(base.out_features, r, generator=gen, dtype=base.weight.dtype))
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.lora_A.T @ self.lora_B.T
+
+
+def test_ghost_leaves_linear_subclasses_with_their_own_parameters_and_multihead_attention_to_backward():
+    """A Linear subclass with its own parameters and forward (loralib's LoRA) was counted as a plain
+    Linear: its low-rank factors got no gradient and no projection, silently (their summed gradient
+    was 0, the projections onto random directions off by 1e-3); nn.MultiheadAttention uses its out_proj's weight without calling the layer,
+    whose hooks never fire. Both are left to the batched backward: the projections equal the
+    per-unit backward's."""
+    setup = make_setup()
+    attn = setup.model.model.layers[0].self_attn
+    attn.q_proj = _LoraLinear(attn.q_proj)
+    E = setup.sample(4, 3, seed=2)
+    ctx = setup.ctx("sequence", mb_size=2)
+    d = _random_directions(ctx.params, 2, 1)
+    hooks = ghost_projection.GhostHooks(setup.model, ctx.params, d)
+    assert {ctx.names[i].rsplit(".", 1)[-1] for i in hooks.uncovered} == {"weight", "lora_A", "lora_B"}
+    assert {ctx.names[i].rsplit(".", 2)[-2] for i in hooks.uncovered} == {"q_proj"}
+    ref = project_backward(ctx, E, d, "X", "ref")
+    acc = accumulate(ctx, E, x_loss_of(ctx), "X", directions=d, unit_backward="ghost")
+    assert rel(acc.proj, ref) < 1e-10
+    plain = accumulate(ctx, E, x_loss_of(ctx), "X")
+    assert rel(torch.cat([g.reshape(-1) for g in acc.sum_buf]), torch.cat([g.reshape(-1) for g in plain.sum_buf])) < 1e-12
+    mha = torch.nn.MultiheadAttention(8, 2)
+    covered, _ = ghost_projection.covered_params(mha, list(mha.parameters()))
+    assert covered == set()  # out_proj.weight / bias included
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_ghost_on_a_peft_lora_model_equals_backward(dora):
+    """PEFT LoRA (its factors are plain nn.Linear layers: covered; DoRA's magnitude vectors are not
+    and take the batched backward): the projections and the gradient sum equal the per-unit
+    backward's and autograd's."""
+    from peft import LoraConfig, get_peft_model
+
+    from exact_model import LORA_TARGETS
+
+    setup = make_setup()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # init_lora_weights=False: B is not 0, so every factor has a gradient
+        setup.model = get_peft_model(setup.model, LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, use_dora=dora,
+                                                             target_modules=LORA_TARGETS, init_lora_weights=False))
+    setup.model.double().train()
+    E = setup.sample(4, 3, seed=2)
+    ctx = setup.ctx("sequence", mb_size=2)
+    d = _random_directions(ctx.params, 2, 1)
+    uncovered = ghost_projection.GhostHooks(setup.model, ctx.params, d).uncovered
+    assert {ctx.names[i].split(".")[-3] for i in uncovered} == ({"lora_magnitude_vector"} if dora else set())
+    ref = project_backward(ctx, E, d, "X", "ref")
+    acc = accumulate(ctx, E, x_loss_of(ctx), "X", directions=d, unit_backward="ghost")
+    plain = accumulate(ctx, E, x_loss_of(ctx), "X")
+    assert rel(acc.proj, ref) < 1e-10
+    assert rel(torch.cat([g.reshape(-1) for g in acc.sum_buf]), torch.cat([g.reshape(-1) for g in plain.sum_buf])) < 1e-12

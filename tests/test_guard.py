@@ -94,6 +94,12 @@ def test_rule_parameters_are_checked():
         G.GuardRule(max_decay=0.1, min_factor=0)
     with pytest.raises(ConfigError, match="recovery=1"):
         G.GuardRule(max_decay=0.1, recovery=1)
+    # each of these made a guard that never acts (NaN compares False) or could multiply the lr by inf
+    for bad, key in ((dict(floor=math.nan), "floor=nan"), (dict(target_deltaH=math.nan), "target_deltaH=nan"),
+                     (dict(max_decay=math.inf), "max_decay=inf"), (dict(target_deltaH=0.0), "target_deltaH=0"),
+                     (dict(max_decay=0.1, max_factor=math.inf), "min_factor=0.05, max_factor=inf")):
+        with pytest.raises(ConfigError, match=f"^{key}"):
+            G.GuardRule(**bad)
 
 
 def guard_snippets() -> tuple[str, str]:
@@ -377,3 +383,97 @@ def test_cost_line_is_the_probes_time_over_the_rest_of_training():
     h = [{"time_s": 2.0, "B_E": 8}, {"time_s": 3.0, "B_E": 8}]
     assert cost_line(h, 105.0, 10) == ("entprobe: 2 probe(s) took 5.0 s, 5.0% of the 100.0 s of training without "
                                        "them (2.5 s a probe, every 10 step(s), B_E = 8)")
+
+
+class _StubProbe:
+    """An OnlineProbe stand-in: predicts at every step a resolved decrease that ``max_decay=0.1``
+    cuts to factor 0.25 (d -0.4 +- 0.01 at H 1)."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self._due = optimizer, False
+
+    def before_step(self, step):
+        self._due = True
+        return True
+
+    @property
+    def pending(self):
+        from entprobe.integrations.online import PendingPrediction
+        return PendingPrediction(1, -0.4, 0.01, 1.0, self.optimizer.param_groups[0]["lr"]) if self._due else None
+
+    def rescale_pending(self, factor):
+        pass
+
+    def after_step(self):
+        self._due = False
+        return {}
+
+
+def test_a_failed_optimizer_step_leaves_no_factor_in_the_param_groups():
+    """``optimizer.step()`` raising between ``before_step`` and ``after_step``: ``restore_lr`` puts
+    the scheduler's lr back in every group (two groups, different lrs); without it, the next
+    ``before_step`` does it first, so the factor is not applied on top of itself (before: 0.25 x
+    0.25, and the scheduler's lr lost for good); a group whose lr the scheduler rewrote meanwhile
+    keeps the scheduler's value."""
+    w1, w2 = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([{"params": [w1], "lr": 0.1}, {"params": [w2], "lr": 0.01}], momentum=0.9)
+    guard = G.EntropyGuard(_StubProbe(opt), max_decay=0.1)
+    lrs = lambda: [g["lr"] for g in opt.param_groups]  # noqa: E731
+    assert guard.before_step(1) == pytest.approx(0.25) and lrs() == pytest.approx([0.025, 0.0025])
+    guard.restore_lr()  # as in the loop's except after optimizer.step() raised
+    assert lrs() == [0.1, 0.01]
+    guard.restore_lr()  # idempotent
+    assert lrs() == [0.1, 0.01]
+    guard.before_step(2)  # raised again: no restore_lr, no after_step
+    guard.before_step(3)
+    assert lrs() == pytest.approx([0.025, 0.0025])  # the factor once, on the scheduler's lr
+    guard.after_step()
+    assert lrs() == [0.1, 0.01]
+    guard.before_step(4)
+    opt.param_groups[1]["lr"] = 0.005  # the scheduler stepped after the failure
+    guard.before_step(5)
+    assert lrs() == pytest.approx([0.025, 0.00125])
+    guard.after_step()
+    assert lrs() == [0.1, 0.005]
+
+
+def test_param_groups_with_different_lrs_are_refused_before_training():
+    """The probe's geometry takes one lr: two param groups at 1e-3 and 3e-4 failed at the first
+    probe inside the training loop, telling the user to set ``optimizer.lr``, a key the online
+    probe refuses. Now: a ConfigError when the probe is made, and at a probe whose groups a
+    schedule set apart, saying to give every group the same lr."""
+    from entprobe.integrations import OnlineProbe
+
+    w1, w2 = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([{"params": [w1], "lr": 1e-3}, {"params": [w2], "lr": 3e-4}], momentum=0.9)
+    (w1.sum() + w2.sum()).backward()
+    opt.step()  # momentum state: the probe is due
+    with pytest.raises(ConfigError, match=r"^OnlineProbe: the optimizer's param groups have different lrs "
+                                          r"\(\[0.001, 0.0003\]\).*give every param group the same lr$"):
+        OnlineProbe(torch.nn.Linear(2, 2), opt, None, lambda step: None, every=1)
+    opt.param_groups[1]["lr"] = 1e-3
+    probe = OnlineProbe(torch.nn.Linear(2, 2), opt, None, lambda step: None, every=1)
+    opt.param_groups[1]["lr"] = 5e-4
+    with pytest.raises(ConfigError, match=r"^before_step\(3\): the optimizer's param groups have different lrs"):
+        probe.before_step(3)
+
+
+def test_trl_callback_takes_a_failed_steps_factor_off_at_the_next_train(monkeypatch):
+    """In TRL an exception in ``optimizer.step()`` leaves ``trainer.train()`` before
+    ``on_optimizer_step``; the trainer keeps its optimizer, so the next ``train()`` would have started
+    from the guard's lr as if it were the scheduler's. ``on_train_begin`` puts it back first."""
+    from types import SimpleNamespace
+
+    from entprobe.integrations.trl import EntropyProbeCallback
+
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    probe = _StubProbe(opt)
+    monkeypatch.setattr(EntropyProbeCallback, "on_train_begin", lambda self, *a, **k: None)  # keeps self.probe
+    cb = object.__new__(G.EntropyGuardCallback)
+    cb.probe, cb.guard_kwargs = probe, {"max_decay": 0.1}
+    cb.guard = G.EntropyGuard(probe, max_decay=0.1)
+    cb.guard.before_step(1)  # then optimizer.step() raised out of trainer.train()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
+    cb.on_train_begin(None, SimpleNamespace(global_step=0, stateful_callbacks={}, is_world_process_zero=True), None)
+    assert opt.param_groups[0]["lr"] == 0.1 and cb.guard.factor == 1.0

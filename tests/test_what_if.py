@@ -53,6 +53,10 @@ def test_lr_for_target_inverts_the_prediction_and_says_when_no_lr_is_determined(
     holds0 = wi.lr_for_target(1e-5, pred=-2e-3, se=2e-3, ci_low=-6e-3, ci_high=2e-3, target=-1e-3)
     assert holds0["status"].startswith("not resolved: the prediction's 95% interval holds 0")
     assert math.isnan(holds0["lr_star"]) and math.isnan(holds0["ci95_lr_low"])
+    # without the variance pass there is no interval: said so (it was "holds 0", which nothing showed)
+    no_ci = wi.lr_for_target(1e-5, pred=-2e-3, se=math.nan, ci_low=math.nan, ci_high=math.nan, target=-1e-3)
+    assert no_ci["status"].startswith("not resolved: the prediction has no 95% interval (probe.variance_enabled")
+    assert math.isnan(no_ci["lr_star"])
     other_sign = wi.lr_for_target(1e-5, pred=2e-3, se=5e-4, ci_low=1e-3, ci_high=3e-3, target=-1e-3)
     assert "other sign" in other_sign["status"] and math.isnan(other_sign["lr_star"])
 
@@ -348,6 +352,30 @@ def test_verdict_and_report_show_the_what_if_settings_only_when_set(capsys):
     assert "what_if" not in capsys.readouterr().out
 
 
+def test_a_measurement_without_a_paired_se_is_not_called_inconsistent():
+    """With ``probe.variance_enabled=false`` a measured setting has no per-prompt contributions, so
+    no paired test (no ``pred_consistent``): the verdict said "NOT consistent with the prediction"
+    for a measurement 0.3% from it; it says no test was made."""
+    from entprobe.reporting.verdict import what_if_lines
+
+    untested = {k: v for k, v in WHAT_IF["lr_x2"].items() if k not in ("SE_deltaH_true_minus_pred", "pred_consistent")}
+    (row,) = what_if_lines({**BASE, "what_if": {"lr_x2": untested}})
+    assert row[3] == ("lr x 2 (lr 2e-07); measured +6.9e-06 ± 4e-06, not tested against the prediction (no paired "
+                      "SE: probe.variance_enabled=false)")
+    (row,) = what_if_lines({**BASE, "what_if": {"lr_x2": {**WHAT_IF["lr_x2"], "pred_consistent": False}}})
+    assert row[3].endswith("NOT consistent with the prediction")
+
+
+def test_a_step_whose_importance_weights_all_underflow_is_unmeasurable():
+    """A large what-if lr factor (measured: lr_factors=[1e6] with measure=true on the README's
+    command) puts every importance weight at 0: the measurement is unmeasurable (ESS/N, k-hat),
+    where it was a ZeroDivisionError traceback (max weight / mean weight)."""
+    from entprobe.pipeline.stages.ground_truth import measurability
+
+    zero = {"ESS_frac": 0.125, "psis_khat": 0.9, "is/w_max": 0.0, "is/mean_importance_ratio": 0.0}
+    assert measurability(zero, 0.3) == "ESS/N 0.12 < 0.3; k-hat 0.90 > 0.7"
+
+
 # ---------------------------------------------------------------- the config
 def _cfg(**what_if) -> EntprobeConfig:
     cfg = EntprobeConfig()
@@ -369,11 +397,25 @@ def test_what_if_is_off_by_default():
     ({"target_deltaH": 0.0}, "probe.what_if.target_deltaH"),
     ({"clip_cov": [0.1], "clip_cov_lb": 5.0, "clip_cov_ub": 1.0}, "probe.what_if.clip_cov_lb"),
     ({"measure": True}, "probe.what_if.measure"),
+    ({"lr_factors": [2.0, 2.0]}, "probe.what_if.lr_factors"),  # one results key: one value was lost
+    ({"lr_factors": [1.0000001, 1.0]}, "probe.what_if.lr_factors"),  # both lr_x1
+    ({"clip_cov": [0.1, 0.1]}, "probe.what_if.clip_cov"),
+    ({"clip_cov": [0.1], "seed": 10**23}, "probe.what_if.seed"),  # was torch's OverflowError after the passes
 ])
 def test_bad_what_if_values_are_one_config_error_naming_the_key(what_if, key):
     with pytest.raises(ConfigError) as exc:
         validate(_cfg(**what_if))
     assert str(exc.value).startswith(key) and "\n" not in str(exc.value)
+
+
+def test_token_selecting_settings_are_refused_under_torchrun_before_the_passes(monkeypatch):
+    """Clip-Cov / KL-Cov / top_entropy_quantile select over U on one process: under torchrun the
+    stage refused them after Stages 1-2 had run; the config check refuses them first."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for what_if in ({"clip_cov": [0.1]}, {"kl_cov": [0.1]}, {"top_entropy_quantile": [0.2]}):
+        with pytest.raises(ConfigError, match=r"^probe.what_if.clip_cov/kl_cov/top_entropy_quantile: .*torchrun"):
+            validate(_cfg(**what_if))
+    validate(_cfg(lr_factors=[2.0], entropy_coef=[0.01]))  # these run on every process
 
 
 def test_composed_what_if_is_validated_on_the_dictconfig(tmp_path):
@@ -433,6 +475,8 @@ def test_readme_what_if_command_measures_each_setting_paired_with_its_prediction
         assert r["SE_expected"] == pytest.approx(f * res["SE_deltaH_pred_expected"], rel=1e-12)
     kl = w["kl_cov=0.0002"]
     assert kl["deltaH_pred"] == res["deltaH_pred"] and kl["note"] == KL_COV_NOTE and "deltaH_true" not in kl
+    for key, r in w.items():  # every setting has its value, SE, interval and how it was formed
+        assert key == "lr_for_target" or {"deltaH_pred", "SE", "ci95_low", "ci95_high", "df", "how"} <= set(r), key
     assert w["entropy_coef=0.001"]["deltaH_pred"] != res["deltaH_pred"]
     assert w["clip_cov=0.0002"]["masked_tokens"] == 1 and w["clip_cov=0.0002"]["deltaH_pred"] != res["deltaH_pred"]
     for key in ("lr_x0.5", "lr_x2", "entropy_coef=0.001", "clip_cov=0.0002"):

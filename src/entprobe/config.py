@@ -192,10 +192,15 @@ def what_if_errors(cfg) -> list[tuple[str, str]]:
     out = []
 
     def bad_list(key, xs, ok, what):
+        seen = {}  # a repeat (to 6 significant digits) would share one results key: one value lost
         for x in xs:
             if not (isinstance(x, (int, float)) and math.isfinite(x) and ok(x)):
                 out.append((f"probe.what_if.{key}", f"has {x}; {what}"))
                 return
+            if f"{x:g}" in seen:
+                return out.append((f"probe.what_if.{key}", f"has {seen[f'{x:g}']} and {x}, the same setting to 6 "
+                                   "significant digits (one results key); give each value once"))
+            seen[f"{x:g}"] = x
     bad_list("lr_factors", w.lr_factors, lambda x: x > 0, "each factor must be a finite number > 0")
     bad_list("entropy_coef", w.entropy_coef, lambda x: x >= 0, "each coefficient must be a finite number >= 0")
     bad_list("clip_cov", w.clip_cov, lambda x: 0 < x <= 1, "each ratio is a fraction of U's tokens in (0, 1]")
@@ -210,8 +215,8 @@ def what_if_errors(cfg) -> list[tuple[str, str]]:
                     "need finite bounds with clip_cov_lb < clip_cov_ub"))
     if not (math.isfinite(w.ppo_kl_coef) and w.ppo_kl_coef >= 0):
         out.append(("probe.what_if.ppo_kl_coef", f"is {w.ppo_kl_coef}; must be a finite number >= 0"))
-    if w.seed < 0:
-        out.append(("probe.what_if.seed", f"is {w.seed}; seeds must be >= 0"))
+    if not 0 <= w.seed < 2**63:  # torch.Generator's range: a larger one failed after the passes
+        out.append(("probe.what_if.seed", f"is {w.seed}; seeds must be in [0, 2^63)"))
     if not what_if_enabled(w):
         if w.measure:
             out.append(("probe.what_if.measure", "is true but no what-if setting is given: set lr_factors, "

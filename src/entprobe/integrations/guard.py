@@ -73,9 +73,17 @@ class GuardRule:
             raise ConfigError("EntropyGuard: give floor, max_decay or target_deltaH (what to hold entropy to)")
         if self.max_decay is not None and not self.max_decay >= 0:
             raise ConfigError(f"max_decay={self.max_decay}: the largest decrease per step, >= 0 nats")
-        if not (0 < self.min_factor <= 1 <= self.max_factor) or not self.z >= 0 or not self.recovery > 1:
+        for key in ("floor", "max_decay", "target_deltaH"):  # NaN compares False: a guard that never acts
+            v = getattr(self, key)
+            if v is not None and not math.isfinite(v):
+                raise ConfigError(f"{key}={v}: give a finite number of nats (or leave it out)")
+        if self.target_deltaH == 0:
+            raise ConfigError("target_deltaH=0: no lr > 0 scales a nonzero predicted change to 0, so the guard would "
+                              "never steer; give a nonzero change, or max_decay=0 to allow no decrease")
+        if not (0 < self.min_factor <= 1 <= self.max_factor < math.inf) or not self.z >= 0 or not self.recovery > 1:
             raise ConfigError(f"min_factor={self.min_factor}, max_factor={self.max_factor}, z={self.z}, "
-                              f"recovery={self.recovery}: need 0 < min_factor <= 1 <= max_factor, z >= 0, recovery > 1")
+                              f"recovery={self.recovery}: need 0 < min_factor <= 1 <= max_factor (finite), z >= 0, "
+                              "recovery > 1")
 
 
 @dataclass
@@ -193,6 +201,7 @@ class EntropyGuard:
         probe predicts (when due), the guard decides, each group's lr is multiplied by the factor.
         Returns the factor."""
         t0, probe = time.perf_counter(), self.probe
+        self.restore_lr()  # a step whose optimizer.step() raised never reached after_step: no factor on a factor
         self._decision = None
         if probe.before_step(step):
             p = probe.pending
@@ -208,16 +217,26 @@ class EntropyGuard:
         self.time_s += time.perf_counter() - t0
         return self.factor
 
+    def restore_lr(self) -> None:
+        """Put the scheduler's lr back in every param group that still holds the lr ``before_step``
+        set (a group whose lr was written since, by the scheduler, is left as it is); nothing when
+        no step is open. ``after_step`` calls it; call it yourself when ``optimizer.step()`` raised
+        and the loop goes on without ``after_step`` (the next ``before_step`` also does it first)."""
+        if self._scheduled is None:
+            return
+        scaled = self.lrs[-1][1]
+        for g, lr, mine in zip(self.probe.optimizer.param_groups, self._scheduled, scaled):
+            if g["lr"] == mine:
+                g["lr"] = lr
+        self._scheduled = None
+
     def after_step(self) -> dict:
         """Call after ``optimizer.step()`` (before the scheduler's step): puts the scheduler's lr
         back and returns the probe's metrics (when it predicted) and ``entprobe/guard_lr_factor``,
         ``entprobe/guard_action`` (-1 lowered, +1 raised, 0 kept; with a decision) and
         ``entprobe/guard_lr`` (the first group's lr used)."""
         t0 = time.perf_counter()
-        if self._scheduled is not None:
-            for g, lr in zip(self.probe.optimizer.param_groups, self._scheduled):
-                g["lr"] = lr
-            self._scheduled = None
+        self.restore_lr()
         out = dict(self.probe.after_step() or {})
         out["entprobe/guard_lr_factor"] = self.factor
         out["entprobe/guard_lr"] = self.lrs[-1][1][0] if self.lrs else math.nan
@@ -250,6 +269,8 @@ class EntropyGuardCallback(EntropyProbeCallback):
         return self.guard.decisions if self.guard is not None else []
 
     def on_train_begin(self, args, state, control, **kwargs):
+        if self.guard is not None:  # an earlier train() that raised inside optimizer.step(): its factor comes off
+            self.guard.restore_lr()
         super().on_train_begin(args, state, control, **kwargs)
         self.guard = EntropyGuard(self.probe, **self.guard_kwargs)
         saved = (state.stateful_callbacks or {}).get(STATE_KEY) if state.global_step > 0 else None

@@ -127,6 +127,7 @@ class OnlineProbe:
         if config is not None and (overrides or fixed):
             raise TypeError("OnlineProbe: pass config (an online_config) or overrides and fixed, not both")
         self.model, self.optimizer, self.tokenizer = model, unwrap_optimizer(optimizer), tokenizer
+        _one_lr(self.optimizer, "OnlineProbe")  # refused now, not at the first probe inside training
         self.held_out, self.every = held_out, every
         self.cfg = config if config is not None else online_config(overrides, fixed)
         self._geo_cfg = dataclasses.replace(self.cfg, optimizer=dataclasses.replace(
@@ -157,6 +158,7 @@ class OnlineProbe:
         if not self.due(step):
             return False
         cfg, model = self.cfg, self.model
+        _one_lr(self.optimizer, f"before_step({step})")  # a schedule may have set the groups apart
         try:  # the command line's check (geometry.live_lr), before E is sampled
             live_lr(cfg, self.optimizer, fix=f"step {step} is not probed")
         except OptimizerStateError as exc:
@@ -248,6 +250,15 @@ class OnlineProbe:
                     res[k] = v * factor
         pend.res["lr"] *= factor
         pend.pred.e = pend.pred.e * factor
+
+
+def _one_lr(optimizer: torch.optim.Optimizer, where: str) -> None:
+    """A ConfigError when the param groups have different lrs: the probe's geometry and its
+    reported ``lr`` are those of one lr (the command line's ``optimizer.lr`` does not apply here)."""
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    if any(lr != lrs[0] for lr in lrs):
+        raise ConfigError(f"{where}: the optimizer's param groups have different lrs ({lrs}); the online probe "
+                          "(and EntropyGuard) predicts a step at one lr: give every param group the same lr")
 
 
 def _now() -> float:

@@ -46,11 +46,14 @@ def lr_for_target(lr: float, pred: float, se: float, ci_low: float, ci_high: flo
     monotone map ``p -> lr target / p`` (Fieller's interval for a ratio whose numerator is known:
     when the interval holds no 0 it maps to ``[lr target / hi, lr target / lo]``, sorted); its SE
     the delta method's ``|lr*| SE / |pred|``. ``status``: ``resolved``, or why no lr is determined
-    (the interval holds 0: the sign of the change is not known; or the prediction's sign is not
-    the target's: no lr > 0 reaches it)."""
+    (the interval holds 0, or there is none: the sign of the change is not known; or the
+    prediction's sign is not the target's: no lr > 0 reaches it)."""
     out = {"target_deltaH": target, "lr": lr, "lr_star": math.nan, "SE_lr_star": math.nan,
            "ci95_lr_low": math.nan, "ci95_lr_high": math.nan}
-    if not (math.isfinite(pred) and math.isfinite(ci_low) and math.isfinite(ci_high)) or ci_low <= 0.0 <= ci_high:
+    if not (math.isfinite(pred) and math.isfinite(ci_low) and math.isfinite(ci_high)):
+        return {**out, "status": "not resolved: the prediction has no 95% interval (probe.variance_enabled=false, "
+                                 "or B_E = 1), so the sign of the change is not known"}
+    if ci_low <= 0.0 <= ci_high:
         return {**out, "status": "not resolved: the prediction's 95% interval holds 0, so no lr is determined"}
     if (pred > 0) != (target > 0):
         return {**out, "status": f"not resolved: the predicted change has the other sign ({pred:+.3g}) than the "

@@ -120,6 +120,10 @@ def validate(cfg: Any) -> None:
     for key, msg in config_errors(cfg.objective, cfg) + style_errors(cfg) + sharding_errors(cfg) + \
             weight_errors(cfg.task.reward_funcs, cfg.task.reward_weights) + what_if_errors(cfg):
         _require(False, key, msg)
+    w = p.what_if  # before the passes, not after Stages 1-2 as the stage itself would find it
+    _require(not ((w.clip_cov or w.kl_cov or w.top_entropy_quantile) and D.launched_distributed()),
+             "probe.what_if.clip_cov/kl_cov/top_entropy_quantile", "select tokens over U on one process; run "
+             "this what-if without torchrun (or drop those settings)")
     _require(cfg.logging.wandb.mode in ("disabled", "offline", "online"), "logging.wandb.mode",
              f"is {cfg.logging.wandb.mode!r}; use disabled, offline or online")
     logger = getattr(cfg.logging.logger, "value", cfg.logging.logger)

@@ -162,8 +162,10 @@ def what_if_lines(r: dict) -> list[tuple[str, str, str, str]]:
             if w.get("measurable") is False:
                 what += "; measured: unmeasurable"
             else:
-                agree = "consistent" if w.get("pred_consistent") else "NOT consistent"
-                what += f"; measured {_pm(w['deltaH_true'], w.get('SE_deltaH_true'))}, {agree} with the prediction"
+                agree = {True: "consistent with the prediction", False: "NOT consistent with the prediction"}.get(
+                    w.get("pred_consistent"), "not tested against the prediction (no paired SE: "
+                                              "probe.variance_enabled=false)")
+                what += f"; measured {_pm(w['deltaH_true'], w.get('SE_deltaH_true'))}, {agree}"
         rows.append((key, _pm(w["deltaH_pred"], w.get("SE")), _ci(w, "ci95_low", "ci95_high"), what))
     return rows
 

@@ -20,7 +20,9 @@ The hooks also write each covered parameter's summed gradient into ``.grad`` (fr
 products: the per-unit gradients' sum, or ``g^T a`` added in place), with its ``requires_grad``
 off during the pass, so autograd takes activation gradients only: the pass costs about a plain
 forward+backward plus the dots. A parameter is covered when every module holding it is one of
-these (tied embeddings: the lookup and the output layer add their parts). The others
+these, computing as the torch class does (its own forward, no parameter but weight and bias; not
+inside ``nn.MultiheadAttention``, which uses its ``out_proj`` weight without calling the layer)
+(tied embeddings: the lookup and the output layer add their parts). The others
 (``GhostHooks.uncovered``) take a batched backward restricted to them (``accumulate``). Not under
 gradient checkpointing in train mode (its recomputed forward would fire the hooks twice;
 ``ghost_supported``).
@@ -81,10 +83,17 @@ def _is_scale_norm(m: torch.nn.Module) -> bool:
         w is not None and w.dim() == 1 and set(own) <= {"weight", "bias"}
 
 
+def _plain(m: torch.nn.Module, base: type) -> bool:
+    """``m`` computes as ``base`` does: its forward is ``base``'s and it holds no parameter but
+    weight and bias (a subclass that adds its own, as loralib's ``Linear`` does, is not a plain one)."""
+    return type(m).forward is base.forward and set(dict(m.named_parameters(recurse=False))) <= {"weight", "bias"}
+
+
 def _kind(m: torch.nn.Module) -> str | None:
-    if isinstance(m, torch.nn.Linear):
+    if isinstance(m, torch.nn.Linear) and _plain(m, torch.nn.Linear):
         return "linear"
-    if isinstance(m, torch.nn.Embedding) and m.max_norm is None and not m.scale_grad_by_freq and not m.sparse:
+    if isinstance(m, torch.nn.Embedding) and _plain(m, torch.nn.Embedding) and m.max_norm is None and \
+            not m.scale_grad_by_freq and not m.sparse:
         return "embedding"
     if _is_scale_norm(m):
         return "norm"
@@ -97,6 +106,8 @@ def covered_params(model: torch.nn.Module, params: list[torch.Tensor]) -> tuple[
     index = {id(p): i for i, p in enumerate(params)}
     covered, bad, mods = set(), set(), []
     for m in model.modules():
+        if isinstance(m, torch.nn.MultiheadAttention):  # reads its out_proj's weight itself, never calling it
+            bad.update(index[id(p)] for p in m.parameters() if id(p) in index)
         own = [index[id(p)] for p in m.parameters(recurse=False) if id(p) in index]
         if not own:
             continue

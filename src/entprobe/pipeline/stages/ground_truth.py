@@ -215,7 +215,8 @@ def measurability(est_res: dict, ess_threshold: float, khat_max: float = KHAT_MA
     shape a fit to 5-20 of them finds (measured: k-hat > 0.7 in 4 of 40 draws of the built-in
     model at lr 1e-5 with ESS/N 0.9999)."""
     ess, khat = est_res.get("ESS_frac", math.nan), est_res.get("psis_khat", math.nan)
-    spread = est_res.get("is/w_max", math.nan) / est_res.get("is/mean_importance_ratio", math.nan)
+    w_max, w_mean = est_res.get("is/w_max", math.nan), est_res.get("is/mean_importance_ratio", math.nan)
+    spread = w_max / w_mean if w_mean > 0 else math.inf  # every weight underflowed to 0: degenerate
     why = []
     if not (ess >= ess_threshold):  # NaN counts as degenerate
         why.append(f"ESS/N {ess:.2f} < {ess_threshold:g}")

@@ -253,7 +253,7 @@ def run_what_if(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, st, geo, pc
                 res["ci95_low"], res["ci95_high"] = est.interval(pred, res["SE"], res["df"])
             out[key] = {**facts, "lr": st.lr * f, **res, "deltaH_pred": pred, "how": "recomputed update"}
     for key, facts in kl.items():
-        out[key] = {**facts, "lr": st.lr, **plain}
+        out[key] = {**facts, "lr": st.lr, **plain, "how": "the plain step"}
     if wcfg.target_deltaH is not None:
         out["lr_for_target"] = {"setting": "lr_for_target", **wi.lr_for_target(
             st.lr, plain["deltaH_pred"], plain["SE"], plain["ci95_low"], plain["ci95_high"], wcfg.target_deltaH)}
