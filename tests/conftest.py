@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
@@ -87,3 +88,15 @@ def fp32_dot_tol(res: dict) -> float:
     ``(B_E + B_U) u / |cos|``, with cos that of the run itself (on the committed batches
     cos = 0.0069: 7e-5; a lost or doubled unit moves deltaH1 by O(1))."""
     return (res["B_E"] + res["B_U"]) * U32 / abs(res["cos_Xbar_PYbar"])
+
+
+@pytest.fixture
+def step_lrs():
+    """``(optimizer, the lr of each param group)`` at every ``optimizer.step()`` (a global pre-hook)."""
+    seen: list[tuple[torch.optim.Optimizer, list[float]]] = []
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    handle = register_optimizer_step_pre_hook(
+        lambda opt, args, kwargs: seen.append((opt, [g["lr"] for g in opt.param_groups])))
+    yield seen
+    handle.remove()
