@@ -388,6 +388,9 @@ RUN_CASES: list = [
     ("what_if_lr_factors_nan",
      lambda e: (["probe.what_if.lr_factors=[nan]"], ["probe.what_if.lr_factors", "finite number > 0"]),
      ConfigError, True),
+    ("seed_past_2_32",  # torch.Generator overflowed on it after the model had loaded
+     lambda e: (["batch.seed_E=100000000000000000000000"], ["batch.seed_E", "seeds must be in [0, 2^32)"]),
+     ConfigError, True),
 ]
 
 # tasks, prompts, reward functions, the planner

@@ -114,6 +114,8 @@ def test_bad_options_name_themselves(run_out, tmp_path):
                                           r"--max-new-tokens=100 needs \d+ > the model's context of 64 tokens "
                                           r"\(the model's config\).*lower --max-new-tokens"):
         train(TrainArgs(out=str(tmp_path / "x"), max_new_tokens=100))
+    with pytest.raises(ConfigError, match=r"--seed=4294967296: seeds must be in \[0, 2\^32\)"):
+        train(TrainArgs(out=str(tmp_path / "x"), seed=2**32))
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path / "x"), "--loss", "ppo"])
     assert not (tmp_path / "x").exists()  # nothing written before the options are checked

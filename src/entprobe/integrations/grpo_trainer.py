@@ -78,6 +78,8 @@ def check_args(a: TrainArgs) -> None:
             raise ConfigError(f"--{name.replace('_', '-')}={getattr(a, name)}: must be >= 1")
     if a.G < 2:
         raise ConfigError(f"--G={a.G}: group advantages need >= 2 responses per prompt")
+    if not 0 <= a.seed < 2**32:
+        raise ConfigError(f"--seed={a.seed}: seeds must be in [0, 2^32)")
     if a.probe_every < 0 or a.lr <= 0 or a.max_grad_norm < 0:
         raise ConfigError("--probe-every >= 0 (0: off), --lr > 0 and --max-grad-norm >= 0 (0: no clipping)")
     if (a.guard_floor is not None or a.guard_max_decay is not None) and not a.probe_every:

@@ -54,7 +54,9 @@ def validate(cfg: Any) -> None:
         _require(_finite(v), key, f"is {v}; must be a finite number")
     for key, v in (("seed", cfg.seed), ("batch.seed_E", b.seed_E), ("batch.seed_U", b.seed_U),
                    ("model.builtin_seed", cfg.model.builtin_seed), ("task.seed", cfg.task.seed)):
-        _require(v >= 0, key, f"is {v}; seeds must be >= 0")
+        # streams derive from seeds by small offsets (seed + 7919, seed_E + 1_000_003 * step) and
+        # torch.Generator takes 64 bits: a seed past 2^32 failed with a raw overflow after loading
+        _require(0 <= v < 2**32, key, f"is {v}; seeds must be in [0, 2^32)")
     _require(b.adv_eps > 0, "batch.adv_eps", f"is {b.adv_eps}; must be > 0 (GRPO divides by std + adv_eps)")
     _require(b.lock_timeout_s >= 0, "batch.lock_timeout_s", f"is {b.lock_timeout_s}; seconds to wait, >= 0")
     _require(b.G >= 2, "batch.G", f"is {b.G}; need >= 2 responses per prompt for the "
