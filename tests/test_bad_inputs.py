@@ -388,6 +388,10 @@ RUN_CASES: list = [
     ("what_if_lr_factors_nan",
      lambda e: (["probe.what_if.lr_factors=[nan]"], ["probe.what_if.lr_factors", "finite number > 0"]),
      ConfigError, True),
+    ("verl_prompts_without_chat_template",  # was a ValueError with Hydra's traceback, not the one-line error
+     lambda e: (["model=hf", f"model.path='{Path(__file__).parent / 'data' / 'default_model'}'", "objective=verl",
+                 "optimizer.preconditioner=identity", "optimizer.lr=1e-5"], ["prompts tokenized as verl does", "this tokenizer has none",
+                                          "model.tokenizer_path", "task.tokenize=entprobe"]), ConfigError, False),
     ("seed_past_2_32",  # torch.Generator overflowed on it after the model had loaded
      lambda e: (["batch.seed_E=100000000000000000000000"], ["batch.seed_E", "seeds must be in [0, 2^32)"]),
      ConfigError, True),

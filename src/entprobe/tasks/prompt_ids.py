@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from entprobe.config import ConfigError
+
 STYLES = ("entprobe", "trl", "verl")
 
 
@@ -88,7 +90,7 @@ def check_template(tokenizer, prompts: list, style: str, where: str) -> None:
         return
     if style == "verl" or is_conversational(prompts[0]):
         what = "every prompt" if style == "verl" else "the prompts (message lists)"
-        raise ValueError(f"{where}: prompts tokenized as {style} does (task.tokenize; auto follows the objective) "
+        raise ConfigError(f"{where}: prompts tokenized as {style} does (task.tokenize; auto follows the objective) "
                          f"go through the tokenizer's chat template ({what}), and this tokenizer has none: give "
                          "the trained model's tokenizer (model.tokenizer_path)"
                          + (", or set task.tokenize=entprobe or trl" if style == "verl" else ", or text prompts"))
@@ -96,7 +98,7 @@ def check_template(tokenizer, prompts: list, style: str, where: str) -> None:
 
 def _template(tokenizer, messages: list[dict], style: str, template_kwargs: dict) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(f"task.tokenize={style} renders " + ("every prompt" if style == "verl" else "message lists")
+        raise ConfigError(f"task.tokenize={style} renders " + ("every prompt" if style == "verl" else "message lists")
                          + " through the chat template, and the tokenizer has no chat template: give the trained "
                          "model's tokenizer (model.tokenizer_path)" + ("" if style == "verl" else ", or text prompts"))
     if style == "verl":
