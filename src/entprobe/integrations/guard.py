@@ -54,6 +54,7 @@ from entprobe.integrations.trl import EntropyProbeCallback
 
 STATE_KEY = "entprobe.EntropyGuard"  # the guard's entry in TrainerState.stateful_callbacks
 
+
 @dataclass(frozen=True)
 class GuardRule:
     """The guard's parameters (module docstring). ``floor``: lowest entropy H (nats, as the probe
