@@ -169,7 +169,7 @@ def main() -> None:
               f"factor moves {f['moves']}; "
               f"{'guard (probe included)' if name == 'guarded' else 'probe'} time {r['probe_s']:.1f} s = "
               f"{f['cost']:.0%} of the rest of the run's training time ({r['wall']:.1f} s in all)")
-    for name, r in runs.items():
+    for name, r in runs.items() if a.model != "default" else ():
         print(f"  {name:>9} entropy by step: " + " ".join(f"{h['entropy']:.2f}" for h in r["logs"]))
     pooled = {"both": {"history": [h for r in runs.values() for h in r["history"]]}} if len(runs) > 1 else {}
     for name, r in {**runs, **pooled}.items():
