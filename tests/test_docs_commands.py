@@ -63,7 +63,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "optimizer.lr=1e-5 'probe.what_if.lr_factors=[0.5,2]' probe.what_if.target_deltaH=0.001 "
     "'probe.what_if.entropy_coef=[0.001]' 'probe.what_if.clip_cov=[0.0002]' 'probe.what_if.kl_cov=[0.0002]' "
     "probe.what_if.measure=true":
-        ("run", "tests/test_what_if.py::test_readme_what_if_command_measures_each_setting_paired_with_its_prediction"),
+        ("run", "tests/test_what_if_config.py::test_readme_what_if_command_measures_each_setting_paired_with_its_prediction"),
     # README.md and docs/objectives.md
     "python -m entprobe.main objective=trl objective.loss_type=dr_grpo":
         ("run", "tests/test_objectives.py::test_documented_trl_command_runs_verbatim"),
