@@ -36,7 +36,8 @@ from entprobe.checkpoints.trainer_checkpoint import checkpoint_step, existing_ch
 from entprobe.checkpoints.trainer_states.verl import find_verl_folder
 from entprobe.cli.probe_job import renamed_overrides, run, where_outputs
 from entprobe.cli.user_errors import exits_on_user_error, is_user_error, one_line
-from entprobe.config import ConfigError, register_configs
+from entprobe.config import ConfigError
+from entprobe.pipeline.api import compose_config
 from entprobe.pipeline.config_checks import to_typed
 from entprobe.reporting import over_steps as OS
 from entprobe.reporting.loggers import make_logger
@@ -45,7 +46,6 @@ from entprobe.runtime.atomic_io import write_text_atomic
 
 VERL_RE = re.compile(r"^global_step_(\d+)$")
 PATTERNS = "checkpoint-<N>/ (HF / TRL Trainer) or global_step_<N>/ (verl, with actor/)"
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
 @dataclass(frozen=True)
@@ -96,24 +96,12 @@ def select(found: list[Checkpoint], steps: list[int] | None, every: int | None) 
 def compose_run(overrides: list[str]):
     """The config the probe job would compose from ``overrides`` (``model=hf`` unless a model is
     chosen), with Hydra's node (its run dir and choices) kept."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     if not any(o.lstrip("+~").startswith("model=") for o in overrides):
         overrides = ["model=hf", *overrides]
-    from hydra.errors import HydraException
-
-    register_configs()
-    GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-            return compose(config_name="config", overrides=overrides, return_hydra_config=True)
-    except HydraException as exc:  # a key the schema does not have, a bad value's type, a bad group choice, syntax
-        why = (str(exc.__cause__).strip().splitlines() or [""])[0] if exc.__cause__ else ""  # e.g. the enum's values
-        raise ConfigError(f"the overrides {' '.join(overrides)}: {exc}{': ' + why if why else ''} (python -m "
-                          "entprobe.main --help lists the keys)") from None
-    finally:
-        GlobalHydra.instance().clear()
+        return compose_config(overrides, return_hydra_config=True)
+    except ConfigError as exc:  # a key the schema does not have, a bad value's type, a bad group choice, syntax
+        raise ConfigError(f"the overrides {exc} (python -m entprobe.main --help lists the keys)") from None
 
 
 def job_config(cfg, ck: Checkpoint, job_dir: Path, group: str | None = None):

@@ -114,9 +114,11 @@ def _refusal(key: str) -> str | None:
     return None
 
 
-def compose_config(choices: list[str]):
+def compose_config(choices: list[str], return_hydra_config: bool = False):
     """The command line's root config (the package's conf/, its defaults and typed schema) with
-    ``choices``; Hydra's global state is set aside and put back, so a Hydra app may call it."""
+    ``choices`` (and Hydra's own node, ``return_hydra_config``); Hydra's global state is set aside
+    and put back, so a Hydra app may call it. A choice Hydra cannot compose is a ConfigError with
+    Hydra's reason (e.g. the values an enum takes)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.singleton import Singleton
@@ -128,9 +130,11 @@ def compose_config(choices: list[str]):
         Singleton._instances.pop(cls, None)
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(resources.files("entprobe") / "conf")):
-            return compose(config_name="config", overrides=choices)
+            return compose(config_name="config", overrides=choices, return_hydra_config=return_hydra_config)
     except Exception as exc:  # hydra's missing option / parse errors
-        raise ConfigError(f"{' '.join(choices)}: {str(exc).split(chr(10) + 'Config search path')[0]}") from None
+        why = (str(exc.__cause__).strip().splitlines() or [""])[0] if exc.__cause__ else ""
+        raise ConfigError(f"{' '.join(choices)}: {str(exc).split(chr(10) + 'Config search path')[0]}"
+                          f"{': ' + why if why else ''}") from None
     finally:
         Singleton._instances.clear()
         Singleton._instances.update(saved)
