@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from entprobe.math import paramvec as pv
-from entprobe.pipeline.api import api_config, left_as_it_was
+from entprobe.pipeline.api import api_config, flatten_overrides, left_as_it_was
 from entprobe.config import ConfigError, EntprobeConfig, Preconditioner
 from entprobe.pipeline.in_memory import probe_context
 from entprobe.pipeline.geometry import live_geometry, live_lr, unwrap_optimizer
@@ -49,7 +49,6 @@ from entprobe.rollouts.sampling import RolloutBatch, draw_prompt_indices, sample
 from entprobe.pipeline.stages.ground_truth import eval_at_current, importance_estimates, true_change
 from entprobe.pipeline.stages.prediction import HeldOutPrediction, build_step_model, compare_with_prediction, predict_on_held_out
 from entprobe.tasks import Task
-from entprobe.pipeline.api import flatten_overrides
 from entprobe.math import estimators as est
 
 # what the online probe reads from the config; every other key describes the command line's own

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 _MESH = None  # the 1-D device mesh of the sharded model; None: not sharded
 
@@ -125,8 +126,6 @@ def defaults_to_turn_off(cfg, explicit: set[str]) -> list[tuple[str, object, str
     """The ``OFF_UNDER_FSDP2`` settings that are on under ``ddp.strategy=fsdp2`` without the user
     having set them (``explicit``: the keys they gave): turned off with a notice, where a setting
     the user asked for is refused (``config_errors``)."""
-    from omegaconf import OmegaConf
-
     if str(getattr(cfg.ddp.strategy, "value", cfg.ddp.strategy)) != "fsdp2":
         return []
     return [(key, off, why) for key, off, why in OFF_UNDER_FSDP2
