@@ -166,3 +166,27 @@ def test_a_transformers_model_samples_through_its_current_cache_argument(monkeyp
     if sampling.kv_cache_key(model) == "cache":  # transformers that deprecates the former name
         monkeypatch.setattr(sampling, "kv_cache_key", lambda m: "past_key_values")
         assert cache_warnings()
+
+
+def test_sampling_builds_no_graph_and_reports_its_tokens():
+    """Every forward of the sampler runs with autograd off (a graph per decoding step would stay
+    alive until the loop ends: 6.96 GB against 1.43 GB on SmolLM2 with 24 rows of 32 tokens), even
+    when the caller has autograd on; and ``on_tokens`` counts exactly the tokens sampled. The
+    control calls the real model with autograd on, so the hook can tell the two apart."""
+    from entprobe.checkpoints.builtin import build_tiny_llama
+
+    model = build_tiny_llama(16, seed=0).eval()
+    seen = []
+    handle = model.register_forward_hook(lambda m, args, out: seen.append(torch.is_grad_enabled()))
+    counted = []
+    try:
+        with torch.enable_grad():
+            rows, responses, logprobs = generate(model, [[3, 4, 5], [6, 7]], 2, 5, 1, 0, 1.0, 0, 1.0, 11, "cpu",
+                                                 on_tokens=counted.append)
+            assert seen and not any(seen)
+            model(input_ids=torch.tensor([[3, 4, 5]]))  # the control: the hook sees autograd on
+    finally:
+        handle.remove()
+    assert seen[-1] is True
+    assert sum(counted) == sum(len(r) for r in responses)
+    assert all(isinstance(x, float) for lp in logprobs for x in lp)

@@ -16,6 +16,7 @@ import torch
 from entprobe.runtime import distributed as D
 from entprobe.runtime.atomic_io import torch_save_atomic
 from entprobe.runtime.input_files import InputFileError, load_torch_file
+from entprobe.runtime.progress import TokenRate
 from entprobe.rollouts.logprobs import position_ids_from_mask
 from entprobe.tasks.prompt_ids import encode_prompts
 from entprobe.tasks.base import score_rows
@@ -236,7 +237,6 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
-@torch.no_grad()
 def kv_cache_key(model) -> str:
     """The forward's KV-cache argument: ``cache`` (transformers >= 5.2x, where ``past_key_values``
     is deprecated) or ``past_key_values`` (earlier releases)."""
@@ -256,11 +256,11 @@ def _kv_cache(out):
     return cache if cache is not None else out.past_key_values
 
 
-
+@torch.no_grad()
 def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eos_id: int,
              pad_id: int, temperature: float, top_k: int, top_p: float,
-             seed: int, device, first_prompt: int = 0,
-             stop_together: bool = False) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
+             seed: int, device, first_prompt: int = 0, stop_together: bool = False,
+             on_tokens=None) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
     """Sample G responses per prompt with a KV cache; returns per-row prompt ids, response ids,
     and per-token ``log_softmax(logits / temperature)`` of each sampled token (rows = prompt-major).
 
@@ -270,7 +270,10 @@ def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eo
     logit on another machine) changes that response only; B prompts are a prefix of 2B.
 
     ``stop_together``: every rank of the process group runs as many forward calls (the loop ends
-    when every rank's rows are done), as a model sharded with FSDP2 needs (each call all-gathers)."""
+    when every rank's rows are done), as a model sharded with FSDP2 needs (each call all-gathers).
+    ``on_tokens(n)``: called after each decoding step with the number of tokens it sampled (a
+    progress bar's tokens per second). Runs under ``no_grad``: no pass here needs a graph, and
+    with autograd on every decoding step's graph would stay alive until the loop ends."""
     rows = [p for p in prompt_ids for _ in range(G)]
     N, P = len(rows), max(len(p) for p in rows)
     r = torch.arange(N)
@@ -294,6 +297,8 @@ def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eo
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         toks.append(torch.where(done, -1, nxt))
         lps.append(logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1))
+        if on_tokens is not None:
+            on_tokens(int((~done).sum()))
         done = done | (nxt == eos_id)
         if D.all_true(bool(done.all())) if stop_together else done.all():
             break
@@ -333,14 +338,15 @@ def assemble(prompts: list[list[int]], responses: list[list[int]], logprobs: lis
 
 def sample_batch(model, tokenizer, task, prompt_index: torch.Tensor, G: int, sampling, seed: int,
                  advantage: str, adv_eps: float, chat_template: str = "auto",
-                 system_prompt: str | None = None, progress=None, style: str = "entprobe",
+                 system_prompt: str | None = None, progress: str | None = None, style: str = "entprobe",
                  template_kwargs: dict | None = None, stop_together: bool = False) -> RolloutBatch:
     """Sample G responses for each prompt in ``prompt_index`` (reproducible from ``seed``; each
     response from its own stream keyed by its prompt's position in ``prompt_index``, see
     ``generate``: the first k prompts draw the same responses whatever follows them), the
     prompts tokenized under the convention ``style`` (``prompt_ids``), the rewards the task's
     (``tasks.score_rows``: its reward functions called once on the whole batch). ``stop_together``:
-    see ``generate`` (every rank must then sample the same number of prompts)."""
+    see ``generate`` (every rank must then sample the same number of prompts). ``progress``: the
+    label of a progress bar over the prompts, with the tokens sampled per second (None: no bar)."""
     if sampling.top_k or sampling.top_p < 1.0:
         warnings.warn("truncated sampling (top_k/top_p) draws from a distribution other than "
                       "pi_theta: every entropy estimator is biased. Use top_k=0, top_p=1 for "
@@ -353,16 +359,19 @@ def sample_batch(model, tokenizer, task, prompt_index: torch.Tensor, G: int, sam
     all_p, all_r, all_l = [], [], []
     idx = prompt_index.tolist()
     chunk = sampling.gen_microbatch_prompts
-    for s in range(0, len(idx), chunk):
-        texts = [task.prompts[i].source for i in idx[s:s + chunk]]
-        ids = encode_prompts(tokenizer, texts, str(getattr(chat_template, "value", chat_template)), system_prompt,
-                             style, template_kwargs)
-        p, r, l = generate(model, ids, G, sampling.max_new_tokens, eos, pad, sampling.temperature,
-                           sampling.top_k, sampling.top_p, seed, device, first_prompt=s,
-                           stop_together=stop_together)
-        all_p += p; all_r += r; all_l += l
-        if progress is not None:
-            progress(len(texts))
+    bar = TokenRate(progress, len(idx), G)
+    try:
+        for s in range(0, len(idx), chunk):
+            texts = [task.prompts[i].source for i in idx[s:s + chunk]]
+            ids = encode_prompts(tokenizer, texts, str(getattr(chat_template, "value", chat_template)), system_prompt,
+                                 style, template_kwargs)
+            p, r, l = generate(model, ids, G, sampling.max_new_tokens, eos, pad, sampling.temperature,
+                               sampling.top_k, sampling.top_p, seed, device, first_prompt=s,
+                               stop_together=stop_together, on_tokens=bar.tokens)
+            all_p += p; all_r += r; all_l += l
+            bar.prompts(len(texts))
+    finally:
+        bar.close()
     model.train(was_training)
     ids, att, resp, lp = assemble(all_p, all_r, all_l, G, pad)
     rows = [task.prompts[idx[i // G]] for i in range(len(all_r))]
