@@ -44,8 +44,9 @@ def _prompts(n: int) -> list[list[int]]:
 
 
 def _gen(model, prompts, G=4, seed=11, max_new=12, first_prompt=0, temperature=1.0, top_k=0, top_p=1.0):
+    """(rows, responses, log-probs) of ``generate`` (its entropies: ``test_sampler_records_entropies``)."""
     return generate(model, prompts, G, max_new, EOS, PAD, temperature, top_k, top_p, seed, "cpu",
-                    first_prompt=first_prompt)
+                    first_prompt=first_prompt)[:3]
 
 
 def test_same_seed_same_draws_other_seed_other_draws():
@@ -181,7 +182,7 @@ def test_sampling_builds_no_graph_and_reports_its_tokens():
     counted = []
     try:
         with torch.enable_grad():
-            rows, responses, logprobs = generate(model, [[3, 4, 5], [6, 7]], 2, 5, 1, 0, 1.0, 0, 1.0, 11, "cpu",
+            rows, responses, logprobs, entropies = generate(model, [[3, 4, 5], [6, 7]], 2, 5, 1, 0, 1.0, 0, 1.0, 11, "cpu",
                                                  on_tokens=counted.append)
             assert seen and not any(seen)
             model(input_ids=torch.tensor([[3, 4, 5]]))  # the control: the hook sees autograd on
@@ -190,3 +191,22 @@ def test_sampling_builds_no_graph_and_reports_its_tokens():
     assert seen[-1] is True
     assert sum(counted) == sum(len(r) for r in responses)
     assert all(isinstance(x, float) for lp in logprobs for x in lp)
+
+
+def test_sampler_records_the_entropy_of_each_sampling_distribution():
+    """The entropy recorded at each generated position is that of ``log_softmax(logits / T)`` at
+    the prefix: for the bigram model, the entropy of the previous token's table row (known
+    exactly), at any temperature; a wrong row or a missing temperature would differ by O(0.1)."""
+    table, T = _table(3), 0.7
+    rows, responses, _, entropies = generate(Bigram(table), _prompts(4), 3, 6, EOS, PAD, T, 0, 1.0, 5, "cpu")
+    lp_rows = (table / T).log_softmax(-1)
+    H_row = -(lp_rows.exp() * lp_rows).sum(-1)  # [V] entropy after each token
+    n = 0
+    for prompt, resp, ent in zip(rows, responses, entropies):
+        prev = [prompt[-1]] + resp[:-1]
+        assert len(ent) == len(resp)
+        for p, h in zip(prev, ent):
+            # one fp32 log-softmax over V = 7 terms: a few ulps of the entropy
+            assert abs(h - float(H_row[p])) <= 8 * V * torch.finfo(torch.float32).eps * float(H_row[p])
+            n += 1
+    assert n > 10
