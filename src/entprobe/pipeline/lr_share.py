@@ -101,6 +101,7 @@ class Stage12:
     projection: str | None
     unit_backward: str | None  # set when per-unit gradients were taken in the X pass
     step_terms: torch.Tensor  # per parameter tensor: Xbar . Delta theta (all parts; the attribution)
+    E_token_logp: torch.Tensor | None = None  # [B_E, G, T] this rank's E token log-probs at theta
 
     def at_lr(self, lr: float) -> "Stage12":
         """The same Stages 1-2 at another lr: the lr-linear values times ``lr / self.lr``."""
