@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from entprobe.math.estimators import t_quantile
 from entprobe.reporting.planning import sign_plan_row
 
 Flag = tuple[str, str]  # (code, sentence)
@@ -92,6 +93,28 @@ def _ci(r: dict, lo: str, hi: str) -> str:
     return f"[{r[lo]:.3g}, {r[hi]:.3g}]" if _finite(r.get(lo)) and _finite(r.get(hi)) else ""
 
 
+def paired_test(r: dict) -> str:
+    """The paired difference's test in words: ``consistent: |t| 2.11 < 2.36 (7 df)`` (|t| = |diff| /
+    SE against the two-sided 95% Student-t quantile of the interval's degrees of freedom,
+    ``df_true_minus_pred``); ``NOT consistent: |t| 3.10 > 2.36 (7 df)`` when the interval excludes 0."""
+    ok = r.get("pred_consistent")
+    agree = "consistent" if ok else "NOT consistent"
+    z, df = r.get("z_true_minus_pred"), r.get("df_true_minus_pred")
+    if not _finite(z):
+        return agree
+    if not (_finite(df) and df >= 1):
+        return f"{agree} (|t| {abs(z):.2f})"
+    return f"{agree}: |t| {abs(z):.2f} {'<' if ok else '>'} {t_quantile(df):.2f} ({df:g} df)"
+
+
+def setup_line(r: dict) -> str:
+    """What was probed, in one line (the verdict's first): the task, its reward, the objective
+    (the loss whose step is predicted) and the entropy functional; "" when the results name none."""
+    named = (("task", "task"), ("reward", "task_reward"), ("objective", "objective"),
+             ("entropy functional", "entropy_functional"))
+    return " · ".join(f"{label} {r[key]}" for label, key in named if r.get(key) not in (None, ""))
+
+
 def verdict_lines(r: dict) -> list[tuple[str, str, str, str]]:
     """Rows (what, value +- SE, 95% interval, what it is) of the headline."""
     rows = []
@@ -116,11 +139,9 @@ def verdict_lines(r: dict) -> list[tuple[str, str, str, str]]:
         rows.append(("measured", _pm(r["deltaH_true"], r.get("SE_deltaH_true")), _ci(r, "ci95_true_low", "ci95_true_high"),
                      f"one real step, E re-weighted ({r.get('is_mode', '')}, ESS/N {r.get('ESS_frac', float('nan')):.2f})"))
     if "SE_deltaH_true_minus_pred" in r and r.get("measurable") is not False:
-        z = r.get("z_true_minus_pred", float("nan"))
-        agree = "consistent" if r.get("pred_consistent") else "NOT consistent"
         rows.append(("difference", _pm(r["deltaH_true_minus_pred"], r["SE_deltaH_true_minus_pred"]),
                      _ci(r, "ci95_true_minus_pred_low", "ci95_true_minus_pred_high"),
-                     f"measured - predicted on the same responses: {agree} (z {z:+.2f})"))
+                     f"measured - predicted on the same responses: {paired_test(r)}"))
     if "deltaH1" in r:
         rows.append(("deltaH1", _pm(r["deltaH1"], r.get("SE_deltaH1")), _ci(r, "ci95_low", "ci95_high"),
                      "-lr Xbar.P.Ybar: first order along Adam's preconditioned gradient, without momentum or "
@@ -181,7 +202,8 @@ def title(r: dict) -> str:
 def verdict_markdown(r: dict, fl: list[Flag]) -> str:
     """The same verdict as ``print_verdict`` as markdown: the title, a table of the headline rows,
     the flags as a list."""
-    out = [f"**{title(r)}**", "", "| | value ± SE | 95% interval | what it is |", "|---|---:|:---:|---|"]
+    setup = [setup_line(r), ""] if setup_line(r) else []
+    out = [*setup, f"**{title(r)}**", "", "| | value ± SE | 95% interval | what it is |", "|---|---:|:---:|---|"]
     out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in verdict_lines(r)]
     out.append("")
     if what_if_lines(r):
@@ -193,7 +215,8 @@ def verdict_markdown(r: dict, fl: list[Flag]) -> str:
 
 
 def print_verdict(r: dict, fl: list[Flag], phases: dict[str, float] | None = None) -> None:
-    """A short panel: the headline rows, the entropy they refer to, the flags, one line of phase times."""
+    """What was probed (``setup_line``), then a short panel: the headline rows, the entropy they
+    refer to, the flags, one line of phase times."""
     from rich.console import Console
     from rich.panel import Panel
     from rich.table import Table
@@ -206,6 +229,8 @@ def print_verdict(r: dict, fl: list[Flag], phases: dict[str, float] | None = Non
     for row in verdict_lines(r):
         t.add_row(*row)
     con = Console(width=140)
+    if setup_line(r):
+        con.print(setup_line(r), markup=False, highlight=False)
     con.print(Panel(t, title=title(r), expand=False))
     if what_if_lines(r):
         w = Table(show_header=False, box=None, pad_edge=False)

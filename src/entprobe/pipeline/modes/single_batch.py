@@ -298,6 +298,8 @@ def held_out_ground_truth(ctx: ProbeContext, E: RolloutBatch, batch: RolloutBatc
     psi, log_w = gt.pop("gt/psi"), gt.pop("gt/log_weights")
     res.update(gt)
     res.update(compare_with_prediction(res, psi, pred.e))
+    if "SE_deltaH_true_minus_pred" in res:  # its t interval's degrees of freedom: B_E prompts - 1
+        res["df_true_minus_pred"] = psi.numel() - 1
     if D.is_main():
         write_per_unit(run_dir, psi, pred.e, log_w)
     return res

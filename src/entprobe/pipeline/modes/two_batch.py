@@ -176,6 +176,8 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
         psi, log_w = gt.pop("gt/psi"), gt.pop("gt/log_weights")
         res.update(gt)
         res.update(compare_with_prediction(res, psi, e))
+        if "SE_deltaH_true_minus_pred" in res:  # its t interval's degrees of freedom: B_E prompts - 1
+            res["df_true_minus_pred"] = psi.numel() - 1
     if pcfg.what_if.enabled:  # other settings' steps, after the user's own (pipeline/stages/what_if.py)
         res.update(run_what_if(ctx, E, U, st, geo, pcfg, icfg, res))
     if D.is_main():
