@@ -19,11 +19,18 @@ def _finite(x) -> bool:
 def _pm(x, se) -> str:
     if not _finite(x):
         return "n/a"
+    x = x + 0.0  # -0.0 (e.g. -lr * 0) is shown as 0
     return f"{x:+.4g} ± {se:.2g}" if _finite(se) else f"{x:+.4g}"
+
+
+ZERO_UPDATE = ("the update is exactly zero (no momentum or weight decay to apply either): nothing moves, so the "
+               "predicted and measured changes are 0 exactly and the E pass and the real step were skipped")
 
 
 def _gradient_free_step(r: dict) -> str:
     """What the step is when the update's gradient is zero, for the step model that predicts it."""
+    if r.get("update_zero"):
+        return ZERO_UPDATE
     kind = r.get("pred/step_model", "")
     if kind == "preconditioned_sgd":
         return "the step is exactly zero (deltaH_pred and deltaH1 are 0)"
@@ -90,13 +97,15 @@ def flags(r: dict, ess_threshold: float = 0.3, truncated_sampling: bool = False)
 
 
 def _ci(r: dict, lo: str, hi: str) -> str:
-    return f"[{r[lo]:.3g}, {r[hi]:.3g}]" if _finite(r.get(lo)) and _finite(r.get(hi)) else ""
+    return f"[{r[lo] + 0.0:.3g}, {r[hi] + 0.0:.3g}]" if _finite(r.get(lo)) and _finite(r.get(hi)) else ""
 
 
 def paired_test(r: dict) -> str:
     """The paired difference's test in words: ``consistent: |t| 2.11 < 2.36 (7 df)`` (|t| = |diff| /
     SE against the two-sided 95% Student-t quantile of the interval's degrees of freedom,
     ``df_true_minus_pred``); ``NOT consistent: |t| 3.10 > 2.36 (7 df)`` when the interval excludes 0."""
+    if r.get("update_zero"):
+        return "0 exactly, no step taken (the update is exactly zero)"
     ok = r.get("pred_consistent")
     agree = "consistent" if ok else "NOT consistent"
     z, df = r.get("z_true_minus_pred"), r.get("df_true_minus_pred")
@@ -118,7 +127,13 @@ def setup_line(r: dict) -> str:
 def verdict_lines(r: dict) -> list[tuple[str, str, str, str]]:
     """Rows (what, value +- SE, 95% interval, what it is) of the headline."""
     rows = []
-    if "deltaH_pred" in r:
+    if r.get("update_zero"):
+        rows.append(("predicted", _pm(r.get("deltaH_pred"), r.get("SE_deltaH_pred")),
+                     _ci(r, "ci95_pred_low", "ci95_pred_high"), "the update is exactly zero: nothing moves"))
+        if "deltaH_true" in r:
+            rows.append(("measured", _pm(r["deltaH_true"], r.get("SE_deltaH_true")),
+                         _ci(r, "ci95_true_low", "ci95_true_high"), "no step taken: a zero update changes nothing"))
+    elif "deltaH_pred" in r:
         parts = {k: r.get(f"deltaH_pred_{k}") for k in ("gradient", "momentum", "weight_decay")}
         split = ", ".join(f"{k.replace('_', ' ')} {v:+.2g}" for k, v in parts.items() if _finite(v))
         dom = r.get("pred/dominant_part")
@@ -135,7 +150,7 @@ def verdict_lines(r: dict) -> list[tuple[str, str, str, str]]:
             rows.append(("resampled", _pm(r["deltaH_resample"], r.get("SE_deltaH_resample")),
                          _ci(r, "ci95_resample_low", "ci95_resample_high"),
                          "fresh responses drawn after the step (not paired with the prediction)"))
-    elif "deltaH_true" in r:
+    elif "deltaH_true" in r and not r.get("update_zero"):
         rows.append(("measured", _pm(r["deltaH_true"], r.get("SE_deltaH_true")), _ci(r, "ci95_true_low", "ci95_true_high"),
                      f"one real step, E re-weighted ({r.get('is_mode', '')}, ESS/N {r.get('ESS_frac', float('nan')):.2f})"))
     if "SE_deltaH_true_minus_pred" in r and r.get("measurable") is not False:
