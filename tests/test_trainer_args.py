@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from conftest import DATA, compose_cfg
-from entprobe.checkpoints.trainer_args import (FILE, Setting, TaskNotGiven, choose, explicit_keys, read_args,
-                                               settings)
+from entprobe.checkpoints.trainer_args import FILE, Setting, choose, explicit_keys, read_args, settings
+from entprobe.checkpoints.trainer_task import TaskNotGiven
 from entprobe.config import ObjectivePreset
 from entprobe.pipeline.config_checks import to_typed
 from entprobe.runtime.input_files import InputFileError

@@ -20,8 +20,8 @@ versions (fields added or gone) read too; a field an older TRL lacks takes that 
 The task is never taken by default for such a checkpoint: the run trained on its own prompts and
 rewards, which the file does not hold, so a config that does not choose a task (``task=...`` or
 ``task._target_`` on the command line, or in the experiment preset / local config) is refused
-(``TaskNotGiven``) with what to pass; ``task=arithmetic`` given explicitly still probes on the
-built-in task.
+(``TaskNotGiven``, checkpoints/trainer_task.py) with what to pass; ``task=arithmetic`` given
+explicitly still probes on the built-in task.
 
 Not in the file: the reward functions (``reward_funcs`` are Python callables the Trainer does not
 save; name them with ``task.reward_funcs``), the lr of the next step (``learning_rate`` is the
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from entprobe.config import ConfigError
+from entprobe.checkpoints.trainer_task import task_chosen, task_not_given
 from entprobe.runtime.input_files import InputFileError
 
 FILE = "training_args.bin"
@@ -58,16 +58,6 @@ TRL_BEFORE_FIELDS = {"loss_type": "grpo", "scale_rewards": "group", "num_iterati
 # fields whose other values change the step in ways the probe does not model (noted, not refused)
 NOT_MODELLED = {"mask_truncated_completions": False, "top_entropy_quantile": 1.0, "min_p": None,
                 "repetition_penalty": 1.0, "delta": None, "entropy_coef": 0.0}
-
-
-class TaskNotGiven(ConfigError):
-    """A trainer checkpoint probed without a task: the built-in default would be another task than
-    the run's (the message says what to pass)."""
-
-
-# the keys that choose the task: its config group (task=jsonl) or its class; the other task.* keys
-# only set options of the task chosen (task.path=... alone leaves the default arithmetic task)
-TASK_CHOICE_KEYS = ("task", "task._target_")
 
 
 class _Record:
@@ -297,33 +287,6 @@ def choose(found: list[Setting], explicit: set[str], preset: str) -> tuple[list[
     return chosen, kept
 
 
-def task_not_given(path: Path, kind: str, fields: dict[str, Any]) -> TaskNotGiven:
-    """The refusal of a trainer checkpoint (``kind`` of its training_args.bin at ``path``) probed
-    without a task: what the run's task is made of, and the command-line keys that give it (pure)."""
-    if kind == "GRPOConfig":
-        weights = _value(fields.get("reward_weights"))
-        n = len(weights) if isinstance(weights, (list, tuple)) else None
-        funcs = ",".join(["<module>:<function>"] * (n or 1))
-        how_many = (f"its reward_weights={list(weights)} weigh {n} reward function(s), which the file "
-                    "does not name" if n else "the file does not name its reward functions")
-        run, give = (f"a TRL GRPOTrainer run (GRPOConfig) that trained on its own prompts and reward functions "
-                     f"({how_many})",
-                     f"task=jsonl task.path=<the run's prompts .jsonl> 'task.reward_funcs=[{funcs}]' (the run's "
-                     "reward functions by import path)")
-    else:
-        run, give = (f"an HF Trainer run ({kind}) that trained on its own data, which the file does not hold",
-                     "task=jsonl task.path=<prompts .jsonl> task.reward=numeric|last_number|boxed (or "
-                     "'task.reward_funcs=[<module>:<function>]')")
-    return TaskNotGiven(f"task: not given, and {path} shows {run}: the built-in arithmetic task would be probed "
-                        f"instead. Give the run's task, e.g. {give}; or task=arithmetic to probe the built-in "
-                        "arithmetic task (numeric reward) explicitly")
-
-
-def task_chosen(explicit: set[str]) -> bool:
-    """Whether the user's keys (``explicit_keys``) choose the task (``TASK_CHOICE_KEYS``)."""
-    return bool(explicit & set(TASK_CHOICE_KEYS))
-
-
 def checkpoint_settings(cfg, explicit: Iterable[str]) -> tuple[Path, list[Setting], list[str]] | None:
     """(file, settings to apply, lines about what was kept or not modelled) for a config whose
     ``model=hf`` checkpoint holds a training_args.bin and ``model.trainer_args=auto``; None otherwise.
@@ -338,7 +301,7 @@ def checkpoint_settings(cfg, explicit: Iterable[str]) -> tuple[Path, list[Settin
     kind, fields = read_args(path)
     explicit = explicit_keys(explicit)
     if not task_chosen(explicit):
-        raise task_not_given(path, kind, fields)
+        raise task_not_given(path, kind, _value(fields.get("reward_weights")))
     found, notes = settings(kind, fields, path, len(cfg.task.reward_funcs or []))
     chosen, kept = choose(found, explicit, str(getattr(cfg.objective.preset, "value", cfg.objective.preset)))
     return path, chosen, kept + notes

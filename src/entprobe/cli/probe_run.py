@@ -31,7 +31,8 @@ from pathlib import Path
 from omegaconf import OmegaConf, open_dict
 
 from entprobe.checkpoints.errors import OptimizerStateError
-from entprobe.checkpoints.trainer_args import TaskNotGiven, set_in_config_files
+from entprobe.checkpoints.trainer_args import set_in_config_files
+from entprobe.checkpoints.trainer_task import TaskNotGiven
 from entprobe.checkpoints.trainer_checkpoint import checkpoint_step, existing_checkpoints
 from entprobe.checkpoints.trainer_states.verl import find_verl_folder
 from entprobe.cli.probe_job import renamed_overrides, run, where_outputs
