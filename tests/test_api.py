@@ -27,8 +27,10 @@ from entprobe.pipeline.stages.snapshot import state_fingerprint
 from entprobe.tasks import build_task
 
 QUIET = {"logging": {"progress": False, "verdict": False, "report": False}}
-# differ by construction: where things came from, wall time and memory
-SOURCE_KEYS = {"model_source", "batch_source", "lr_source", "optimizer_path", "lr_last_step", "optimizer_format"}
+# differ by construction: where things came from (the task too: passed in, not a config's), wall
+# time and memory
+SOURCE_KEYS = {"model_source", "batch_source", "lr_source", "optimizer_path", "lr_last_step", "optimizer_format",
+               "task", "task_reward"}
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +92,7 @@ def test_api_equals_the_cli_and_leaves_model_and_optimizer_as_they_were(cli):
     assert_same(before, everything(model, opt))
     assert_results_equal(res, res_cli)
     assert res["batch_source"] == "given" and res["lr_source"] == "optimizer param_groups (in memory)"
+    assert (res["task"], res["task_reward"]) == ("batches passed in", "the batches' own (their advantages)")
     for k in ("deltaH1", "SE_deltaH1", "deltaH_pred", "SE_deltaH_pred", "deltaH_true", "SE_deltaH_true"):
         assert math.isfinite(res[k]) and res[k] != 0, k
 
@@ -99,11 +102,14 @@ def test_api_equals_the_cli_and_leaves_model_and_optimizer_as_they_were(cli):
     assert_same(before, everything(model, opt))
     assert_results_equal(res, res_cli)
     assert res["batch_source"] == "sampled"
+    assert (res["task"], res["task_reward"]) == ("entprobe.tasks.arithmetic.ArithmeticTask (passed in)",
+                                            "entprobe.tasks.arithmetic.ArithmeticTask.reward")
 
     # the task by name: the command line's task=arithmetic, built from the same keys
     res = entprobe.probe(model, opt, tok, "arithmetic", batch={"B_E": 4, "B_U": 4, "G": 4}, **QUIET)
     assert_same(before, everything(model, opt))
     assert_results_equal(res, res_cli)
+    assert (res["task"], res["task_reward"]) == (res_cli["task"], res_cli["task_reward"]) == ("arithmetic '{a}+{b}='", "numeric")
 
 
 def test_a_task_by_name_takes_the_task_keys(cli, tmp_path):

@@ -211,8 +211,18 @@ def test_online_probe_pending_view_and_rescale():
     assert r["deltaH1_step"] == pytest.approx(r["deltaH_pred"], rel=1e-3, abs=1e-9)  # the step taken
 
 
+def test_a_decision_is_one_line_with_the_prediction_and_the_limits():
+    d = G.decide(rule(floor=0.2, max_decay=0.1), 16, -0.4, 0.1, 1.0, 1.0)  # cut to 0.25 (the max_decay edge)
+    assert d.line(rule(floor=0.2, max_decay=0.1)) == (
+        "entprobe guard: step 16: lr x0.25, cut (predicted -0.4 +- 0.1 nats at the scheduler's lr, H 1, "
+        "floor 0.2, max_decay 0.1)")
+    held = G.decide(rule(target_deltaH=-0.01), 3, -0.01, 0.02, 0.5, 1.0)
+    assert held.line(rule(target_deltaH=-0.01)).startswith("entprobe guard: step 3: lr x1, hold (predicted -0.01 +- 0.02")
+    assert held.line(rule(target_deltaH=-0.01)).endswith(", H 0.5, target_deltaH -0.01)")
+
+
 def test_trl_callback_applies_the_factor_on_top_of_the_scheduler_and_logs_its_decisions(tmp_path, step_lrs,
-                                                                                       monkeypatch):
+                                                                                       monkeypatch, capsys):
     """docs/guard.md's TRL snippet, verbatim, 3 steps of GRPOTrainer with a linear schedule, the
     band ``max_decay 0, z 0`` and step 2's factor forced to 0.25 (so step 3 starts from it whichever
     way its prediction goes): the lr each step uses is the schedule's times the factor in force, the
@@ -244,6 +254,10 @@ def test_trl_callback_applies_the_factor_on_top_of_the_scheduler_and_logs_its_de
     assert [h["entprobe/guard_lr"] for h in logs] == [pytest.approx(u, rel=1e-12) for u in used]
     assert [h["entprobe/lr"] for h in logs[1:]] == [pytest.approx(lr * f, rel=1e-12)
                                                    for lr, f in zip(scheduled[1:], in_force[1:])]
+    # each decision printed as one line (one process: the main one), in order
+    printed = [x for x in capsys.readouterr().out.splitlines() if x.startswith("entprobe guard: ")]
+    assert printed == [d.line(cb.guard.rule) for d in cb.decisions]
+    assert printed[0].startswith("entprobe guard: step 2: lr x0.25, ")
 
 
 def test_benchmark_command_runs_verbatim(tmp_path):

@@ -145,10 +145,11 @@ def test_a_bad_value_is_refused_once_before_any_checkpoint(override, says, tmp_p
     assert not (tmp_path / "out").exists()
 
 
-def test_a_value_a_checkpoint_settles_is_left_to_each_checkpoint(tmp_path, probed_jobs):
+def test_a_value_a_checkpoint_settles_is_left_to_each_checkpoint(tmp_path, probed_jobs, capsys):
     """``objective.loss_type`` alone is refused (a key of objective=trl), but a TRL checkpoint's
     training_args.bin sets objective=trl: not refused up front. A first checkpoint whose
-    training_args.bin is damaged fails alone; the next is probed."""
+    training_args.bin is damaged fails alone; the next is probed. Without a task the TRL run is
+    refused up front (its task is not in the file), once, before any checkpoint."""
     import torch
     import trl
 
@@ -157,6 +158,13 @@ def test_a_value_a_checkpoint_settles_is_left_to_each_checkpoint(tmp_path, probe
     for step in (1, 2):
         torch.save(args, run / f"checkpoint-{step}" / "training_args.bin")
     given = ["objective.loss_type=dapo", "logging.logger=none", "logging.progress=false"]
+    capsys.readouterr()  # transformers' warnings while the GRPOConfig was built
+    with pytest.raises(SystemExit) as info:
+        main([str(run), "--out", str(tmp_path / "out0"), *given])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and probed_jobs == [] and not (tmp_path / "out0").exists()
+    assert err.count("\n") == 0 and err.startswith("entprobe: error: task: not given") and "task=arithmetic" in err
+    given.append("task=arithmetic")
     assert main([str(run), "--out", str(tmp_path / "out"), *given]) == 0
     assert [(j.objective.preset.value, j.objective.loss_type) for j in probed_jobs] == [("trl", "dapo")] * 2
     (run / "checkpoint-1" / "training_args.bin").write_bytes(b"not a torch file")

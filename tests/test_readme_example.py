@@ -8,7 +8,8 @@ one command, from the repository root:
 
     PYTHONPATH=src .venv/bin/python tests/test_readme_example.py
 
-which runs the same command and rewrites the block's three lines in README.md. (The batches
+which runs the same command and rewrites the block's four lines in README.md (what was probed,
+then the three rows). (The batches
 themselves: ``python -m entprobe.main model=hf model.path=tests/data/default_model
 batch.save=tests/data/batches/readme``.)
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+README_BLOCK_START = "prints (± is 1 SE, [ ] a 95% t interval; nats):\n\n```\n"
 COMMAND = re.compile(r"`(python -m entprobe\.main [^`]*batch\.load=tests/data/batches/readme[^`]*)`")
 LINE = re.compile(r"^(predicted|measured|difference)\s+(\S+) ± (\S+)\s+\[(\S+), (\S+)\]\s+(.*)$")
 KEYS = {"predicted": ("deltaH_pred", "pred"), "measured": ("deltaH_true", "true"),
@@ -43,9 +45,12 @@ def _command() -> list[str]:
 
 
 def _block_lines(text: str) -> list[str]:
-    lines = [x for x in text.splitlines() if LINE.match(x)]
+    """The block's lines: what was probed (the verdict's first line), then the three rows."""
+    block = text.split(README_BLOCK_START, 1)[1].split("```", 1)[0].strip("\n").splitlines()
+    lines = [x for x in block if LINE.match(x)]
     assert [LINE.match(x)[1] for x in lines] == ["predicted", "measured", "difference"], lines
-    return lines
+    assert len(block) == 4 and block[1:] == lines, block
+    return block
 
 
 def run_example(run_dir: Path) -> tuple[dict, str]:
@@ -67,25 +72,29 @@ def _matches(text: str, value: float) -> bool:
 
 
 def readme_lines(res: dict) -> list[str]:
-    """The block's three lines from a run's results (what ``main`` writes into the README)."""
+    """The block's four lines from a run's results (what ``main`` writes into the README): the
+    verdict's first line and its rows, their notes as the verdict prints them (the predicted row's
+    cut after its first two parts)."""
+    from entprobe.reporting.verdict import setup_line, verdict_lines
+
+    notes = {row[0]: row[3] for row in verdict_lines(res)}
     def cols(label: str) -> str:
         key, ci = KEYS[label]
         return (f"{label:<11} {res[key]:+.4g} ± {res['SE_' + key]:.2g}".ljust(30)
                 + f"[{res[f'ci95_{ci}_low']:.3g}, {res[f'ci95_{ci}_high']:.3g}]").ljust(50)
-    agree = "consistent" if res["pred_consistent"] else "NOT consistent"
-    rel = f" ({100 * res['deltaH_pred'] / res['H_orig']:+.3g}% of H)"  # as the verdict prints it
-    return [cols("predicted") + f"first order, the optimizer's step on U{rel}: gradient "
-            f"{res['deltaH_pred_gradient']:+.2g}, momentum {res['deltaH_pred_momentum']:+.2g}, ...",
-            cols("measured") + f"one real step, E re-weighted ({res['is_mode']}, ESS/N {res['ESS_frac']:.2f})",
-            cols("difference") + f"measured - predicted on the same responses: {agree} "
-            f"(z {res['z_true_minus_pred']:+.2f})"]
+    predicted = notes["predicted"].split(", weight decay", 1)[0] + ", ..."
+    return [setup_line(res), cols("predicted") + predicted, cols("measured") + notes["measured"],
+            cols("difference") + notes["difference"]]
 
 
 def test_readme_example_verdict_is_the_committed_batches_run(tmp_path):
     res, out = run_example(tmp_path / "run")
     assert res["batch_source"] == "load" and (res["B_E"], res["B_U"], res["G"]) == (8, 8, 4)
-    lines = _block_lines(README.read_text())
-    for line in lines:
+    block = _block_lines(README.read_text())
+    want = readme_lines(res)
+    # the verdict's first line, what was probed: as the run printed it, before the rows
+    assert block[0] == want[0] and want[0] in out.splitlines() and out.index(want[0]) < out.index("predicted")
+    for line, new in zip(block[1:], want[1:]):
         label, val, se, lo, hi, note = LINE.match(line).groups()
         key, ci = KEYS[label]
         for text, k in ((val, key), (se, "SE_" + key), (lo, f"ci95_{ci}_low"), (hi, f"ci95_{ci}_high")):
@@ -94,12 +103,17 @@ def test_readme_example_verdict_is_the_committed_batches_run(tmp_path):
         if label == "predicted":
             g, m = re.search(r"gradient (\S+), momentum (\S+),", note).groups()
             assert _matches(g, res["deltaH_pred_gradient"]) and _matches(m, res["deltaH_pred_momentum"])
+            assert note.split(": gradient")[0] == LINE.match(new)[6].split(": gradient")[0]
         if label == "measured":
             mode, ess = re.search(r"\((\w+), ESS/N (\S+)\)", note).groups()
             assert mode == res["is_mode"] and _matches(ess, res["ESS_frac"])
-        if label == "difference":
+        if label == "difference":  # the verdict's words, the paired t test with its degrees of freedom
             assert ("NOT consistent" in note) == (not res["pred_consistent"])
-            assert _matches(re.search(r"\(z (\S+)\)", note)[1], res["z_true_minus_pred"])
+            t, crit, df = re.search(r"\|t\| (\S+) [<>] (\S+) \((\d+) df\)", note).groups()
+            assert _matches(t, abs(res["z_true_minus_pred"])) and int(df) == res["df_true_minus_pred"] == 7
+            assert crit == "2.36"  # t_7's 97.5% quantile, 2.3646
+            shown = re.compile(r"\|t\| \S+")  # |t| to the digits printed: _matches above
+            assert shown.sub("|t|", note) == shown.sub("|t|", LINE.match(new)[6])
 
 
 def main() -> None:

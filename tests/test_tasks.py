@@ -212,3 +212,28 @@ def test_arithmetic_question_task_and_the_smollm2_preset(tmp_path):
     smoke = to_typed(compose_cfg(tmp_path, "experiment=smollm2_smoke"))
     assert smoke.task.template == q_cfg.template and smoke.task.reward == "last_number"
     assert smoke.model.source.value == "gguf" and smoke.optimizer.preconditioner.value == "identity"
+
+
+def test_the_task_and_reward_are_described_as_the_results_name_them(tmp_path):
+    """``describe_task`` (the results' ``task`` and ``reward``) from each built-in's config, a user
+    class's, and reward functions with weights (shown unless all 1); ``describe_task_object`` for a
+    task passed in (the Python API), with its reward functions when it has them."""
+    from entprobe.tasks.build import describe_task, describe_task_object
+    from entprobe.tasks.reward_funcs import WithRewardFuncs
+
+    for choice, want in ((("task=arithmetic",), ("arithmetic '{a}+{b}='", "numeric")),
+                         (("task=arithmetic_question",), ("arithmetic 'What is {a} + {b}?'", "last_number")),
+                         (("task=jsonl", "task.path=data/p.jsonl", "task.reward=boxed"), ("jsonl data/p.jsonl", "boxed")),
+                         (("task=jsonl", "task.path=p.jsonl", "task.reward_funcs=[math:fabs,math:floor]",
+                           "task.reward_weights=[1,0.1]"), ("jsonl p.jsonl", "math:fabs, math:floor (weights 1, 0.1)")),
+                         (("task.reward_funcs=[math:fabs]", "task.reward_weights=[1]"),
+                          ("arithmetic '{a}+{b}='", "math:fabs")),
+                         (("task._target_=my_pkg.MyTask",), ("my_pkg.MyTask", "my_pkg.MyTask.reward"))):
+        cfg = compose_cfg(tmp_path, *choice).task
+        assert (describe_task(cfg)["task"], describe_task(cfg)["task_reward"]) == want, choice
+    assert describe_task(TaskConfig()) == {"task": "arithmetic '{a}+{b}='", "task_reward": "numeric"}  # the typed config
+    task = build_task(OmegaConf.structured(TaskConfig()))
+    assert describe_task_object(task) == {"task": "entprobe.tasks.arithmetic.ArithmeticTask (passed in)",
+                                          "task_reward": "entprobe.tasks.arithmetic.ArithmeticTask.reward"}
+    assert describe_task_object(WithRewardFuncs(task, ["math:fabs"], [0.5])) == {
+        "task": "entprobe.tasks.arithmetic.ArithmeticTask (passed in)", "task_reward": "math:fabs (weights 0.5)"}

@@ -1,7 +1,8 @@
-"""A TRL checkpoint probed by its path alone: the run's settings from its ``training_args.bin``
+"""A TRL checkpoint probed by its path and a task: the run's settings from its ``training_args.bin``
 (checkpoints/trainer_args.py), written as TRL's Trainer writes it (``torch.save(self.args, ...)`` of a
 real ``GRPOConfig``); keys the user sets win; ``model.trainer_args=ignore`` turns it off; a pickle
-that would run code is refused without running it."""
+that would run code is refused without running it; without a task it is refused (the run's task is
+not in the file), ``task=arithmetic`` given explicitly probes the built-in one."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ import torch
 
 from conftest import DATA, compose_cfg
 from entprobe.checkpoints.trainer_args import FILE, Setting, choose, explicit_keys, read_args, settings
+from entprobe.checkpoints.trainer_task import TaskNotGiven
 from entprobe.config import ObjectivePreset
 from entprobe.pipeline.config_checks import to_typed
 from entprobe.runtime.input_files import InputFileError
@@ -47,8 +49,34 @@ def typed(tmp_path, ck: Path, *overrides: str):
     return to_typed(compose_cfg(tmp_path, *ov), explicit=ov)
 
 
-def test_path_alone_gives_the_runs_settings_and_prints_each(ckpt, tmp_path, capsys):
-    cfg = typed(tmp_path, ckpt)
+ARITHMETIC = "task=arithmetic"  # the built-in task, chosen explicitly: the file's settings apply around it
+
+
+def test_path_alone_is_refused_naming_what_to_pass(ckpt, tmp_path, capsys):
+    """No task chosen (task.path alone does not choose one): refused before anything is applied or
+    printed, naming the task keys to give, the run's number of reward functions and task=arithmetic."""
+    for extra in ((), ("task.reward=last_number",), ("task.path=data.jsonl",)):
+        with pytest.raises(TaskNotGiven) as info:
+            typed(tmp_path, ckpt, *extra)
+        msg = str(info.value)
+        assert msg.startswith("task: not given, and ") and str(ckpt / FILE) in msg and "\n" not in msg
+        assert "TRL GRPOTrainer run" in msg and "reward_weights=[1.0, 0.5] weigh 2 reward function(s)" in msg
+        assert "task=jsonl task.path=" in msg and "'task.reward_funcs=[<module>:<function>,<module>:<function>]'" in msg
+        assert "or task=arithmetic to probe the built-in arithmetic task" in msg
+    assert "entprobe: from" not in capsys.readouterr().out
+    # a plain Trainer's arguments: refused too (the run's data is not in the file)
+    from transformers import TrainingArguments
+
+    plain = tmp_path / "plain"
+    shutil.copytree(DATA / "default_model", plain)
+    torch.save(TrainingArguments(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[]), plain / FILE)
+    with pytest.raises(TaskNotGiven, match=r"HF Trainer run \(TrainingArguments\).*task.reward=numeric"):
+        typed(tmp_path, plain)
+    assert typed(tmp_path, plain, "task._target_=entprobe.tasks.arithmetic.ArithmeticTask").batch.G == 4
+
+
+def test_path_with_a_task_gives_the_runs_settings_and_prints_each(ckpt, tmp_path, capsys):
+    cfg = typed(tmp_path, ckpt, ARITHMETIC)
     o, s = cfg.objective, cfg.sampling
     assert o.preset == ObjectivePreset.trl and (o.loss_type, o.scale_rewards) == ("dr_grpo", "batch")
     assert (o.beta, o.num_iterations, o.epsilon, o.max_completion_length) == (0.0, 1, 0.2, 5)
@@ -68,7 +96,7 @@ def test_path_alone_gives_the_runs_settings_and_prints_each(ckpt, tmp_path, caps
 
 
 def test_keys_the_user_sets_win(ckpt, tmp_path, capsys):
-    cfg = typed(tmp_path, ckpt, "batch.G=2", "sampling.temperature=1.0", "objective.loss_type=grpo",
+    cfg = typed(tmp_path, ckpt, ARITHMETIC, "batch.G=2", "sampling.temperature=1.0", "objective.loss_type=grpo",
                 "+task.chat_template_kwargs.x=1")
     assert (cfg.batch.G, cfg.sampling.temperature, cfg.objective.loss_type) == (2, 1.0, "grpo")
     # the rest: the file's
@@ -77,7 +105,7 @@ def test_keys_the_user_sets_win(ckpt, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "batch.G as given (the file has 3, num_generations)" in out and "batch.G=3" not in out
     # another objective chosen: its keys stay, the file's sampling still applies
-    cfg = typed(tmp_path, ckpt, "objective=entprobe")
+    cfg = typed(tmp_path, ckpt, ARITHMETIC, "objective=entprobe")
     assert cfg.objective.preset == ObjectivePreset.entprobe and cfg.objective.loss_type is None
     assert cfg.batch.G == 3
 
@@ -115,7 +143,7 @@ def test_a_pickle_that_runs_code_is_refused_unrun(tmp_path):
     assert str(ck / FILE) in msg and "system" in msg and "model.trainer_args=ignore" in msg
     assert "weights_only" not in msg and "\n" not in msg
     assert not sentinel.exists()
-    assert typed(tmp_path, ck, "model.trainer_args=ignore").batch.G == 4  # the switch gets past it
+    assert typed(tmp_path, ck, "model.trainer_args=ignore").batch.G == 4  # the switch gets past it (no task asked)
     for bad in (b"", b"not a zip", (ck / FILE).read_bytes()[:200]):  # empty, not torch.save, truncated
         (ck / FILE).write_bytes(bad)
         with pytest.raises(InputFileError, match="training_args.bin: not a file torch.save wrote"):
@@ -188,16 +216,27 @@ def test_cli_probes_a_trl_checkpoint_by_its_path(ckpt, tmp_path, monkeypatch, ca
     make_logger = job.make_logger
     monkeypatch.setattr(job, "make_logger", lambda *a: logged.setdefault("config", a[2]) and make_logger(*a))
 
-    monkeypatch.setattr(sys, "argv", ["entprobe", "model=hf", f"model.path={ckpt}", "batch.B_E=2", "batch.B_U=2",
-                                      "sampling.max_new_tokens=2", "importance.enabled=false", "logging.logger=none",
-                                      "logging.progress=false", "logging.report=false", "model.device=cpu",
-                                      f"hydra.run.dir={tmp_path / 'run'}"])
+    argv = ["entprobe", "model=hf", f"model.path={ckpt}", "batch.B_E=2", "batch.B_U=2", "sampling.max_new_tokens=2",
+            "importance.enabled=false", "logging.logger=none", "logging.progress=false", "logging.report=false",
+            "model.device=cpu", f"hydra.run.dir={tmp_path / 'run'}"]
+    monkeypatch.setattr(sys, "argv", argv)  # no task: one line, exit 2, nothing probed
+    with pytest.raises(SystemExit) as info:
+        run_hydra_main()
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and err.count("\n") == 0 and err.startswith("entprobe: error: task: not given")
+    assert "config" not in logged and not (tmp_path / "run" / "results.json").exists()
+    monkeypatch.setattr(sys, "argv", [*argv, ARITHMETIC])
     run_hydra_main()
     out = capsys.readouterr().out
     assert f"entprobe: from {ckpt / FILE}: batch.G=3 (num_generations)" in out
     assert "sampling.max_new_tokens as given (the file has 5" in out
     res = json.loads((tmp_path / "run" / "results.json").read_text())
     assert (res["B_E"], res["B_U"], res["G"]) == (2, 2, 3)
+    # what was probed, named in the results and on the verdict's first line
+    assert (res["task"], res["task_reward"], res["objective"]) == ("arithmetic '{a}+{b}='", "numeric", "trl/dr_grpo")
+    assert res["entropy_functional"] == "dr_grpo (S / Lmax(group))"
+    assert ("task arithmetic '{a}+{b}=' · reward numeric · objective trl/dr_grpo · entropy functional dr_grpo "
+            "(S / Lmax(group))") in out
     c = logged["config"]  # the logger's (wandb's) config is what ran, the file's settings included
     assert (c["objective"]["preset"], c["objective"]["loss_type"], c["batch"]["G"]) == ("trl", "dr_grpo", 3)
 
@@ -205,12 +244,14 @@ def test_cli_probes_a_trl_checkpoint_by_its_path(ckpt, tmp_path, monkeypatch, ca
 def test_keys_an_experiment_preset_or_local_config_sets_win(ckpt, tmp_path, monkeypatch, capsys):
     """An experiment preset and a local config of the user's (in their config folder,
     ``hydra.searchpath``) count as given, also where they write the default value: their batch.G,
-    sampling.temperature and sampling.top_p stay, the file fills the rest (the job up to the probe)."""
+    sampling.temperature and sampling.top_p stay, the file fills the rest (the job up to the probe);
+    the task its defaults list chooses (``override /task: arithmetic``) is a task given."""
     import entprobe.cli.probe_job as job
 
     conf = tmp_path / "conf" / "experiment"
     conf.mkdir(parents=True)
-    (conf / "mine.yaml").write_text("# @package _global_\nbatch:\n  G: 2\nsampling:\n  temperature: 1.0\n")
+    (conf / "mine.yaml").write_text("# @package _global_\ndefaults:\n  - override /task: arithmetic\nbatch:\n  G: 2\n"
+                                    "sampling:\n  temperature: 1.0\n")
     (conf.parent / "local").mkdir()
     (conf.parent / "local" / "default.yaml").write_text("# @package _global_\nsampling:\n  top_p: 1.0\n")
     seen = {}

@@ -17,6 +17,12 @@ stops the read with an ``InputFileError`` naming it. Fields are read by name, so
 versions (fields added or gone) read too; a field an older TRL lacks takes that version's behaviour
 (``TRL_BEFORE_FIELDS``).
 
+The task is never taken by default for such a checkpoint: the run trained on its own prompts and
+rewards, which the file does not hold, so a config that does not choose a task (``task=...`` or
+``task._target_`` on the command line, or in the experiment preset / local config) is refused
+(``TaskNotGiven``, checkpoints/trainer_task.py) with what to pass; ``task=arithmetic`` given
+explicitly still probes on the built-in task.
+
 Not in the file: the reward functions (``reward_funcs`` are Python callables the Trainer does not
 save; name them with ``task.reward_funcs``), the lr of the next step (``learning_rate`` is the
 schedule's peak; the step's lr comes from the checkpoint's optimizer/scheduler state) and the
@@ -35,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from entprobe.checkpoints.trainer_task import task_chosen, task_not_given
 from entprobe.runtime.input_files import InputFileError
 
 FILE = "training_args.bin"
@@ -282,7 +289,8 @@ def choose(found: list[Setting], explicit: set[str], preset: str) -> tuple[list[
 
 def checkpoint_settings(cfg, explicit: Iterable[str]) -> tuple[Path, list[Setting], list[str]] | None:
     """(file, settings to apply, lines about what was kept or not modelled) for a config whose
-    ``model=hf`` checkpoint holds a training_args.bin and ``model.trainer_args=auto``; None otherwise."""
+    ``model=hf`` checkpoint holds a training_args.bin and ``model.trainer_args=auto``; None otherwise.
+    A config whose keys choose no task is refused (``TaskNotGiven``): the run's task is not in the file."""
     m = cfg.model
     source, mode = str(getattr(m.source, "value", m.source)), str(getattr(m.trainer_args, "value", m.trainer_args))
     if source != "hf" or mode != "auto" or not m.path or m.path == "???":
@@ -292,6 +300,8 @@ def checkpoint_settings(cfg, explicit: Iterable[str]) -> tuple[Path, list[Settin
         return None
     kind, fields = read_args(path)
     explicit = explicit_keys(explicit)
+    if not task_chosen(explicit):
+        raise task_not_given(path, kind, _value(fields.get("reward_weights")))
     found, notes = settings(kind, fields, path, len(cfg.task.reward_funcs or []))
     chosen, kept = choose(found, explicit, str(getattr(cfg.objective.preset, "value", cfg.objective.preset)))
     return path, chosen, kept + notes
@@ -330,9 +340,10 @@ def _shown(v) -> str:
 
 def set_in_config_files(runtime) -> list[str]:
     """The dotted keys the chosen experiment preset and ``local`` config file write (they win over
-    training_args.bin, as the command line's keys do), read from the files themselves: the first of
-    Hydra's ``runtime.config_sources`` (file:// and pkg://, the user's search path included) that
-    has ``<group>/<choice>.yaml``; [] when neither is chosen."""
+    training_args.bin, as the command line's keys do), and the config groups their defaults list
+    chooses (``override /task: jsonl`` -> ``task``, as ``task=jsonl`` on the command line), read
+    from the files themselves: the first of Hydra's ``runtime.config_sources`` (file:// and pkg://,
+    the user's search path included) that has ``<group>/<choice>.yaml``; [] when neither is chosen."""
     import re
     from importlib import resources
 
@@ -351,10 +362,23 @@ def set_in_config_files(runtime) -> list[str]:
             text = f.read_text()
             package = (re.search(r"^#\s*@package\s+(\S+)", text, re.M) or [None, group])[1]
             tree = OmegaConf.to_container(OmegaConf.create(text)) or {}
-            tree.pop("defaults", None)
+            keys += _chosen_groups(tree.pop("defaults", None) or [])
             keys += _leaf_keys(tree, "" if package == "_global_" else package + ".")
             break
     return keys
+
+
+def _chosen_groups(defaults: list) -> list[str]:
+    """The config groups a defaults list chooses an option of (``override /task: jsonl``,
+    ``/objective: trl``) by their root names; ``_self_`` and plain config names are none."""
+    out = []
+    for entry in defaults:
+        if isinstance(entry, dict):
+            for k in entry:
+                group = str(k).removeprefix("override ").strip().lstrip("/").split("@", 1)[0]
+                if group and group != "_self_":
+                    out.append(group.replace("/", "."))
+    return out
 
 
 def _leaf_keys(tree: dict, prefix: str) -> list[str]:

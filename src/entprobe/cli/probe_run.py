@@ -32,6 +32,7 @@ from omegaconf import OmegaConf, open_dict
 
 from entprobe.checkpoints.errors import OptimizerStateError
 from entprobe.checkpoints.trainer_args import set_in_config_files
+from entprobe.checkpoints.trainer_task import TaskNotGiven
 from entprobe.checkpoints.trainer_checkpoint import checkpoint_step, existing_checkpoints
 from entprobe.checkpoints.trainer_states.verl import find_verl_folder
 from entprobe.cli.probe_job import renamed_overrides, run, where_outputs
@@ -131,22 +132,26 @@ def check_overrides(cfg, explicit: list[str], first: Checkpoint, out: Path) -> N
     """The probe job's config checks (``to_typed``), once, before any checkpoint is probed: a
     ConfigError the config gives on its own (no training_args.bin read) and, word for word, with
     the first checkpoint's training_args.bin as its job reads it, is the overrides' (or the
-    defaults'), and is raised. Anything else is left to each checkpoint's job: an error a checkpoint's
-    settings cure (a TRL key with ``objective=trl`` from its training_args.bin) or cause, or a
-    checkpoint's damaged file, stays that checkpoint's."""
+    defaults'), and is raised; so is a trainer run probed without a task (``TaskNotGiven``: the
+    overrides choose none, and the first checkpoint's training_args.bin shows a trainer run).
+    Anything else is left to each checkpoint's job: an error a checkpoint's settings cure (a TRL
+    key with ``objective=trl`` from its training_args.bin) or cause, or a checkpoint's damaged
+    file, stays that checkpoint's."""
     job, given = job_config(cfg, first, out / f"step-{first.step}"), with_paths(explicit, first)
     alone = job.copy()
     alone.model.trainer_args = "ignore"
+    refused = None
     with contextlib.redirect_stdout(io.StringIO()):  # the notes to_typed prints: each job prints its own
         try:
             to_typed(alone, explicit=given)
-            return
         except ConfigError as exc:
             refused = exc
         try:
             to_typed(job, explicit=given)
+        except TaskNotGiven:
+            raise
         except ConfigError as exc:
-            if str(exc) == str(refused):
+            if refused is not None and str(exc) == str(refused):
                 raise refused from None
         except Exception:  # noqa: BLE001 -- the checkpoint's own problem: its job records it
             pass

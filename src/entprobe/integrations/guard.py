@@ -105,6 +105,15 @@ class Decision:
         """``entprobe/guard_action``: -1 the factor went down, +1 up, 0 unchanged."""
         return (self.factor > self.prev) - (self.factor < self.prev)
 
+    def line(self, rule: GuardRule) -> str:
+        """The decision in one printed line: ``entprobe guard: step 16: lr x0.02, cut (predicted
+        -3 +- 2 nats at the scheduler's lr, H 0.25, floor 0.2)``, with the rule's
+        floor / max_decay / target_deltaH (those set)."""
+        limits = "".join(f", {k} {v:g}" for k, v in (("floor", rule.floor), ("max_decay", rule.max_decay),
+                                                     ("target_deltaH", rule.target_deltaH)) if v is not None)
+        return (f"entprobe guard: step {self.step}: lr x{self.factor:.3g}, {self.action} (predicted "
+                f"{self.deltaH_pred:+.3g} +- {self.SE:.2g} nats at the scheduler's lr, H {self.H:.3g}{limits})")
+
 
 def band_edge(H: float, floor: float | None, max_decay: float | None) -> float | None:
     """The lowest change allowed this step: ``max(-max_decay, floor - H)`` of those given."""
@@ -255,7 +264,8 @@ class EntropyGuardCallback(EntropyProbeCallback):
     The ``entprobe/guard_*`` metrics join the trainer's logs; ``decisions`` lists every decision.
     The guard's ``state_dict()`` goes into each checkpoint's ``trainer_state.json`` (key
     ``STATE_KEY`` of ``stateful_callbacks``, written at every step's end, before the trainer saves);
-    ``trainer.train(resume_from_checkpoint=...)`` starts from the factor saved there.
+    ``trainer.train(resume_from_checkpoint=...)`` starts from the factor saved there. Each decision
+    is printed as one line on the main process (``Decision.line``).
     (transformers' ``restore_callback_states_from_checkpoint`` is not needed; with it on, transformers
     warns that it found no callback named ``entprobe.EntropyGuard`` to rebuild: this callback reads it itself.)"""
 
@@ -282,7 +292,10 @@ class EntropyGuardCallback(EntropyProbeCallback):
                       f"{self.guard.factor:.4g} (trainer_state.json)", flush=True)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.guard.before_step(state.global_step + 1)
+        step, decided = state.global_step + 1, len(self.guard.decisions)
+        self.guard.before_step(step)
+        if len(self.guard.decisions) > decided and state.is_world_process_zero:
+            print(self.guard.decisions[-1].line(self.guard.rule), flush=True)
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self._to_log.update(self.guard.after_step())

@@ -13,6 +13,19 @@ import torch
 
 
 # ---------------------------------------------------------------- probe losses (scalars built from S)
+# each weighting mode's per-response quantity S_w, as the results name the entropy functional
+# (``H = -E[mean over a group of S_w]``)
+FUNCTIONALS = {"sequence": "S", "per_token_avg": "S / L", "dr_grpo": "S / Lmax(group)",
+               "token_mean": "sum H_t / sum L over all tokens: TRL's entropy",
+               "seq_mean_token_mean": "mean over responses of sum_t H_t / L"}
+
+
+def functional_name(mode) -> str:
+    """``dr_grpo (S / Lmax(group))``: the weighting mode and its S_w (``FUNCTIONALS``)."""
+    mode = getattr(mode, "value", mode)
+    return f"{mode} ({FUNCTIONALS[mode]})" if mode in FUNCTIONALS else str(mode)
+
+
 def weighted_S(S: torch.Tensor, L: torch.Tensor, Lmax: torch.Tensor, mode: str) -> torch.Tensor:
     """The entropy functional's per-response quantity S_w [n, g].
 

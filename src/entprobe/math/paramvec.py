@@ -227,6 +227,14 @@ class DirectionSet:
         return DirectionSet(self.shapes, blocks=[b[:k] for b in self.blocks])
 
 
+def is_zero(dset: DirectionSet) -> bool:
+    """Whether every entry of every direction is exactly 0 (a NaN is not), over all shards: one
+    count of nonzeros per storage tensor and one all-reduce."""
+    parts = [dset.mat] if dset.mat is not None else dset.blocks
+    nonzero = torch.stack([torch.count_nonzero(t) for t in parts]).sum().double()
+    return float(reduce_shards(nonzero)) == 0.0
+
+
 def empty_directions(k: int, like: Sequence[torch.Tensor], device, dtype,
                      storage: DirectionSet | None = None) -> DirectionSet:
     """An uninitialised ``DirectionSet`` of k directions shaped like ``like``; fill its columns.

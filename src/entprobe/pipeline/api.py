@@ -50,7 +50,7 @@ from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.runtime.rundir import marks_failure, set_aside_earlier_run
 from entprobe.tasks import Task
 from entprobe.tasks.base import check_encodable
-from entprobe.tasks.build import build_task
+from entprobe.tasks.build import build_task, describe_task_object
 from entprobe.tasks.lengths import check_prompt_lengths
 
 GROUPS = ("batch", "sampling", "objective", "probe", "importance", "optimizer", "ddp", "model", "task",
@@ -279,6 +279,10 @@ def probe(model: torch.nn.Module, optimizer, tokenizer, task_or_batches, /, **ov
         t0 = time.perf_counter()
         torch.manual_seed(cfg.seed)
         held = in_memory(cfg, model, opt, tokenizer, None if given else task_or_batches)
+        if given is not None:  # what the results name as the task and reward (a name's: cfg.task's)
+            held.task_meta = {"task": "batches passed in", "task_reward": "the batches' own (their advantages)"}
+        elif task_name is None:
+            held.task_meta = describe_task_object(task_or_batches)
         if given is None:
             E_all, U_all = sample_global(cfg, held.lm, held.task, held.ctx)
         else:

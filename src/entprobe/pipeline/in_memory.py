@@ -34,6 +34,8 @@ from entprobe.pipeline.lr_share import ShareSource, stage12_share
 from entprobe.pipeline.stages.x_spec import x_spec
 from entprobe.pipeline.stages.context import ProbeContext, resolve_buffers_device
 from entprobe.tasks import Task
+from entprobe.tasks.build import describe_task
+from entprobe.math.estimators import functional_name
 from entprobe.reporting.verdict import flags, print_verdict
 
 
@@ -47,6 +49,7 @@ class InMemory:
     geo: Geometry
     geo_meta: dict = field(default_factory=dict)  # lr source, Adam's step / betas / eps, ...
     sweep_share: ShareSource | None = None  # a sweep's Stage 1-2 cache for the jobs that differ only in lr
+    task_meta: dict | None = None  # results' task and task_reward (None: cfg.task's, which the task was built from)
 
 
 def probe_context(cfg: EntprobeConfig, model: torch.nn.Module, device: torch.device,
@@ -90,9 +93,10 @@ def probe_batches(cfg: EntprobeConfig, held: InMemory, E_all: RolloutBatch, U_al
     results.update(held.geo_meta)
     results.update(lm.meta)  # a PEFT adapter's path, base and size
     results.update(global_pass_counts(ctx.stats.flat()))  # times and memory stay this rank's
+    results.update(held.task_meta or describe_task(cfg.task))  # what was probed: task, reward, objective, functional
     results.update({"model_source": lm.source, "world_size": D.world(), "batch_source": batch_source,
                     "weighting_mode": ctx.weighting_mode, "x_estimator": ctx.x.estimator,
-                    "objective": ctx.objective.name,
+                    "objective": ctx.objective.name, "entropy_functional": functional_name(ctx.weighting_mode),
                     "buffers_device": str(ctx.buffers_device),
                     "preconditioner": cfg.optimizer.preconditioner.value, "is_mode": cfg.importance.is_mode.value})
     return results

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from entprobe.math.estimators import t_quantile
 from entprobe.reporting.planning import sign_plan_row
 
 Flag = tuple[str, str]  # (code, sentence)
@@ -18,11 +19,18 @@ def _finite(x) -> bool:
 def _pm(x, se) -> str:
     if not _finite(x):
         return "n/a"
+    x = x + 0.0  # -0.0 (e.g. -lr * 0) is shown as 0
     return f"{x:+.4g} ± {se:.2g}" if _finite(se) else f"{x:+.4g}"
+
+
+ZERO_UPDATE = ("the update is exactly zero (no momentum or weight decay to apply either): nothing moves, so the "
+               "predicted and measured changes are 0 exactly and the E pass and the real step were skipped")
 
 
 def _gradient_free_step(r: dict) -> str:
     """What the step is when the update's gradient is zero, for the step model that predicts it."""
+    if r.get("update_zero"):
+        return ZERO_UPDATE
     kind = r.get("pred/step_model", "")
     if kind == "preconditioned_sgd":
         return "the step is exactly zero (deltaH_pred and deltaH1 are 0)"
@@ -89,13 +97,43 @@ def flags(r: dict, ess_threshold: float = 0.3, truncated_sampling: bool = False)
 
 
 def _ci(r: dict, lo: str, hi: str) -> str:
-    return f"[{r[lo]:.3g}, {r[hi]:.3g}]" if _finite(r.get(lo)) and _finite(r.get(hi)) else ""
+    return f"[{r[lo] + 0.0:.3g}, {r[hi] + 0.0:.3g}]" if _finite(r.get(lo)) and _finite(r.get(hi)) else ""
+
+
+def paired_test(r: dict) -> str:
+    """The paired difference's test in words: ``consistent: |t| 2.11 < 2.36 (7 df)`` (|t| = |diff| /
+    SE against the two-sided 95% Student-t quantile of the interval's degrees of freedom,
+    ``df_true_minus_pred``); ``NOT consistent: |t| 3.10 > 2.36 (7 df)`` when the interval excludes 0."""
+    if r.get("update_zero"):
+        return "0 exactly, no step taken (the update is exactly zero)"
+    ok = r.get("pred_consistent")
+    agree = "consistent" if ok else "NOT consistent"
+    z, df = r.get("z_true_minus_pred"), r.get("df_true_minus_pred")
+    if not _finite(z):
+        return agree
+    if not (_finite(df) and df >= 1):
+        return f"{agree} (|t| {abs(z):.2f})"
+    return f"{agree}: |t| {abs(z):.2f} {'<' if ok else '>'} {t_quantile(df):.2f} ({df:g} df)"
+
+
+def setup_line(r: dict) -> str:
+    """What was probed, in one line (the verdict's first): the task, its reward, the objective
+    (the loss whose step is predicted) and the entropy functional; "" when the results name none."""
+    named = (("task", "task"), ("reward", "task_reward"), ("objective", "objective"),
+             ("entropy functional", "entropy_functional"))
+    return " · ".join(f"{label} {r[key]}" for label, key in named if r.get(key) not in (None, ""))
 
 
 def verdict_lines(r: dict) -> list[tuple[str, str, str, str]]:
     """Rows (what, value +- SE, 95% interval, what it is) of the headline."""
     rows = []
-    if "deltaH_pred" in r:
+    if r.get("update_zero"):
+        rows.append(("predicted", _pm(r.get("deltaH_pred"), r.get("SE_deltaH_pred")),
+                     _ci(r, "ci95_pred_low", "ci95_pred_high"), "the update is exactly zero: nothing moves"))
+        if "deltaH_true" in r:
+            rows.append(("measured", _pm(r["deltaH_true"], r.get("SE_deltaH_true")),
+                         _ci(r, "ci95_true_low", "ci95_true_high"), "no step taken: a zero update changes nothing"))
+    elif "deltaH_pred" in r:
         parts = {k: r.get(f"deltaH_pred_{k}") for k in ("gradient", "momentum", "weight_decay")}
         split = ", ".join(f"{k.replace('_', ' ')} {v:+.2g}" for k, v in parts.items() if _finite(v))
         dom = r.get("pred/dominant_part")
@@ -112,15 +150,13 @@ def verdict_lines(r: dict) -> list[tuple[str, str, str, str]]:
             rows.append(("resampled", _pm(r["deltaH_resample"], r.get("SE_deltaH_resample")),
                          _ci(r, "ci95_resample_low", "ci95_resample_high"),
                          "fresh responses drawn after the step (not paired with the prediction)"))
-    elif "deltaH_true" in r:
+    elif "deltaH_true" in r and not r.get("update_zero"):
         rows.append(("measured", _pm(r["deltaH_true"], r.get("SE_deltaH_true")), _ci(r, "ci95_true_low", "ci95_true_high"),
                      f"one real step, E re-weighted ({r.get('is_mode', '')}, ESS/N {r.get('ESS_frac', float('nan')):.2f})"))
     if "SE_deltaH_true_minus_pred" in r and r.get("measurable") is not False:
-        z = r.get("z_true_minus_pred", float("nan"))
-        agree = "consistent" if r.get("pred_consistent") else "NOT consistent"
         rows.append(("difference", _pm(r["deltaH_true_minus_pred"], r["SE_deltaH_true_minus_pred"]),
                      _ci(r, "ci95_true_minus_pred_low", "ci95_true_minus_pred_high"),
-                     f"measured - predicted on the same responses: {agree} (z {z:+.2f})"))
+                     f"measured - predicted on the same responses: {paired_test(r)}"))
     if "deltaH1" in r:
         rows.append(("deltaH1", _pm(r["deltaH1"], r.get("SE_deltaH1")), _ci(r, "ci95_low", "ci95_high"),
                      "-lr Xbar.P.Ybar: first order along Adam's preconditioned gradient, without momentum or "
@@ -181,7 +217,8 @@ def title(r: dict) -> str:
 def verdict_markdown(r: dict, fl: list[Flag]) -> str:
     """The same verdict as ``print_verdict`` as markdown: the title, a table of the headline rows,
     the flags as a list."""
-    out = [f"**{title(r)}**", "", "| | value ± SE | 95% interval | what it is |", "|---|---:|:---:|---|"]
+    setup = [setup_line(r), ""] if setup_line(r) else []
+    out = [*setup, f"**{title(r)}**", "", "| | value ± SE | 95% interval | what it is |", "|---|---:|:---:|---|"]
     out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in verdict_lines(r)]
     out.append("")
     if what_if_lines(r):
@@ -193,7 +230,8 @@ def verdict_markdown(r: dict, fl: list[Flag]) -> str:
 
 
 def print_verdict(r: dict, fl: list[Flag], phases: dict[str, float] | None = None) -> None:
-    """A short panel: the headline rows, the entropy they refer to, the flags, one line of phase times."""
+    """What was probed (``setup_line``), then a short panel: the headline rows, the entropy they
+    refer to, the flags, one line of phase times."""
     from rich.console import Console
     from rich.panel import Panel
     from rich.table import Table
@@ -206,6 +244,8 @@ def print_verdict(r: dict, fl: list[Flag], phases: dict[str, float] | None = Non
     for row in verdict_lines(r):
         t.add_row(*row)
     con = Console(width=140)
+    if setup_line(r):
+        con.print(setup_line(r), markup=False, highlight=False)
     con.print(Panel(t, title=title(r), expand=False))
     if what_if_lines(r):
         w = Table(show_header=False, box=None, pad_edge=False)

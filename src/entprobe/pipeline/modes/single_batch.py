@@ -24,6 +24,9 @@ Passes (each counted in ``ctx.stats``; ``ustat/*_per_seq`` in the results, in se
    Incomplete design (``pairs_per_block`` K > 0) instead: per unit the X backward, then for each
    of its K cyclic partners c (``ustat_math.cyclic_partners``) a forward and Y backward of c and
    the kernel h(u, c) = X_u . P Y_c 1 + K forwards and backwards per sequence.
+An update that is exactly zero (pipeline/stages/zero_update.py) is noticed after pass 1: the
+held-out E pass and the real step are skipped and the changes reported as 0 exactly; pass 2 too
+when every unit's Y weight is 0 (every advantage zero: each Y_u is 0, and so are U_cross and its SEs).
 Under DDP units never straddle ranks (each rank's prompts must split into whole blocks; the
 incomplete design pairs units within a rank). Collectives: one gather of the per-rank prompt
 counts, one all-reduce per bar buffer, one gather of the per-unit scalars (O(M) numbers), and the
@@ -50,6 +53,7 @@ from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.pipeline.stages.x_spec import functional_value
 from entprobe.pipeline.stages.ground_truth import StepInputs, run_ground_truth
 from entprobe.pipeline.stages.prediction import build_step_model, compare_with_prediction, predict_on_held_out
+from entprobe.pipeline.stages.zero_update import update_is_zero, zero_update_results
 from entprobe.math.ustat import UnitCoeffs, cyclic_partners, incomplete_u_statistic, top_units, unit_coefficients
 
 
@@ -250,14 +254,25 @@ def run_single_batch(ctx: ProbeContext, batch: RolloutBatch, geo: Geometry, pcfg
         prepare_x(ctx, batch)  # token_mean's constants from this batch
         bars = bars_pass(ctx, batch, pcfg.cross_fit, full_y)
     bars_dot = pv.dot(bars.Xbar, bars.Ybar, geo.P)
+    step = build_step_model(ctx, geo.optimizer, geo.lr, bars.Ybar_full, geo.P, icfg.step_mode.value,
+                            icfg.max_grad_norm)
+    zero = update_is_zero(ctx, step, bars.Ybar_full)  # nothing moves: no held-out E pass, no real step
+    # every Y weight 0 (every advantage): each unit's Y_u is 0, so are its kernel values and a, b, d
+    no_y = zero and D.reduce_scalars(float(torch.count_nonzero(ctx.y_weights(batch, "cpu"))))[0] == 0
     if K:
-        with ctx.phase("ustat_pairs"):
-            h = pairs_pass(ctx, batch, plan, pcfg.cross_fit, K, geo.P)
         partners = cyclic_partners(plan.M_local, K) + plan.offset
+        if no_y:
+            h = torch.zeros(plan.M_local, K, dtype=torch.float64)
+        else:
+            with ctx.phase("ustat_pairs"):
+                h = pairs_pass(ctx, batch, plan, pcfg.cross_fit, K, geo.P)
         u = incomplete_u_statistic(D.gather_units(h), D.gather_units(partners))
     else:
-        with ctx.phase("ustat_units"):
-            abd = D.gather_units(units_pass(ctx, batch, plan, pcfg.cross_fit, bars, geo.P))
+        if no_y:
+            abd = torch.zeros(plan.M, 3, dtype=torch.float64)
+        else:
+            with ctx.phase("ustat_units"):
+                abd = D.gather_units(units_pass(ctx, batch, plan, pcfg.cross_fit, bars, geo.P))
         u = est.u_statistic(abd[:, 0], abd[:, 1], abd[:, 2])
     f1, b1 = _probe_passes(ctx)
     n_fwd, n_bwd = D.reduce_scalars(f1 - f0, b1 - b0)
@@ -290,24 +305,28 @@ def run_single_batch(ctx: ProbeContext, batch: RolloutBatch, geo: Geometry, pcfg
     res["H_orig"] = functional_value(ctx.x, S_g, D.gather_units(bars.entropy), D.gather_units(batch.response_mask))
     res["deltaH_cov"] = est.delta_h_cov(lr, Sw_g, ctx.objective.effective_advantages(A_g, L_g, Lmax_g))
 
-    if icfg.enabled:
-        if E is None:
-            raise ValueError("single_batch with importance.enabled needs a fresh evaluation batch E: the "
-                             "step is fit to this batch, so its change is measured on responses it was not fit to")
-        res.update(held_out_ground_truth(ctx, E, batch, bars, geo, pcfg, icfg, resample, run_dir))
+    if icfg.enabled and E is None:
+        raise ValueError("single_batch with importance.enabled needs a fresh evaluation batch E: the "
+                         "step is fit to this batch, so its change is measured on responses it was not fit to")
+    res["update_zero"] = zero
+    if zero:
+        res.update(zero_update_results(step.names, step.kind, icfg.enabled))
+        if D.is_main():
+            write_per_unit(run_dir)
+    elif icfg.enabled:
+        res.update(held_out_ground_truth(ctx, E, batch, step, bars, geo, pcfg, icfg, resample, run_dir))
     elif D.is_main():
         write_per_unit(run_dir)  # no step measured: no per-prompt values (and none left from an earlier run)
     return res
 
 
-def held_out_ground_truth(ctx: ProbeContext, E: RolloutBatch, batch: RolloutBatch, bars: Bars, geo: Geometry,
+def held_out_ground_truth(ctx: ProbeContext, E: RolloutBatch, batch: RolloutBatch, step, bars: Bars, geo: Geometry,
                           pcfg, icfg, resample, run_dir: Path) -> dict:
     """The real step on ``batch`` (its full-group gradient), predicted and measured on a fresh E
     sampled at theta (``predict_on_held_out``: the prediction has its E-side SE, the step being
     this batch's: U is fixed, as in the comparison), and the ground truth re-weights E's responses.
-    On the batch the step was fit to, the measured change is biased (-78% measured on the exact model)."""
-    step = build_step_model(ctx, geo.optimizer, geo.lr, bars.Ybar_full, geo.P, icfg.step_mode.value,
-                            icfg.max_grad_norm)
+    On the batch the step was fit to, the measured change is biased (-78% measured on the exact model).
+    ``step``: the batch's update (``build_step_model`` on ``bars.Ybar_full``)."""
     pred = predict_on_held_out(ctx, E, step, pcfg)
     res = dict(pred.res)
     inp = StepInputs(geo.optimizer, geo.lr, pred.Xbar, bars.Ybar_full, geo.P, batch.B, pred.S, bars.token_logp,
@@ -316,6 +335,8 @@ def held_out_ground_truth(ctx: ProbeContext, E: RolloutBatch, batch: RolloutBatc
     psi, log_w = gt.pop("gt/psi"), gt.pop("gt/log_weights")
     res.update(gt)
     res.update(compare_with_prediction(res, psi, pred.e))
+    if "SE_deltaH_true_minus_pred" in res:  # its t interval's degrees of freedom: B_E prompts - 1
+        res["df_true_minus_pred"] = psi.numel() - 1
     if D.is_main():
         write_per_unit(run_dir, psi, pred.e, log_w)
     return res

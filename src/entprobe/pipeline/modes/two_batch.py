@@ -10,6 +10,10 @@ step reuses ``-Ybar_raw``.
 
 In a sweep, Stages 1-2 are computed by the first job of those that differ only in the lr and read
 by the others, rescaled to their lr (``share``: pipeline/lr_share.py); the ground truth runs in every job.
+
+An update that is exactly zero (with the gradient ``P Ybar``: pipeline/stages/zero_update.py) is
+noticed right after the U pass: the E pass, the projections and the real step are skipped and the
+changes reported as 0 exactly (not with ``probe.what_if``, whose other settings' steps may move).
 """
 from __future__ import annotations
 
@@ -35,14 +39,17 @@ from entprobe.pipeline.stages.ground_truth import StepInputs, run_ground_truth
 from entprobe.pipeline.stages.prediction import (build_step_model, compare_with_prediction, directions, mul_into,
                                         prediction_results)
 from entprobe.pipeline.stages.what_if import run_what_if
+from entprobe.pipeline.stages.zero_update import ZeroUpdate, zero_update_results
 from entprobe.pipeline.stages.variance import (project_backward, project_jvp, project_stored, resolve_projection,
                                       resolve_unit_backward, unit_grads_fit)
 
 
-def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry, pcfg, icfg) -> Stage12:
+def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry, pcfg, icfg,
+                    stop_if_zero: bool = False) -> Stage12 | ZeroUpdate:
     """Stages 1-2 at ``geo.lr``: Ybar over U, the step model, Xbar over E with the per-unit
     projections onto ``P Ybar`` and the update's parts, then (``probe.variance_enabled``) U's
-    projections onto ``P Xbar`` and ``J Xbar``."""
+    projections onto ``P Xbar`` and ``J Xbar``. ``stop_if_zero``: a ``ZeroUpdate`` right after the
+    U pass when ``P Ybar`` and every part of the update are exactly 0 (nothing after it is run)."""
     mode = resolve_projection(pcfg, ctx, U.B) if pcfg.variance_enabled else None
     unit_bwd = resolve_unit_backward(pcfg, ctx, (U, E))
     # U's per-unit gradients kept for b_u (stored; ghost when they fit, else forward mode as fused)
@@ -59,6 +66,9 @@ def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Ge
     # prediction), each written in place into its row
     dirE = directions(ctx, [mul_into(Ybar, geo.P)], step, dir_dev)
     PY = dirE.column(0)  # P Ybar: deltaH1 and the attribution table
+    nPY = pv.norm(PY)
+    if stop_if_zero and nPY == 0 and pv.is_zero(dirE):  # nothing moves: no E pass (stages/zero_update.py)
+        return ZeroUpdate(step.names, step.kind, B_U, accY.S)
     prepare_x(ctx, E)  # token_mean's constants from E (stages/accumulate.py)
     with ctx.phase("accumulate_X_E"):
         accX = accumulate(ctx, E, x_loss_of(ctx), "X over E", directions=dirE if fused else None,
@@ -69,7 +79,7 @@ def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Ge
     # Xbar_i . Delta theta_i per parameter tensor, all parts summed: the headline's attribution
     # (on the directions' device: Xbar's tensors move to it, the update's parts stay)
     step_terms = sum(pv.dot_terms(dirE.column(j), Xbar) for j in range(1, dirE.k)).to(terms.device)
-    nX, nPY = pv.norm(Xbar), pv.norm(PY)
+    nX = pv.norm(Xbar)
     # coordinates Adam never updated (v = 0: P = 1/eps there) inflate deltaH1, not
     # the real step, which moves them by about lr
     nh_dot = pv.dot_at(Xbar, PY, geo.no_history) if geo.no_history is not None else None
@@ -107,20 +117,32 @@ def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Ge
 
 
 def stage12_of(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry, pcfg, icfg,
-               share: Stage12Share | None) -> tuple[Stage12, dict]:
+               share: Stage12Share | None, stop_if_zero: bool = False) -> tuple[Stage12 | ZeroUpdate, dict]:
     """Stages 1-2 at ``geo.lr``: read from ``share`` when another lr wrote them (rescaled), else
-    computed (and written to ``share``). Also ``reused_stage12`` and, when shared, ``stage12_share``."""
+    computed (and written to ``share``; a ``ZeroUpdate`` is not). Also ``reused_stage12`` and, when
+    shared, ``stage12_share``."""
     if share is None:
-        return compute_stage12(ctx, E, U, geo, pcfg, icfg), {"reused_stage12": False}
+        return compute_stage12(ctx, E, U, geo, pcfg, icfg, stop_if_zero), {"reused_stage12": False}
     with share.claim():
         with ctx.phase("stage12_load"):
             stored = share.load(ctx)
         if stored is not None:
             return stored.at_lr(geo.lr), {"reused_stage12": True, "stage12_share": f"reused from lr={stored.lr:g}"}
-        st = compute_stage12(ctx, E, U, geo, pcfg, icfg)
+        st = compute_stage12(ctx, E, U, geo, pcfg, icfg, stop_if_zero)
+        if isinstance(st, ZeroUpdate):
+            return st, {"reused_stage12": False, "stage12_share": "not stored: the update is exactly zero"}
         with ctx.phase("stage12_store"):
             share.store(st)
     return st, {"reused_stage12": False, "stage12_share": "computed here, stored for the other lrs"}
+
+
+def cov_baseline(ctx: ProbeContext, U: RolloutBatch, S_U_local: torch.Tensor, lr: float) -> float:
+    """Cui et al.'s ``deltaH_cov = -lr mean_n Cov_g(S_w, A)`` on U (the objective's effective
+    advantages), from this rank's U log-probs."""
+    S_U = D.gather_units(S_U_local)
+    L_U, Lmax_U = D.gather_units(U.gen_lengths), D.gather_units(U.Lmax)
+    Sw_U = est.weighted_S(S_U, L_U, Lmax_U, ctx.weighting_mode)
+    return est.delta_h_cov(lr, Sw_U, ctx.objective.effective_advantages(D.gather_units(U.advantages), L_U, Lmax_U))
 
 
 def stage12_results(st: Stage12, ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry
@@ -134,11 +156,7 @@ def stage12_results(st: Stage12, ctx: ProbeContext, E: RolloutBatch, U: RolloutB
     res.update({"B_E": st.B_E, "B_U": st.B_U, "G": E.G, "lr": lr, "bars_dot": bars_dot,
                 "deltaH1": est.delta_h1(lr, bars_dot), "norm_Xbar": nX, "norm_PYbar": nPY,
                 "cos_Xbar_PYbar": bars_dot / (nX * nPY) if nX * nPY > 0 else float("nan")})
-    S_U = D.gather_units(st.S_U)
-    L_U, Lmax_U = D.gather_units(U.gen_lengths), D.gather_units(U.Lmax)
-    Sw_U = est.weighted_S(S_U, L_U, Lmax_U, ctx.weighting_mode)
-    res["deltaH_cov"] = est.delta_h_cov(lr, Sw_U, ctx.objective.effective_advantages(
-        D.gather_units(U.advantages), L_U, Lmax_U))
+    res["deltaH_cov"] = cov_baseline(ctx, U, st.S_U, lr)
     ent_E = D.gather_units(st.E_entropy) if st.E_entropy is not None else None
     res["H_orig"] = functional_value(ctx.x, D.gather_units(st.S_E), ent_E, D.gather_units(E.response_mask))
     e = u = None
@@ -158,9 +176,13 @@ def stage12_results(st: Stage12, ctx: ProbeContext, E: RolloutBatch, U: RolloutB
 def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry, pcfg, icfg,
                   run_dir: Path, resample: Callable[[], RolloutBatch] | None = None,
                   share: Stage12Share | None = None) -> dict:
-    st, res = stage12_of(ctx, E, U, geo, pcfg, icfg, share)
+    st, res = stage12_of(ctx, E, U, geo, pcfg, icfg, share, stop_if_zero=not pcfg.what_if.enabled)
+    if isinstance(st, ZeroUpdate):
+        res.update(zero_update_two_batch(st, ctx, E, U, geo, pcfg, icfg, run_dir))
+        return res
     flat, e, u = stage12_results(st, ctx, E, U, geo)
     res.update(flat)
+    res["update_zero"] = False
     names = ctx.names
     flat, rows = summarize(names, st.terms.tolist(), pcfg.top_k_params, st.step_terms.tolist(), st.lr)
     res.update(flat)
@@ -177,6 +199,8 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
         psi, log_w = gt.pop("gt/psi"), gt.pop("gt/log_weights")
         res.update(gt)
         res.update(compare_with_prediction(res, psi, e))
+        if "SE_deltaH_true_minus_pred" in res:  # its t interval's degrees of freedom: B_E prompts - 1
+            res["df_true_minus_pred"] = psi.numel() - 1
     if pcfg.what_if.enabled:  # other settings' steps, after the user's own (pipeline/stages/what_if.py)
         res.update(run_what_if(ctx, E, U, st, geo, pcfg, icfg, res))
     if D.is_main():
@@ -185,6 +209,24 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
         rec = projections_record(st.B_E, st.B_U, E.G, geo.lr, a, b, st.step_names) if e is not None else None
         write_per_unit(run_dir, psi, e, log_w, *((a[:, 0], b[:, 0]) if e is not None else ()), lr=geo.lr,
                        record=rec)
+    return res
+
+
+def zero_update_two_batch(st: ZeroUpdate, ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry,
+                          pcfg, icfg, run_dir: Path) -> dict:
+    """The results of a probe stopped at a zero update (``ZeroUpdate``): every change 0 exactly
+    (``zero_update_results``; deltaH1 too, ``P Ybar`` being 0), the attribution all zeros,
+    ``deltaH_cov`` from U's log-probs; nothing from E, which was not passed through the model."""
+    B_E = int(D.reduce_scalars(E.B)[0])
+    res = {"B_E": B_E, "B_U": st.B_U, "G": E.G, "lr": geo.lr, "bars_dot": 0.0, "deltaH1": 0.0, "SE_deltaH1": 0.0,
+           "ci95_low": 0.0, "ci95_high": 0.0, "deltaH_cov": cov_baseline(ctx, U, st.S_U, geo.lr)}
+    res.update(zero_update_results(st.step_names, st.step_kind, icfg.enabled))
+    zeros = [0.0] * len(ctx.names)
+    flat, rows = summarize(ctx.names, zeros, pcfg.top_k_params, zeros, geo.lr)
+    res.update(flat)
+    if D.is_main():
+        write_csv(rows, run_dir / "attribution.csv")
+        write_per_unit(run_dir)  # no per-prompt values (and none left from an earlier run)
     return res
 
 

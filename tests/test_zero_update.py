@@ -1,0 +1,98 @@
+"""An update that is exactly zero (pipeline/stages/zero_update.py): noticed right after the U pass,
+it costs no E pass and no real step, and reports every change as 0 exactly with SE 0.
+
+The case: the committed cold batches (every U group has equal rewards, so every advantage and the
+gradient are 0; tests/test_cli.py has how they were drawn) probed with AdamW at beta1 = 0 and no
+weight decay, whose update of a zero gradient is exactly 0. With the checkpoint's own beta1 the
+same zero gradient still moves the weights (momentum): that probe runs in full.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import committed_batches, compose_cfg
+from entprobe.cli.probe_job import run
+from entprobe.math import paramvec as pv
+from entprobe.reporting.verdict import flags, verdict_lines
+
+B_E, B_U, G = 8, 8, 4  # the cold batches' sizes
+COLD = ("sampling.temperature=0.05", "batch.seed_U=4", *committed_batches("cold"), f"batch.B_E={B_E}",
+        f"batch.B_U={B_U}", f"batch.G={G}")
+NO_MOMENTUM = ("optimizer.betas=[0.0,0.999]", "optimizer.weight_decay=0.0")  # a zero gradient's update is 0
+ZERO_KEYS = ("deltaH_pred", "SE_deltaH_pred", "ci95_pred_low", "ci95_pred_high", "deltaH_pred_gradient",
+             "deltaH_pred_momentum", "deltaH_true", "SE_deltaH_true", "ci95_true_low", "ci95_true_high",
+             "deltaH_true_minus_pred", "SE_deltaH_true_minus_pred", "norm_PYbar")
+
+
+def test_two_batch_skips_the_e_pass_and_the_step_of_a_zero_update(tmp_path):
+    res = run(compose_cfg(tmp_path / "zero", *COLD, *NO_MOMENTUM, "logging.report=true"))
+    assert res["batch_U/frac_zero_var_groups"] == 1.0 and res["update_zero"] is True
+    # the U pass alone: one forward and one backward per U response; nothing over E, no step
+    assert (res["passes/forward"], res["passes/backward"]) == (B_U * G, B_U * G)
+    assert [k for k in res if k.startswith("time/") and k != "time/total_s"] == ["time/accumulate_Y_U_s"]
+    # theta_plus = theta: every change is 0 exactly, and so is deltaH1 (P Ybar = 0)
+    for k in (*ZERO_KEYS, "deltaH1", "SE_deltaH1", "bars_dot"):
+        assert res[k] == 0.0, k
+    assert res["pred_consistent"] is True and res["ESS_frac"] == 1.0 and "H_orig" not in res
+    assert (res["B_E"], res["B_U"], res["G"]) == (B_E, B_U, G)
+    assert res["attr_pred/kind/mlp"] == 0.0 and (tmp_path / "zero" / "attribution.csv").is_file()
+    # the verdict says so: the flag, the rows; report.md too
+    (flag,) = [msg for code, msg in flags(res) if code == "empty_gradient"]
+    assert "the update is exactly zero" in flag and "the E pass and the real step were skipped" in flag
+    rows = {row[0]: row for row in verdict_lines(res)}
+    assert rows["predicted"][1:] == ("+0 ± 0", "[0, 0]", "the update is exactly zero: nothing moves")
+    assert rows["measured"][3].startswith("no step taken") and "0 exactly" in rows["difference"][3]
+    assert "the update is exactly zero" in (tmp_path / "zero" / "report.md").read_text()
+
+    # AdamW's momentum (the checkpoint's beta1 0.9): the same zero gradient gives a nonzero update,
+    # probed in full (E pass, real step)
+    full = run(compose_cfg(tmp_path / "momentum", *COLD))
+    assert full["update_zero"] is False and full["deltaH_pred_gradient"] == 0.0 and full["deltaH_pred_momentum"] != 0
+    assert full["passes/forward"] > B_U * G + B_E * G and "time/accumulate_X_E_s" in full
+
+
+def test_single_batch_skips_the_unit_pass_the_held_out_e_and_the_step(tmp_path):
+    """single_batch: every advantage is 0, so each unit's Y_u is 0 too: after pass 1 (one forward,
+    the X and the Y backward per response) nothing else runs; the U-statistic is 0 exactly."""
+    res = run(compose_cfg(tmp_path, *COLD, *NO_MOMENTUM, "probe.mode=single_batch"))
+    assert res["update_zero"] is True
+    assert (res["passes/forward"], res["passes/backward"]) == (B_U * G, 2 * B_U * G)
+    assert (res["ustat/forward_per_seq"], res["ustat/backward_per_seq"]) == (1.0, 2.0)
+    for k in (*ZERO_KEYS, "U_cross", "SE_jack", "SE_plugin", "deltaH1", "SE_deltaH1"):
+        assert res[k] == 0.0, k
+    assert res["pred_consistent"] is True
+
+
+def test_is_zero_reads_every_entry_of_either_layout(monkeypatch):
+    """``paramvec.is_zero``: one [k, N] matrix or blocks per parameter (``FLAT_MAX_NUMEL``); -0.0 is
+    zero, a NaN or any other value anywhere is not."""
+    like = [torch.zeros(3, 2), torch.zeros(5)]
+    for flat_max in (pv.FLAT_MAX_NUMEL, 0):
+        monkeypatch.setattr(pv, "FLAT_MAX_NUMEL", flat_max)
+        d = pv.empty_directions(3, like, "cpu", torch.float32)
+        assert (d.mat is not None) == (flat_max > 0)
+        for col in range(3):
+            for t in d.column(col):
+                t.zero_()
+        d.column(2)[1][4] = -0.0
+        assert pv.is_zero(d)
+        for bad in (1e-45, float("nan")):
+            d.column(2)[1][4] = bad
+            assert not pv.is_zero(d), bad
+        d.column(2)[1][4] = 0.0
+        d.column(0)[0][2, 1] = -3.0
+        assert not pv.is_zero(d)
+
+
+@pytest.mark.parametrize("z,ok,df,said", [
+    (-2.11, True, 7, "consistent: |t| 2.11 < 2.36 (7 df)"),
+    (3.10, False, 7, "NOT consistent: |t| 3.10 > 2.36 (7 df)"),
+    (2.3, False, 9, "NOT consistent: |t| 2.30 > 2.26 (9 df)"),  # t_9's quantile 2.262: 2.30 lies outside
+    (2.3, True, None, "consistent (|t| 2.30)"),  # results without the degrees of freedom (an older run's)
+    (float("nan"), True, 7, "consistent")])  # SE 0: no t
+def test_the_paired_line_is_the_t_test_with_its_degrees_of_freedom(z, ok, df, said):
+    from entprobe.reporting.verdict import paired_test
+
+    r = {"z_true_minus_pred": z, "pred_consistent": ok, **({"df_true_minus_pred": df} if df else {})}
+    assert paired_test(r) == said
