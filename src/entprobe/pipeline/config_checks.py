@@ -15,7 +15,10 @@ from entprobe.runtime.sharding import config_errors as sharding_errors, defaults
 from entprobe.tasks.reward_funcs import weight_errors
 from entprobe.checkpoints.trainer_args import explicit_keys, with_trainer_args
 from entprobe.runtime import distributed as D
+from entprobe.pipeline.config_errors import schema_error
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
 
 
 def _require(ok: bool, key: str, msg: str) -> None:
@@ -139,7 +142,9 @@ def to_typed(cfg, explicit: list[str] | None = None) -> EntprobeConfig:
     (``validate``): what every entry point runs first. ``explicit``: the overrides the user gave (the
     command line's); with them, a model=hf checkpoint's training_args.bin fills the keys they leave
     (``checkpoints.trainer_args``; None: not read), and a default setting FSDP2 cannot run is turned
-    off with a printed note (``sharding.defaults_to_turn_off``; one the user set is refused)."""
+    off with a printed note (``sharding.defaults_to_turn_off``; one the user set is refused). A key
+    the schema does not have (``+batch.BE=16``) or a value of the wrong type is a ConfigError naming
+    the override (``config_errors.schema_error``: the nearest key, the type wanted)."""
     if explicit is not None and isinstance(cfg, DictConfig):
         cfg = with_trainer_args(cfg, explicit, show=D.env_rank() == 0)
         for key, off, why in defaults_to_turn_off(cfg, explicit_keys(explicit)):
@@ -147,6 +152,9 @@ def to_typed(cfg, explicit: list[str] | None = None) -> EntprobeConfig:
             if D.env_rank() == 0:
                 print(f"entprobe: note: ddp.strategy=fsdp2 sets {key}={str(off).lower()} ({why}); "
                       f"use ddp.strategy=ddp to keep it", flush=True)
-    obj = structured(cfg)
+    try:
+        obj = structured(cfg)
+    except OmegaConfBaseException as exc:  # +key=value Hydra let through, a value of the wrong type: one line
+        raise schema_error(exc, explicit) from exc
     validate(obj)
     return obj
