@@ -21,11 +21,12 @@ from entprobe.runtime.atomic_io import OutputFileError
 from entprobe.runtime.locks import LockTimeout
 from entprobe.rollouts.saved_batches import BatchSaveError
 from entprobe.tasks.base import RewardFunctionError
+from entprobe.tasks.jsonl import TaskFileError
 
 # each raised with a message that says what to change; add a new user-facing error class here
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, InputFileError, OptimizerStateError, AdapterError,
                                                  PlanError, LockTimeout, RewardFunctionError, OutputFileError,
-                                                 BatchSaveError)
+                                                 BatchSaveError, TaskFileError)
 EXIT_USAGE = 2  # argparse's and most Unix tools' exit status for a usage error
 FULL_ERROR_ENV = "HYDRA_FULL_ERROR"
 
