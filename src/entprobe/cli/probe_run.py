@@ -35,7 +35,7 @@ from entprobe.checkpoints.trainer_args import set_in_config_files
 from entprobe.checkpoints.trainer_checkpoint import checkpoint_step, existing_checkpoints
 from entprobe.checkpoints.trainer_states.verl import find_verl_folder
 from entprobe.cli.probe_job import renamed_overrides, run, where_outputs
-from entprobe.cli.user_errors import exits_on_user_error, is_user_error, one_line
+from entprobe.cli.user_errors import ArgumentParser, exits_on_user_error, is_user_error, one_line
 from entprobe.config import ConfigError
 from entprobe.pipeline.api import compose_config
 from entprobe.pipeline.config_checks import to_typed
@@ -234,7 +234,7 @@ go on. Exit status 0 when one was probed, 1 when none was, 2 for a usage error (
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line: RUN_DIR, the options, the Hydra overrides (before or after the options)."""
-    ap = argparse.ArgumentParser(prog="python -m entprobe.probe_run", description=HELP,
+    ap = ArgumentParser(prog="python -m entprobe.probe_run", description=HELP,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", metavar="RUN_DIR", help="the training run's folder (its checkpoint folders inside)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every probe job, as python -m entprobe.main "
