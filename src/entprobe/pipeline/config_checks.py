@@ -20,6 +20,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 
+# the largest probe.what_if lr factor / entropy coefficient (validate): beyond it the what-if's step is no
+# step of this run, and the values that overflow are far beyond it (an lr factor of 1e308: lr x factor is
+# no float32 step size; a coefficient of 1e30: the bonus gradient squared in Adam's second moment is inf)
+WHAT_IF_MAX = 1e6
+
 
 def _require(ok: bool, key: str, msg: str) -> None:
     if not ok:
@@ -126,6 +131,13 @@ def validate(cfg: Any) -> None:
             weight_errors(cfg.task.reward_funcs, cfg.task.reward_weights) + what_if_errors(cfg):
         _require(False, key, msg)
     w = p.what_if  # before the passes, not after Stages 1-2 as the stage itself would find it
+    for key, xs, why in (("probe.what_if.lr_factors", w.lr_factors, "a millionfold lr is no step of this run, "
+                          "and past ~1e30 lr x factor is no float32 step size"),
+                         ("probe.what_if.entropy_coef", w.entropy_coef, "a bonus a million times the policy loss "
+                          "(advantages of order 1) is no step of this run, and past ~1e19 its gradient squared "
+                          "overflows Adam's float32 second moment")):
+        big = [x for x in xs if isinstance(x, (int, float)) and x > WHAT_IF_MAX]
+        _require(not big, key, f"has {big[0] if big else ''}; give values <= {WHAT_IF_MAX:g} ({why})")
     _require(not ((w.clip_cov or w.kl_cov or w.top_entropy_quantile) and D.launched_distributed()),
              "probe.what_if.clip_cov/kl_cov/top_entropy_quantile", "select tokens over U on one process; run "
              "this what-if without torchrun (or drop those settings)")
