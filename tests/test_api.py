@@ -8,6 +8,7 @@ task and seeds, equal the CLI's, and everything the API promises to leave alone 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import json
 import math
@@ -143,7 +144,7 @@ def test_overrides_are_the_cli_keys_with_its_checks(cli, tmp_path):
              ({"sampling.temperature": 0.7}, "set sampling.temperature=1.0"),
              ({"logging.logger": "csv"}, "log them with your own logger")]
     for overrides, msg in cases:
-        with pytest.raises(ConfigError, match=msg.replace("*", r"\*").replace("(", r"\(")):
+        with pytest.raises(ConfigError, match=re.escape(msg)):
             entprobe.probe(model, opt, tok, (E, U), **overrides)
     with pytest.raises(ConfigError, match="pass \\(E, U\\)"):
         entprobe.probe(model, opt, tok, U)
