@@ -96,11 +96,9 @@ def test_probe_run_refuses_each_mistake_in_one_line_before_any_checkpoint(cwd, c
     (["~batch.B_E"], "~batch.B_E: a key of entprobe's typed config cannot be deleted; set its value instead "
                      "(batch.B_E=<value>)"),
     (["model=hf"], "model.path: is required with model=hf: the save_pretrained checkpoint folder"),
-    (["-m", "batch.B_E=1", "batch.seed_E=0,1"], "job batch.B_E=1 batch.seed_E=0: batch.B_E: is 1; need >= 2 "
-                                                "prompts for a variance"),
     (["--cfg", "job", "batch.BE=3"], f"batch.BE=3: batch has no key BE (did you mean batch.B_E?); {HELP}"),
 ], ids=["sweep_without_m", "syntax", "top_level_key", "enum", "null", "list_item", "plus_group", "delete",
-        "range_check", "range_check_in_a_job", "cfg"])
+        "range_check", "cfg"])
 def test_other_mistakes_are_one_line_too(cwd, monkeypatch, capsys, argv, line):
     assert main_exits(monkeypatch, *argv) == 2
     assert capsys.readouterr().err.splitlines() == [f"entprobe: error: {line}"]

@@ -8,7 +8,10 @@ prints it as one line and exits 2 before Hydra writes anything, so a refused run
 sweep folder, and before wandb starts.
 
 A multirun is checked job by job, as Hydra's basic sweeper splits it (the values of each swept
-key, every combination; each job's error names its overrides). Left to Hydra and the job itself:
+key, every combination; each job's error names its overrides), for its keys, group options and
+types (``to_typed(ranges=False)``): a value out of range (``optimizer.lr=-1`` among the lrs of a
+sweep) fails its job alone, as any failure of a job does, and the other jobs run (the sweep's
+summary records it). Left to Hydra and the job itself:
 ``--help``, ``--info`` and the other commands that run no job (``--cfg`` is composed only), another config
 (``--config-name``, ``--config-dir``, ``--config-path``), another sweeper (``hydra/sweeper=...``),
 and any failure of the check that is not a user error (the job then reports what it finds).
@@ -48,15 +51,16 @@ def hydra_args(argv: list[str]) -> argparse.Namespace | None:
 
 def check_job(overrides: list[str], job: str | None = None) -> None:
     """Compose one job's config from ``overrides`` and type and range-check it as the job does
-    (``probe_job.hydra_job``'s ``to_typed``, the notes it prints left to the job). A ConfigError (or
-    another user error, e.g. a damaged training_args.bin) is raised, named by ``job`` in a multirun."""
+    (``probe_job.hydra_job``'s ``to_typed``, the notes it prints left to the job; a multirun's
+    ``job``: its keys and types only). A ConfigError (or another user error, e.g. a damaged
+    training_args.bin) is raised, named by ``job`` in a multirun."""
     cfg = compose_config(overrides, return_hydra_config=True)  # Hydra's errors: one line each
     given = list(cfg.hydra.overrides.task) + set_in_config_files(cfg.hydra.runtime)
     with open_dict(cfg):
         del cfg["hydra"]
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            to_typed(cfg, explicit=given)
+            to_typed(cfg, explicit=given, ranges=job is None)
     except USER_ERRORS as exc:
         if job is None:
             raise
