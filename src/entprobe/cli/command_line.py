@@ -27,7 +27,7 @@ from omegaconf import open_dict
 from entprobe.checkpoints.trainer_args import set_in_config_files
 from entprobe.cli.user_errors import USER_ERRORS
 from entprobe.config import ConfigError
-from entprobe.pipeline.api import compose_config
+from entprobe.pipeline.api import compose_config, compose_configs
 from entprobe.pipeline.config_checks import to_typed
 from entprobe.pipeline.config_errors import composition_error
 
@@ -49,12 +49,11 @@ def hydra_args(argv: list[str]) -> argparse.Namespace | None:
             return None
 
 
-def check_job(overrides: list[str], job: str | None = None) -> None:
-    """Compose one job's config from ``overrides`` and type and range-check it as the job does
+def check_job(cfg, job: str | None = None) -> None:
+    """Type and range-check one job's composed config ``cfg`` (with Hydra's node) as the job does
     (``probe_job.hydra_job``'s ``to_typed``, the notes it prints left to the job; a multirun's
     ``job``: its keys and types only). A ConfigError (or another user error, e.g. a damaged
     training_args.bin) is raised, named by ``job`` in a multirun."""
-    cfg = compose_config(overrides, return_hydra_config=True)  # Hydra's errors: one line each
     given = list(cfg.hydra.overrides.task) + set_in_config_files(cfg.hydra.runtime)
     with open_dict(cfg):
         del cfg["hydra"]
@@ -99,8 +98,8 @@ def check_command_line(argv: list[str]) -> None:
         compose_config(overrides, return_hydra_config=True)
         return
     if not (args.multirun or "hydra.mode=MULTIRUN" in overrides):
-        check_job(overrides)
+        check_job(compose_config(overrides, return_hydra_config=True))  # Hydra's errors: one line each
         return
-    jobs = sweep_jobs(overrides)
-    for job in jobs or []:
-        check_job(job, " ".join(job))
+    jobs = sweep_jobs(overrides) or []
+    for job, cfg in zip(jobs, compose_configs(jobs, return_hydra_config=True)):
+        check_job(cfg, " ".join(job))

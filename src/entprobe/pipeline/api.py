@@ -121,6 +121,12 @@ def compose_config(choices: list[str], return_hydra_config: bool = False):
     and put back, so a Hydra app may call it. A choice Hydra cannot compose is a one-line ConfigError
     naming it and what to write (``config_errors.composition_error``: the nearest key, the group's
     options, the type wanted)."""
+    return compose_configs([choices], return_hydra_config)[0]
+
+
+def compose_configs(jobs: list[list[str]], return_hydra_config: bool = False) -> list:
+    """``compose_config`` of each list of choices in ``jobs`` (the jobs of a sweep), Hydra initialised
+    once for all of them."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.singleton import Singleton
@@ -130,9 +136,13 @@ def compose_config(choices: list[str], return_hydra_config: bool = False):
     saved = dict(Singleton._instances)
     for cls in (GlobalHydra, JobRuntime):
         Singleton._instances.pop(cls, None)
+    choices: list[str] = []
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(resources.files("entprobe") / "conf")):
-            return compose(config_name="config", overrides=choices, return_hydra_config=return_hydra_config)
+            out = []
+            for choices in jobs:
+                out.append(compose(config_name="config", overrides=choices, return_hydra_config=return_hydra_config))
+            return out
     except Exception as exc:  # hydra's missing option / unknown key / wrong type / parse errors: one line
         raise composition_error(exc, choices) from exc
     finally:
