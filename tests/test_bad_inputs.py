@@ -30,6 +30,7 @@ from entprobe.checkpoints.peft import AdapterError
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
 from entprobe.tasks.base import RewardFunctionError
+from entprobe.tasks.jsonl import TaskFileError
 
 
 @dataclass
@@ -257,17 +258,17 @@ CASES = [
                                                  says=("batch.load", "other tokenizer"))(e), ConfigError, True),
     # tasks
     ("jsonl_null_answer", lambda e: (e.jsonl(JSONL_HEAD + '{"prompt": "1+1=", "answer": null}\n'),
-                                     ["data.jsonl:3:", "'answer' is None"]), ValueError, True),
+                                     ["data.jsonl:3:", "'answer' is None"]), TaskFileError, True),
     ("jsonl_bool_answer", lambda e: (e.jsonl(JSONL_HEAD + '{"prompt": "1+1=", "answer": false}\n'),
-                                     ["data.jsonl:3:", "'answer' is False"]), ValueError, True),
+                                     ["data.jsonl:3:", "'answer' is False"]), TaskFileError, True),
     ("jsonl_empty_answer", lambda e: (e.jsonl(JSONL_HEAD + '{"prompt": "1+1=", "answer": " "}\n'),
-                                      ["data.jsonl:3:"]), ValueError, True),
+                                      ["data.jsonl:3:"]), TaskFileError, True),
     ("jsonl_broken_line_after_u2028",  # U+2028 inside a string is not a line end in JSONL
      lambda e: (e.jsonl('{"prompt": "a\u2028b=", "answer": 1}\n{"prompt": "2+2=", "answer": 4}\n{"prompt": 1+\n'),
-                ["data.jsonl:3:", "not a JSON record"]), ValueError, True),
-    ("jsonl_not_a_record", lambda e: (e.jsonl(JSONL_HEAD + "[1, 2]\n"), ["data.jsonl:3:"]), ValueError, True),
+                ["data.jsonl:3:", "not a JSON record"]), TaskFileError, True),
+    ("jsonl_not_a_record", lambda e: (e.jsonl(JSONL_HEAD + "[1, 2]\n"), ["data.jsonl:3:"]), TaskFileError, True),
     ("jsonl_missing_file", lambda e: (["task=jsonl", f"task.path='{e.tmp / 'none.jsonl'}'"], ["task.path"]),
-     FileNotFoundError, True),
+     InputFileError, True),
     ("prompts_mostly_unknown_tokens",
      lambda e: (e.jsonl('{"prompt": "What is two plus two?", "answer": 4}\n'), ["task.path=", "unknown"]),
      ValueError, False),

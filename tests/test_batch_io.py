@@ -17,7 +17,9 @@ from conftest import DATA, compose_cfg
 from entprobe.config import ConfigError
 from entprobe.cli.probe_job import run
 from entprobe.runtime.input_files import InputFileError
-from entprobe.rollouts.saved_batches import BatchSaveError, check_tokens, load_batches, save_batches
+from entprobe.pipeline.config_checks import to_typed
+from entprobe.rollouts.saved_batches import (BatchSaveError, check_saved, check_tokens, load_batches, model_identity,
+                                             save_batches)
 from entprobe.rollouts.sampling import RolloutBatch
 
 KEYS = ("deltaH1", "SE_deltaH1", "deltaH_true", "deltaH1_step", "H_orig", "bars_dot")
@@ -203,6 +205,60 @@ def test_folders_of_the_earlier_layout_still_load(tmp_path):
         shutil.copytree(DATA / "batches" / name, tmp_path / name)
         E, U, meta = load_batches(tmp_path / name, 5)
         assert "sha256" not in meta and E.G == 4
+
+
+def test_an_old_fingerprint_that_cannot_see_the_whole_model_is_refused(tmp_path, monkeypatch):
+    """A batches.json without "digests" fingerprinted each model file by 16 chunks of 64 KiB. Up to
+    16 x 64 KiB = 1 MiB they cover the file (a byte changed anywhere changes the digest: refused as
+    other weights; the committed folders, of a 0.3 MB model, load); past it a byte between the
+    chunks went unseen and the changed model was taken silently: such a fingerprint is refused,
+    with what to do, whether or not the model changed."""
+    monkeypatch.setenv("ENTPROBE_DIGEST_CACHE", "")  # every identity hashed from the files as they are now
+    cfg = to_typed(compose_cfg(tmp_path, "batch.G=2", "batch.B_E=3", "batch.B_U=3", "sampling.temperature=0.7"))
+    E, U = _batch(0), _batch(1)
+
+    def model(size: int) -> Path:
+        m = tmp_path / f"m{size}"
+        m.mkdir()
+        (m / "config.json").write_text("{}")
+        (m / "tokenizer.json").write_text("{}")
+        (m / "model.safetensors").write_bytes(bytes(range(256)) * (size // 256))
+        return m
+
+    def old_meta(m: Path) -> dict:  # what an entprobe before full digests recorded
+        before = model_identity(m, None, None)["before"]
+        return {"model": before["model"], "tokenizer": before["tokenizer"]}
+
+    def flip(m: Path, at: int) -> None:
+        data = bytearray((m / "model.safetensors").read_bytes())
+        data[at] ^= 0xFF
+        (m / "model.safetensors").write_bytes(bytes(data))
+
+    whole = model(16 << 16)  # exactly what 16 chunks of 64 KiB cover
+    meta = old_meta(whole)
+    check_saved(tmp_path, E, U, meta, cfg, model_identity(whole, None, None))
+    for at in (0, (1 << 16) + 12345, (16 << 16) - 1):
+        flip(whole, at)
+        with pytest.raises(ConfigError, match="sampled by other model weights"):
+            check_saved(tmp_path, E, U, meta, cfg, model_identity(whole, None, None))
+        flip(whole, at)
+
+    big = model(32 << 16)  # 2 MiB: the chunks leave 64 KiB gaps
+    meta = old_meta(big)
+    flip(big, (32 << 16) // 2 - 1000)  # between two chunks
+    assert old_meta(big) == meta  # unseen: the old check took it
+    with pytest.raises(ConfigError, match=rf"batch\.load={tmp_path}: batches\.json predates whole-file digests: "
+                                          rf".*do not cover {big / 'model.safetensors'} \(over 1 MiB\).*save the "
+                                          r"batches again"):
+        check_saved(tmp_path, E, U, meta, cfg, model_identity(big, None, None))
+    full = model_identity(big, None, None)  # a fingerprint with digests: compared on the whole files
+    check_saved(tmp_path, E, U, {"model": full["model"], "tokenizer": full["tokenizer"], "digests": "sha256"},
+                cfg, full)
+
+    committed = json.loads((DATA / "batches" / "readme" / "batches.json").read_text())
+    ident = model_identity(DATA / "default_model", None, None)
+    assert ident["before"]["unseen"] == ""  # every file of the committed model is read whole
+    assert (committed["model"], committed["tokenizer"]) == (ident["before"]["model"], ident["before"]["tokenizer"])
 
 
 def test_a_full_disk_names_the_folder_and_keeps_the_earlier_pair(tmp_path, monkeypatch):

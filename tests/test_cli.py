@@ -15,7 +15,8 @@ from entprobe.reporting.tables import console_table
 
 def _main(cwd, *overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
     """``python -m entprobe.main [overrides]`` in ``cwd`` as the README runs it; its run dir."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_SILENT", "WANDB_QUIET")}
+    env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run([sys.executable, "-m", "entprobe.main", *overrides], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -58,6 +59,10 @@ def test_readme_main_command_verdict_report_and_wandb(tmp_path, capsys):
     # wandb offline keeps its files under the run directory: the images and the results table.
     runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    # wandb prints nothing of its own; the run's last line names its folder and how to upload it
+    assert "wandb:" not in proc.stdout + proc.stderr
+    assert out.splitlines()[-1] == (f"entprobe: wandb    {runs[0].relative_to(tmp_path)} (offline: 'wandb sync' it "
+                                    "to upload)")
     media = {p.name.split("_0_")[0] for p in (runs[0] / "files" / "media").rglob("*_0_*")}
     assert media == {"attribution", "importance_weights", "projections", "results"}
     assert not (tmp_path / "wandb").exists()
@@ -141,9 +146,10 @@ def test_deltaH1_from_coordinates_without_history_is_flagged():
 
 
 def test_user_error_is_one_line_exit_2_and_runs_end_with_where_outputs_are(tmp_path):
-    """A ConfigError at the Hydra entry: one line ``entprobe: error: <message>``, exit 2, FAILED in
-    the run dir; its traceback only with HYDRA_FULL_ERROR=1. ``where_outputs`` names report.md,
-    results.json and the plots relative to the folder the command ran in."""
+    """A ConfigError at the Hydra entry: one line ``entprobe: error: <message>``, exit 2, no run dir
+    (refused before Hydra made it; tests/test_user_mistakes.py has the other mistakes); its traceback
+    only with HYDRA_FULL_ERROR=1. ``where_outputs`` names report.md, results.json and the plots
+    relative to the folder the command ran in."""
     from entprobe.cli.probe_job import where_outputs
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -152,8 +158,12 @@ def test_user_error_is_one_line_exit_2_and_runs_end_with_where_outputs_are(tmp_p
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == ["entprobe: error: batch.B_E: is 0; need >= 2 prompts for a variance"]
-    (failed,) = tmp_path.glob("outputs/*/*/FAILED")
-    assert "ConfigError" in failed.read_text()
+    assert list(tmp_path.iterdir()) == []
+    proc = subprocess.run(cmd, cwd=tmp_path, env={**env, "HYDRA_FULL_ERROR": "1"}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "entprobe.config.ConfigError: batch.B_E: is 0; need >= 2 prompts " \
+                                                   "for a variance"
     run_dir = tmp_path / "outputs" / "d" / "r"
     run_dir.mkdir(parents=True)
     for name in ("report.md", "results.json", "projections.png", "attribution.png"):
@@ -167,9 +177,10 @@ def test_user_error_is_one_line_exit_2_and_runs_end_with_where_outputs_are(tmp_p
 
 
 def test_a_multirun_job_with_a_user_error_is_one_line_naming_the_job(tmp_path):
-    """In a multirun, a job's ConfigError is one line naming the job's overrides (no Hydra
-    'Error executing job' line, no HYDRA_FULL_ERROR hint: Hydra reports the first failure), the
-    other jobs still run (each leaves FAILED), exit 2."""
+    """In a multirun, a job's ConfigError of a range (the check before Hydra starts takes a sweep's
+    keys and types only) is one line naming the job's overrides (no Hydra 'Error executing job'
+    line, no HYDRA_FULL_ERROR hint: Hydra reports the first failure), the other jobs still run (each
+    leaves FAILED), exit 2."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("HYDRA_FULL_ERROR", None)
     cmd = [sys.executable, "-m", "entprobe.main", "-m", "batch.B_E=1", "batch.seed_E=0,1", "logging.logger=none",

@@ -39,12 +39,15 @@ def test_unknown_key_fails_at_compose(tmp_path):
 def test_appended_unknown_key_is_rejected_before_anything_loads(tmp_path):
     """``+batch.foo=1`` passes Hydra 1.3's compose: ``+`` is applied with ``force_add``, which lifts
     struct mode even on a structured-config node. The schema merge in ``to_typed`` -- the first thing
-    run() and main() do, before any model is loaded -- rejects it, naming the key."""
-    cfg = compose_cfg(tmp_path, "+batch.foo=1")
-    with pytest.raises(ConfigKeyError) as info:
-        to_typed(cfg)
-    assert "full_key: batch.foo" in str(info.value)
-    with pytest.raises(ConfigKeyError):
+    run() and main() do, before any model is loaded -- rejects it as a ConfigError naming the
+    override (the one the user gave), the nearest key and why '+' does not add it."""
+    cfg = compose_cfg(tmp_path, "+batch.BE=1")
+    with pytest.raises(ConfigError) as info:
+        to_typed(cfg, explicit=["+batch.BE=1"])
+    assert str(info.value) == ("+batch.BE=1: batch has no key BE (did you mean batch.B_E?), and '+' cannot add "
+                               "one to entprobe's typed config; python -m entprobe.main --help lists every key")
+    assert isinstance(info.value.__cause__, ConfigKeyError)
+    with pytest.raises(ConfigError, match=r"^batch\.BE: batch has no key BE"):  # no override given: the key
         run(cfg)
     assert not (tmp_path / "results.json").exists()
 

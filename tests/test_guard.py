@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numpy
 import re
 import sys
 from pathlib import Path
@@ -94,12 +95,22 @@ def test_rule_parameters_are_checked():
         G.GuardRule(max_decay=0.1, min_factor=0)
     with pytest.raises(ConfigError, match="recovery=1"):
         G.GuardRule(max_decay=0.1, recovery=1)
-    # each of these made a guard that never acts (NaN compares False) or could multiply the lr by inf
+    # each of these made a guard that never acts (NaN compares False) or could multiply the lr by inf;
+    # a string failed inside math.isfinite naming no parameter, a bool passed as a number, a floor
+    # below 0 (entropy is never negative) never acts: each is refused naming its parameter alone
     for bad, key in ((dict(floor=math.nan), "floor=nan"), (dict(target_deltaH=math.nan), "target_deltaH=nan"),
                      (dict(max_decay=math.inf), "max_decay=inf"), (dict(target_deltaH=0.0), "target_deltaH=0"),
-                     (dict(max_decay=0.1, max_factor=math.inf), "min_factor=0.05, max_factor=inf")):
-        with pytest.raises(ConfigError, match=f"^{key}"):
+                     (dict(max_decay=0.1, max_factor=math.inf), "max_factor=inf: must be"),
+                     (dict(floor="abc"), "floor='abc': is a str, not a number"),
+                     (dict(floor=True), "floor=True: is a bool, not a number"),
+                     (dict(floor=-1), "floor=-1: must be the lowest entropy to hold, in nats: a finite number >= 0"),
+                     (dict(max_decay=0.1, z=False), "z=False: is a bool"),
+                     (dict(max_decay=0.1, min_factor="0.5"), "min_factor='0.5': is a str"),
+                     (dict(max_decay=0.1, max_factor=0.5), "max_factor=0.5: must be"),
+                     (dict(max_decay=0.1, recovery=None), "recovery=None: must be")):
+        with pytest.raises(ConfigError, match=f"^{re.escape(key)}"):
             G.GuardRule(**bad)
+    assert G.GuardRule(floor=0, max_decay=numpy.float32(0.5)).max_decay == 0.5  # numbers of any kind, as floats
 
 
 def guard_snippets() -> tuple[str, str]:

@@ -22,13 +22,23 @@ def test_guard_state_dict_round_trips_and_refuses_a_bad_factor():
     """``state_dict`` carries the factor in force; ``load_state_dict`` restores it and refuses what no
     guard could have saved, naming the key."""
     g = G.EntropyGuard.__new__(G.EntropyGuard)
-    g.factor, g.decisions = 0.3, []
+    g.factor, g.decisions, g.rule = 0.3, [], G.GuardRule(max_decay=0.1, min_factor=0.05, max_factor=2.0)
     assert g.state_dict() == {"factor": 0.3, "decided_at": None}
     g.load_state_dict({"factor": 0.125, "decided_at": 7})
     assert g.factor == 0.125
-    for bad in ({"factor": 0.0}, {"factor": float("nan")}, {"factor": "0.5"}, {}, None):
+    for bad in ({"factor": 0.0}, {"factor": float("nan")}, {"factor": "0.5"}, {"factor": True}, {}, None):
         with pytest.raises(ConfigError, match="'factor' must be a finite number > 0"):
             g.load_state_dict(bad)
+    # every factor the guard sets is clamped to [min_factor, max_factor]: one outside was saved by a
+    # guard of another range or edited (1e308 would multiply the lr by 1e308)
+    for bad in (1e308, 2.5, 0.01):
+        with pytest.raises(ConfigError, match=rf"'factor' {re.escape(repr(bad))} is outside this guard's \[min_factor, max_factor\] "
+                                              r"= \[0\.05, 2\]"):
+            g.load_state_dict({"factor": bad})
+        assert g.factor == 0.125  # unchanged
+    for edge in (0.05, 2.0):
+        g.load_state_dict({"factor": edge})
+        assert g.factor == edge
 
 
 def test_trl_resume_continues_with_the_saved_factor(tmp_path, step_lrs, monkeypatch, capsys):

@@ -55,12 +55,14 @@ w = SimpleNamespace(mode="offline", project="p", entity=None, name=None, group=N
 lg = WandbLogger(w, Path(sys.argv[1]), {"a": 1}, "n", None, [], "two_batch")
 lg.log({"deltaH_pred": 0.1, "SE_deltaH_pred": 0.1, "deltaH1": 0.2, "SE_deltaH1": 0.1}, {})
 lg.finish(0)
+print(lg.folder)
 """
 
 
 def test_wandb_offline_writes_nothing_outside_the_run_dir(tmp_path):
     """Its staging (the results table), cache and service logs would go to ~/.local/share/wandb and
-    ~/.cache/wandb: with HOME a fresh folder, nothing may appear there."""
+    ~/.cache/wandb: with HOME a fresh folder, nothing may appear there. wandb prints nothing of its
+    own (its banner and summary: the run names the run's folder, ``folder``, in its last lines)."""
     import os
     import subprocess
     import sys
@@ -72,6 +74,9 @@ def test_wandb_offline_writes_nothing_outside_the_run_dir(tmp_path):
     res = subprocess.run([sys.executable, "-c", WANDB_OFFLINE_RUN, str(run_dir)], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
+    assert "wandb:" not in res.stdout + res.stderr, res.stdout + res.stderr
+    (folder,) = (run_dir / "wandb").glob("offline-run-*")
+    assert res.stdout == f"{folder}\n"
     assert list(home.rglob("*")) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "run"]  # nor in the working dir
     assert list((run_dir / "wandb").glob("offline-run-*/files/media/table/*.table.json"))

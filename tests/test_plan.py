@@ -343,7 +343,8 @@ def test_bad_inputs_say_what_to_change(run_dir, tmp_path, capsys):
                          ([str(run_dir), "target=0.1"], "unknown argument")):
         with pytest.raises(SystemExit) as exc:
             main(argv)
-        assert exc.value.code == 2 and needle in capsys.readouterr().err
+        err = capsys.readouterr().err  # one line, not argparse's usage block
+        assert exc.value.code == 2 and err.count("\n") == 1 and err.startswith("entprobe: error: ") and needle in err
 
 
 def test_sweep_directory_fits_zetas_and_plans_each_two_batch_job(run_dir, tmp_path):

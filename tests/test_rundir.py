@@ -264,3 +264,68 @@ def test_a_failure_on_a_full_disk_still_raises_its_own_error(tmp_path, monkeypat
             raise ValueError("the run's own error")
     assert f"could not write {tmp_path / FAILED}" in capsys.readouterr().err
     assert not (tmp_path / RUNNING).exists()
+
+
+# ----------------------------------------------------------------------------- a run refused before it starts
+OWN = frozenset({".hydra", "main.log"})  # what Hydra writes into a run dir before the job
+
+
+def _hydra_made(run_dir):
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text("seed: 0\n")
+    (run_dir / "main.log").write_text("")
+    return run_dir
+
+
+def _refused(run_dir, made, exc):
+    from entprobe.runtime.rundir import Refusal, marks_failure
+
+    with pytest.raises(type(exc)):
+        with marks_failure(run_dir, refusal=Refusal((ConfigError,), made, OWN)):
+            raise exc
+
+
+def test_a_refused_run_removes_the_folders_it_made_and_nothing_else(tmp_path):
+    """``marks_failure`` with a ``Refusal``: a user error removes the topmost folder this run made
+    (outputs/ itself when the run made it) when it holds only the way down and Hydra's files; a
+    folder beside it, a file put in, or an error that is no refusal keep everything, with FAILED."""
+    run_dir = _hydra_made(tmp_path / "outputs" / "d" / "t")
+    _refused(run_dir, tmp_path / "outputs", ConfigError("batch.G: is 1"))
+    assert list(tmp_path.iterdir()) == []
+
+    run_dir = _hydra_made(tmp_path / "outputs" / "d" / "t")  # made the run dir alone: its parents stay
+    _refused(run_dir, run_dir, ConfigError("batch.G: is 1"))
+    assert [p.name for p in (tmp_path / "outputs" / "d").iterdir()] == []
+
+    a, b = _hydra_made(tmp_path / "o2" / "d" / "a"), _hydra_made(tmp_path / "o2" / "d" / "b")  # another run's beside
+    _refused(b, tmp_path / "o2", ConfigError("batch.G: is 1"))
+    assert a.is_dir() and (b / "FAILED").is_file()
+
+    run_dir = _hydra_made(tmp_path / "o3" / "t")
+    (run_dir / "notes.txt").write_text("mine")  # put in while the run started: kept
+    _refused(run_dir, run_dir, ConfigError("batch.G: is 1"))
+    assert (run_dir / "notes.txt").is_file() and "ConfigError" in (run_dir / "FAILED").read_text()
+
+    run_dir = _hydra_made(tmp_path / "o4" / "t")
+    _refused(run_dir, run_dir, RuntimeError("a bug"))  # not a refusal: marked as any failure
+    assert "RuntimeError: a bug" in (run_dir / "FAILED").read_text() and not (run_dir / "RUNNING").exists()
+
+
+def test_new_run_dir_notes_the_topmost_folder_hydra_makes(tmp_path, monkeypatch):
+    """The Hydra callback (conf/config.yaml) notes, before Hydra makes the run dir, what that makes:
+    outputs/ on a first run, the time's folder on a later one, nothing when the run dir exists."""
+    from omegaconf import OmegaConf
+
+    from entprobe.cli.new_run_dir import NewRunDir, made_for
+
+    monkeypatch.chdir(tmp_path)
+    start = NewRunDir().on_run_start
+    config = OmegaConf.create({"hydra": {"run": {"dir": "outputs/d/t"}}})
+    start(config)
+    assert made_for(tmp_path / "outputs" / "d" / "t") == tmp_path / "outputs"
+    (tmp_path / "outputs" / "d").mkdir(parents=True)
+    start(config)
+    assert made_for("outputs/d/t") == tmp_path / "outputs" / "d" / "t"
+    (tmp_path / "outputs" / "d" / "t").mkdir()
+    start(config)
+    assert made_for("outputs/d/t") is None

@@ -13,6 +13,7 @@ from entprobe.config import SamplingConfig, TaskConfig
 from entprobe.cli.probe_job import run
 from entprobe.rollouts.sampling import encode_prompts, sample_batch
 from entprobe.tasks import Prompt, boxed_reward, build_task, extract_boxed, numeric_reward
+from entprobe.runtime.input_files import InputFileError
 from entprobe.tasks.jsonl import JsonlTask
 
 
@@ -100,7 +101,7 @@ def test_jsonl_task_errors(tmp_path):
         JsonlTask(str(f))
     with pytest.raises(ValueError, match=r"task\.reward='exact'; choose one of \['boxed', 'last_number', 'numeric'\]"):
         JsonlTask(str(f), reward="exact")
-    with pytest.raises(FileNotFoundError, match="task.path"):
+    with pytest.raises(InputFileError, match="task.path"):  # a user error: one line on the command line
         JsonlTask(str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match="task.path must point"):
         JsonlTask(None)

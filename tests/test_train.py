@@ -246,7 +246,8 @@ def test_resume_refuses_a_checkpoint_that_is_not_one_run_step(run_out, tmp_path)
 
 
 @pytest.mark.parametrize("defect", ["truncated_weights", "garbage_optimizer", "misshaped_weights", "empty",
-                                    "broken_tokenizer", "garbage_scheduler", "misshaped_optimizer"])
+                                    "broken_tokenizer", "garbage_scheduler", "foreign_scheduler",
+                                    "misshaped_optimizer"])
 def test_resume_names_a_damaged_checkpoint_file_before_the_model_loads(run_out, tmp_path, monkeypatch, defect):
     """--resume from a checkpoint with a truncated, garbage, mis-shaped or missing file: an error
     naming the file (never torch's, safetensors' or the tokenizer's own), before the model loads
@@ -257,7 +258,8 @@ def test_resume_names_a_damaged_checkpoint_file_before_the_model_loads(run_out, 
     ck = shutil.copytree(run_out / "checkpoint-3", tmp_path / "out" / "checkpoint-3")
     f = {"truncated_weights": "model.safetensors", "garbage_optimizer": "optimizer.pt", "empty": "",
          "misshaped_weights": "model.safetensors", "broken_tokenizer": "tokenizer_config.json",
-         "garbage_scheduler": "scheduler.pt", "misshaped_optimizer": "optimizer.pt"}[defect]
+         "garbage_scheduler": "scheduler.pt", "foreign_scheduler": "scheduler.pt",
+         "misshaped_optimizer": "optimizer.pt"}[defect]
     if defect == "truncated_weights":
         (ck / f).write_bytes((ck / f).read_bytes()[:1000])
     elif defect in ("garbage_optimizer", "garbage_scheduler"):
@@ -268,6 +270,8 @@ def test_resume_names_a_damaged_checkpoint_file_before_the_model_loads(run_out, 
     elif defect == "empty":
         for p in ck.iterdir():
             p.unlink()
+    elif defect == "foreign_scheduler":  # a readable file that is no scheduler's state (was KeyError: 'lr_lambdas')
+        torch.save({"foo": 1}, ck / f)
     elif defect == "broken_tokenizer":
         (ck / f).write_text((ck / f).read_text()[:20])
     else:  # the first moment of another shape
@@ -330,3 +334,14 @@ def test_cli_shows_a_progress_bar_defaults_and_one_line_errors(tmp_path, monkeyp
     err = capsys.readouterr().err
     assert err.strip() == "entprobe: error: --G=1: group advantages need >= 2 responses per prompt"
     assert "Traceback" not in err and "train:" not in err  # no bar before the options are checked
+    # the guard's options in its own ranges (a floor below 0 never acts), argparse's errors on one line too
+    for argv, line in ((["--guard-floor", "-1", "--probe-every", "1"],
+                        "--guard-floor=-1.0: must be the lowest entropy to hold, in nats: a finite number >= 0 "
+                        "(entropy is never negative, so a floor below 0 never acts) (or leave the option out)"),
+                       (["--guard-max-decay", "nan", "--probe-every", "1"], "--guard-max-decay=nan: must be the"),
+                       (["--guard-floor", "abc"], "argument --guard-floor: invalid float value: 'abc' "
+                                                  "(python -m entprobe.train --help shows the usage)")):
+        with pytest.raises(SystemExit) as info:
+            main(["--out", str(tmp_path / "z"), *argv])
+        err = capsys.readouterr().err.splitlines()
+        assert info.value.code == 2 and len(err) == 1 and err[0].startswith(f"entprobe: error: {line}"), err

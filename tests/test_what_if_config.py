@@ -105,11 +105,20 @@ def test_what_if_is_off_by_default():
     ({"lr_factors": [1.0000001, 1.0]}, "probe.what_if.lr_factors"),  # both lr_x1
     ({"clip_cov": [0.1, 0.1]}, "probe.what_if.clip_cov"),
     ({"clip_cov": [0.1], "seed": 10**23}, "probe.what_if.seed"),  # was torch's OverflowError after the passes
+    # with measure=true these ended in tracebacks naming no setting: lr x 1e308 is no float32 step size
+    # (torch's RuntimeError in the step), a 1e30 bonus's gradient squared overflows Adam's second moment
+    ({"lr_factors": [1e308], "measure": True}, "probe.what_if.lr_factors: has 1e+308; give values <= 1e+06"),
+    ({"entropy_coef": [1e30], "measure": True}, "probe.what_if.entropy_coef: has 1e+30; give values <= 1e+06"),
+    ({"lr_factors": [2.0, 1e6 * (1 + 1e-15)]}, "probe.what_if.lr_factors: has 1000000.000000001"),
 ])
 def test_bad_what_if_values_are_one_config_error_naming_the_key(what_if, key):
     with pytest.raises(ConfigError) as exc:
         validate(_cfg(**what_if))
     assert str(exc.value).startswith(key) and "\n" not in str(exc.value)
+
+
+def test_what_if_scales_up_to_the_limit_pass():
+    validate(_cfg(lr_factors=[1e6], entropy_coef=[1e6, 0.0]))
 
 
 def test_token_selecting_settings_are_refused_under_torchrun_before_the_passes(monkeypatch):

@@ -7,7 +7,8 @@ import hydra
 from omegaconf import DictConfig
 
 from entprobe.cli.probe_job import hydra_job, load_from_disk, load_probe, renamed_overrides, run  # noqa: F401
-from entprobe.cli.user_errors import hydra_exit_status, hydra_one_line, multirun_failures_one_line
+from entprobe.cli.command_line import check_command_line
+from entprobe.cli.user_errors import exits_on_user_error, hydra_exit_status, hydra_one_line, multirun_failures_one_line
 from entprobe.pipeline.config_checks import to_typed  # noqa: F401
 
 
@@ -24,8 +25,12 @@ def hydra_main(cfg: DictConfig) -> float | None:
 
 def main() -> float | None:
     """The command line (``entprobe`` / ``python -m entprobe.main``): Hydra's, with former group
-    names accepted; exits 2 after an error meant for the user (``entprobe: error: ...``)."""
+    names accepted; exits 2 after an error meant for the user (``entprobe: error: ...``). The
+    config of every job is checked before Hydra starts (``cli.command_line``): a mistake in it
+    leaves no run folder."""
     sys.argv[1:] = renamed_overrides(sys.argv[1:])
+    with exits_on_user_error():
+        check_command_line(sys.argv[1:])
     try:
         with multirun_failures_one_line():
             return hydra_main()

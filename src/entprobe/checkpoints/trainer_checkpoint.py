@@ -129,8 +129,23 @@ def check_resume_files(folder: str | Path) -> None:
             if key in want and got != want[key]:
                 raise InputFileError(f"{folder / 'model.safetensors'}: {key} is {got}, config.json makes it "
                                      f"{want[key]}: the weights and config are of different models; {todo}")
-    for name in ("optimizer.pt", "scheduler.pt"):
-        load_torch_file(folder / name, f"the checkpoint's {name}", todo)
+    load_torch_file(folder / "optimizer.pt", "the checkpoint's optimizer.pt", todo)
+    check_scheduler_state(folder / "scheduler.pt", load_torch_file(folder / "scheduler.pt",
+                                                                   "the checkpoint's scheduler.pt", todo), todo)
+
+
+SCHEDULER_KEYS = ("base_lrs", "last_epoch", "lr_lambdas")  # what an lr scheduler's state_dict() holds
+
+
+def check_scheduler_state(path: Path, state, todo: str) -> None:
+    """``scheduler.pt`` holds an lr scheduler's ``state_dict()`` (``SCHEDULER_KEYS``: the base lrs, the
+    epoch, one lambda entry per group); an InputFileError naming the file otherwise."""
+    missing = [k for k in SCHEDULER_KEYS if k not in state] if isinstance(state, dict) else list(SCHEDULER_KEYS)
+    lrs = state.get("base_lrs") if isinstance(state, dict) else None
+    if missing or not isinstance(lrs, list) or not isinstance(state["last_epoch"], int) or \
+            not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lrs):
+        what = f"no {', '.join(missing)}" if missing else "base_lrs / last_epoch of the wrong type"
+        raise InputFileError(f"{path}: not an lr scheduler's state_dict() ({what}); {todo}")
 
 
 def read_trainer_checkpoint(folder: str | Path, optimizer, scheduler, train_batch_size: int) -> tuple[int, list[dict]]:
@@ -162,9 +177,15 @@ def read_trainer_checkpoint(folder: str | Path, optimizer, scheduler, train_batc
         raise InputFileError(f"{folder / 'optimizer.pt'}: NaN/Inf in the AdamW state ({sorted(set(bad))}): a step from "
                          "it would make every weight NaN; resume from an earlier checkpoint")
     run_lrs = list(getattr(scheduler, "base_lrs", []))
+    todo = "resume from another checkpoint"
+    sched_state = load_torch_file(folder / "scheduler.pt", "the lr scheduler state", todo)
+    check_scheduler_state(folder / "scheduler.pt", sched_state, todo)
     optimizer.load_state_dict(opt_state)
-    scheduler.load_state_dict(load_torch_file(folder / "scheduler.pt", "the lr scheduler state",
-                                              "resume from another checkpoint"))
+    try:
+        scheduler.load_state_dict(sched_state)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:  # another scheduler's state
+        raise InputFileError(f"{folder / 'scheduler.pt'}: not a state of this run's lr scheduler "
+                             f"({type(exc).__name__}: {exc}); {todo}") from None
     saved_lrs = list(getattr(scheduler, "base_lrs", []))
     if run_lrs and saved_lrs and any(abs(a - b) > 1e-12 * max(abs(a), abs(b)) for a, b in zip(run_lrs, saved_lrs)):
         raise InputFileError(f"{folder / 'scheduler.pt'}: the run was trained at lr {saved_lrs[0]:g}, this command says "

@@ -2,16 +2,15 @@
 (the planning itself: reporting/planning.py, math/planning.py)."""
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from entprobe.cli.user_errors import USER_ERRORS, full_error, one_line
+from entprobe.cli.user_errors import USER_ERRORS, ArgumentParser, full_error, one_line
 from entprobe.reporting.planning import plan_directory
 
 
 def parse_args(argv: list[str]) -> tuple[Path, float]:
-    ap = argparse.ArgumentParser(prog="python -m entprobe.plan", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m entprobe.plan", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=Path, help="a run directory (results.json, per_unit.json) or a sweep directory")
     ap.add_argument("overrides", nargs="*", help="target_se=VALUE: the standard error wanted (nats)")
     ap.add_argument("--target-se", type=float, default=None, help="the standard error wanted (nats)")

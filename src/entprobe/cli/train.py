@@ -11,7 +11,7 @@ from entprobe.checkpoints.trainer_checkpoint import changed_run_args, checkpoint
 from entprobe.config import ConfigError
 from entprobe.integrations.grpo_trainer import LR_SCHEDULERS, TrainArgs, check_args, resume_folder
 from entprobe.integrations.grpo_trainer import train
-from entprobe.cli.user_errors import exits_on_user_error
+from entprobe.cli.user_errors import ArgumentParser, exits_on_user_error
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -26,7 +26,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 def build_default_main(argv: list[str] | None = None) -> None:
     """``entprobe-build-default`` / ``python -m entprobe.train --build-default``: the default checkpoint."""
-    ap = argparse.ArgumentParser(description="Build the built-in default checkpoint", formatter_class=HelpFormatter)
+    ap = ArgumentParser(description="Build the built-in default checkpoint", formatter_class=HelpFormatter)
     ap.add_argument("--build-default", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="folder to write (default: the cache)")
     ap.add_argument("--seed", type=int, default=0)
@@ -38,7 +38,7 @@ def build_default_main(argv: list[str] | None = None) -> None:
 def parse_train_args(argv: list[str] | None = None):
     """The trainer's command line -> ``grpo_trainer.TrainArgs``."""
     d = TrainArgs(out="")
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="python -m entprobe.train", description=TRAIN_HELP,
         formatter_class=HelpFormatter)
     ap.add_argument("--out", required=True, help="run folder: checkpoint-<step>/ folders are written into it")

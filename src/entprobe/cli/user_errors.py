@@ -5,6 +5,7 @@ with ``HYDRA_FULL_ERROR=1``. Any other exception is a bug and keeps its tracebac
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -21,11 +22,12 @@ from entprobe.runtime.atomic_io import OutputFileError
 from entprobe.runtime.locks import LockTimeout
 from entprobe.rollouts.saved_batches import BatchSaveError
 from entprobe.tasks.base import RewardFunctionError
+from entprobe.tasks.jsonl import TaskFileError
 
 # each raised with a message that says what to change; add a new user-facing error class here
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, InputFileError, OptimizerStateError, AdapterError,
                                                  PlanError, LockTimeout, RewardFunctionError, OutputFileError,
-                                                 BatchSaveError)
+                                                 BatchSaveError, TaskFileError)
 EXIT_USAGE = 2  # argparse's and most Unix tools' exit status for a usage error
 FULL_ERROR_ENV = "HYDRA_FULL_ERROR"
 
@@ -57,6 +59,16 @@ def exits_on_user_error() -> Iterator[None]:
             raise
         print(one_line(exc), file=sys.stderr)
         raise SystemExit(EXIT_USAGE) from None
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser for entprobe's commands: a usage error (an unknown option, a value of the
+    wrong type, a missing argument) is one line, ``entprobe: error: <what> (<prog> --help)``, exit 2,
+    instead of argparse's usage block."""
+
+    def error(self, message: str):
+        print(f"entprobe: error: {message} ({self.prog} --help shows the usage)", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_USAGE)
 
 
 class OneLineError(CompactHydraException):

@@ -34,7 +34,7 @@ from entprobe.tasks.arithmetic import ArithmeticTask
 from entprobe.tasks.jsonl import JsonlTask
 from entprobe.tasks.lengths import model_context, refuse_long_prompts
 from entprobe.integrations.online import OnlineProbe
-from entprobe.integrations.guard import EntropyGuard
+from entprobe.integrations.guard import EntropyGuard, param_error
 from entprobe.reporting.over_steps import merged_history, write_history
 from entprobe.checkpoints.default_checkpoint import policy_loss, trainer_adamw
 
@@ -85,8 +85,10 @@ def check_args(a: TrainArgs) -> None:
     if (a.guard_floor is not None or a.guard_max_decay is not None) and not a.probe_every:
         raise ConfigError("--guard-floor / --guard-max-decay set the lr from the online probe's prediction: "
                           "give --probe-every N too (1: every step)")
-    if a.guard_max_decay is not None and a.guard_max_decay < 0:
-        raise ConfigError(f"--guard-max-decay={a.guard_max_decay}: the largest entropy decrease per step, >= 0")
+    for opt, name, v in (("--guard-floor", "floor", a.guard_floor), ("--guard-max-decay", "max_decay", a.guard_max_decay)):
+        error = param_error(name, v, "leave the option out")  # the guard's own ranges (EntropyGuard would refuse it after the model loads)
+        if error:
+            raise ConfigError(f"{opt}={v}: {error}")
     if a.loss not in LOSSES:
         raise ConfigError(f"--loss={a.loss!r}: one of {', '.join(LOSSES)}")
     if a.model is not None and not (Path(a.model).expanduser() / "config.json").is_file():

@@ -44,7 +44,9 @@ back when TRL resumes.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 import time
 from dataclasses import dataclass
 
@@ -70,21 +72,44 @@ class GuardRule:
     recovery: float = 1.5
 
     def __post_init__(self):
+        for name, value in dataclasses.asdict(self).items():
+            error = param_error(name, value)
+            if error:
+                raise ConfigError(f"{name}={value!r}: {error}")
+            if value is not None:
+                object.__setattr__(self, name, float(value))  # a numpy or integer value, as a float
         if self.floor is None and self.max_decay is None and self.target_deltaH is None:
             raise ConfigError("EntropyGuard: give floor, max_decay or target_deltaH (what to hold entropy to)")
-        if self.max_decay is not None and not self.max_decay >= 0:
-            raise ConfigError(f"max_decay={self.max_decay}: the largest decrease per step, >= 0 nats")
-        for key in ("floor", "max_decay", "target_deltaH"):  # NaN compares False: a guard that never acts
-            v = getattr(self, key)
-            if v is not None and not math.isfinite(v):
-                raise ConfigError(f"{key}={v}: give a finite number of nats (or leave it out)")
-        if self.target_deltaH == 0:
-            raise ConfigError("target_deltaH=0: no lr > 0 scales a nonzero predicted change to 0, so the guard would "
-                              "never steer; give a nonzero change, or max_decay=0 to allow no decrease")
-        if not (0 < self.min_factor <= 1 <= self.max_factor < math.inf) or not self.z >= 0 or not self.recovery > 1:
-            raise ConfigError(f"min_factor={self.min_factor}, max_factor={self.max_factor}, z={self.z}, "
-                              f"recovery={self.recovery}: need 0 < min_factor <= 1 <= max_factor (finite), z >= 0, "
-                              "recovery > 1")
+
+
+# each parameter's range (GuardRule): (may be None, test of a finite number, what it must be)
+PARAM_RANGES = {
+    "floor": (True, lambda v: v >= 0, "the lowest entropy to hold, in nats: a finite number >= 0 (entropy is "
+              "never negative, so a floor below 0 never acts)"),
+    "max_decay": (True, lambda v: v >= 0, "the largest entropy decrease per step, in nats: a finite number >= 0 "
+                  "(0: no decrease allowed)"),
+    "target_deltaH": (True, lambda v: v != 0, "the change to steer each step to, in nats: a finite nonzero number "
+                      "(no lr > 0 scales a nonzero predicted change to 0; max_decay=0 allows no decrease)"),
+    "z": (False, lambda v: v >= 0, "the resolution a prediction needs before the guard acts: a finite number >= 0"),
+    "min_factor": (False, lambda v: 0 < v <= 1, "the smallest lr factor: a number in (0, 1]"),
+    "max_factor": (False, lambda v: v >= 1, "the largest lr factor: a finite number >= 1"),
+    "recovery": (False, lambda v: v > 1, "the factor's geometric return to 1 per probe: a finite number > 1"),
+}
+
+
+def param_error(name: str, value, leave_out: str = "None to leave it out") -> str | None:
+    """What is wrong with ``value`` for the guard's parameter ``name`` (``PARAM_RANGES``): not a
+    number (a string, a bool, ...), not finite, out of range; None when it is fine. ``leave_out``:
+    how the caller leaves an optional parameter out (said with its range)."""
+    optional, ok, what = PARAM_RANGES[name]
+    what += f" (or {leave_out})" if optional else ""
+    if value is None:
+        return None if optional else f"must be {what}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return f"is a {type(value).__name__}, not a number; give {what}"
+    if not (math.isfinite(value) and ok(value)):  # NaN compares False: a guard that never acts
+        return f"must be {what}"
+    return None
 
 
 @dataclass
@@ -199,11 +224,17 @@ class EntropyGuard:
         return {"factor": self.factor, "decided_at": self.decisions[-1].step if self.decisions else None}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict()``'s factor (a ConfigError for a value no guard could have set)."""
+        """Restore ``state_dict()``'s factor (a ConfigError for a value no guard could have set: not a
+        finite number > 0, or outside this guard's ``[min_factor, max_factor]``)."""
         f = state.get("factor") if isinstance(state, dict) else None
-        if not isinstance(f, (int, float)) or isinstance(f, bool) or not (f > 0 and math.isfinite(f)):
+        if not isinstance(f, numbers.Real) or isinstance(f, bool) or not (f > 0 and math.isfinite(f)):
             raise ConfigError(f"EntropyGuard state {state!r}: its 'factor' must be a finite number > 0 "
                               "(a state saved by EntropyGuard.state_dict())")
+        lo, hi = self.rule.min_factor, self.rule.max_factor
+        if not lo <= f <= hi:  # every factor the guard sets is clamped to the range
+            raise ConfigError(f"EntropyGuard state: 'factor' {f!r} is outside this guard's [min_factor, max_factor] "
+                              f"= [{lo:g}, {hi:g}]: the state was saved by a guard with another range, or edited; "
+                              "resume with the guard's own min_factor / max_factor, or from another checkpoint")
         self.factor = float(f)
 
     def before_step(self, step: int) -> float:

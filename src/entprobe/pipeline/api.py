@@ -43,6 +43,7 @@ from entprobe.runtime import distributed as D
 from entprobe.pipeline.run_batches import sample_global
 from entprobe.config import ConfigError, EntprobeConfig, register_configs
 from entprobe.pipeline.config_checks import to_typed
+from entprobe.pipeline.config_errors import composition_error, schema_error
 from entprobe.pipeline.in_memory import InMemory, finish, probe_batches, probe_context
 from entprobe.pipeline.geometry import live_geometry, live_lr, unwrap_optimizer
 from entprobe.checkpoints.models import LoadedModel
@@ -117,8 +118,15 @@ def _refusal(key: str) -> str | None:
 def compose_config(choices: list[str], return_hydra_config: bool = False):
     """The command line's root config (the package's conf/, its defaults and typed schema) with
     ``choices`` (and Hydra's own node, ``return_hydra_config``); Hydra's global state is set aside
-    and put back, so a Hydra app may call it. A choice Hydra cannot compose is a ConfigError with
-    Hydra's reason (e.g. the values an enum takes)."""
+    and put back, so a Hydra app may call it. A choice Hydra cannot compose is a one-line ConfigError
+    naming it and what to write (``config_errors.composition_error``: the nearest key, the group's
+    options, the type wanted)."""
+    return compose_configs([choices], return_hydra_config)[0]
+
+
+def compose_configs(jobs: list[list[str]], return_hydra_config: bool = False) -> list:
+    """``compose_config`` of each list of choices in ``jobs`` (the jobs of a sweep), Hydra initialised
+    once for all of them."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.singleton import Singleton
@@ -128,13 +136,15 @@ def compose_config(choices: list[str], return_hydra_config: bool = False):
     saved = dict(Singleton._instances)
     for cls in (GlobalHydra, JobRuntime):
         Singleton._instances.pop(cls, None)
+    choices: list[str] = []
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(resources.files("entprobe") / "conf")):
-            return compose(config_name="config", overrides=choices, return_hydra_config=return_hydra_config)
-    except Exception as exc:  # hydra's missing option / parse errors
-        why = (str(exc.__cause__).strip().splitlines() or [""])[0] if exc.__cause__ else ""
-        raise ConfigError(f"{' '.join(choices)}: {str(exc).split(chr(10) + 'Config search path')[0]}"
-                          f"{': ' + why if why else ''}") from None
+            out = []
+            for choices in jobs:
+                out.append(compose(config_name="config", overrides=choices, return_hydra_config=return_hydra_config))
+            return out
+    except Exception as exc:  # hydra's missing option / unknown key / wrong type / parse errors: one line
+        raise composition_error(exc, choices) from exc
     finally:
         Singleton._instances.clear()
         Singleton._instances.update(saved)
@@ -173,8 +183,8 @@ def api_config(overrides: Mapping[str, Any], batches_given: bool,
     for key, v in values.items():
         try:
             OmegaConf.update(cfg, key, v, merge=True)
-        except OmegaConfBaseException as exc:
-            raise ConfigError(f"{key}={v!r}: {str(exc).splitlines()[0]}") from None
+        except OmegaConfBaseException as exc:  # an unknown key (with the nearest), a wrong type (with the type wanted)
+            raise schema_error(exc, [f"{key}={v!r}"]) from None
     return to_typed(cfg), "run_dir" in values
 
 

@@ -18,7 +18,15 @@ from entprobe.runtime.sharding import config_errors as sharding_errors, defaults
 from entprobe.tasks.reward_funcs import weight_errors
 from entprobe.checkpoints.trainer_args import explicit_keys, with_trainer_args
 from entprobe.runtime import distributed as D
+from entprobe.pipeline.config_errors import schema_error
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+# the largest probe.what_if lr factor / entropy coefficient (validate): beyond it the what-if's step is no
+# step of this run, and the values that overflow are far beyond it (an lr factor of 1e308: lr x factor is
+# no float32 step size; a coefficient of 1e30: the bonus gradient squared in Adam's second moment is inf)
+WHAT_IF_MAX = 1e6
 
 
 def _require(ok: bool, key: str, msg: str) -> None:
@@ -135,6 +143,13 @@ def validate(cfg: Any) -> None:
             weight_errors(cfg.task.reward_funcs, cfg.task.reward_weights) + what_if_errors(cfg):
         _require(False, key, msg)
     w = p.what_if  # before the passes, not after Stages 1-2 as the stage itself would find it
+    for key, xs, why in (("probe.what_if.lr_factors", w.lr_factors, "a millionfold lr is no step of this run, "
+                          "and past ~1e30 lr x factor is no float32 step size"),
+                         ("probe.what_if.entropy_coef", w.entropy_coef, "a bonus a million times the policy loss "
+                          "(advantages of order 1) is no step of this run, and past ~1e19 its gradient squared "
+                          "overflows Adam's float32 second moment")):
+        big = [x for x in xs if isinstance(x, (int, float)) and x > WHAT_IF_MAX]
+        _require(not big, key, f"has {big[0] if big else ''}; give values <= {WHAT_IF_MAX:g} ({why})")
     _require(not ((w.clip_cov or w.kl_cov or w.top_entropy_quantile) and D.launched_distributed()),
              "probe.what_if.clip_cov/kl_cov/top_entropy_quantile", "select tokens over U on one process; run "
              "this what-if without torchrun (or drop those settings)")
@@ -146,12 +161,15 @@ def validate(cfg: Any) -> None:
              "or drop logging.wandb.mode=online")
 
 
-def to_typed(cfg, explicit: list[str] | None = None) -> EntprobeConfig:
+def to_typed(cfg, explicit: list[str] | None = None, ranges: bool = True) -> EntprobeConfig:
     """The typed config of a composed one (``config.structured``: the schema merge), range-checked
     (``validate``): what every entry point runs first. ``explicit``: the overrides the user gave (the
     command line's); with them, a model=hf checkpoint's training_args.bin fills the keys they leave
     (``checkpoints.trainer_args``; None: not read), and a default setting FSDP2 cannot run is turned
-    off with a printed note (``sharding.defaults_to_turn_off``; one the user set is refused)."""
+    off with a printed note (``sharding.defaults_to_turn_off``; one the user set is refused). A key
+    the schema does not have (``+batch.BE=16``) or a value of the wrong type is a ConfigError naming
+    the override (``config_errors.schema_error``: the nearest key, the type wanted). ``ranges=False``:
+    the schema only, no ``validate``."""
     if explicit is not None and isinstance(cfg, DictConfig):
         cfg = with_trainer_args(cfg, explicit, show=D.env_rank() == 0)
         for key, off, why in defaults_to_turn_off(cfg, explicit_keys(explicit)):
@@ -159,6 +177,10 @@ def to_typed(cfg, explicit: list[str] | None = None) -> EntprobeConfig:
             if D.env_rank() == 0:
                 print(f"entprobe: note: ddp.strategy=fsdp2 sets {key}={str(off).lower()} ({why}); "
                       f"use ddp.strategy=ddp to keep it", flush=True)
-    obj = structured(cfg)
-    validate(obj)
+    try:
+        obj = structured(cfg)
+    except OmegaConfBaseException as exc:  # +key=value Hydra let through, a value of the wrong type: one line
+        raise schema_error(exc, explicit) from exc
+    if ranges:
+        validate(obj)
     return obj

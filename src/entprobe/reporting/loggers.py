@@ -8,7 +8,9 @@
   to the run's **summary**, none to the history; the headline table (``results``) and the
   report's PNGs (``plots/<name>``) are logged once. The run is named from the command line's
   overrides (``lr=1e-05,B_E=8``), grouped by the sweep (its multirun directory), tagged with the
-  probe mode, model source and weighting mode, and its job type is the probe mode.
+  probe mode, model source and weighting mode, and its job type is the probe mode. wandb's own
+  banner and summary are not printed (the run ends by naming the wandb run's folder or page);
+  ``WANDB_SILENT=false`` (or ``WANDB_QUIET``) in the environment gives wandb's lines back.
   ``logging.wandb.mode=disabled`` turns it off (then no logger runs).
 - ``csv``: ``results.csv`` in the run dir, a header and one row of every scalar result.
 - ``none``: nothing beyond results.json / report.md.
@@ -77,9 +79,15 @@ def wandb_dirs_env(run_dir: Path) -> list[str]:
     return added
 
 
+# wandb's own variables for its console output: when the environment sets one, wandb follows it
+QUIET_ENV = ("WANDB_SILENT", "WANDB_QUIET")
+
+
 class WandbLogger:
     """A wandb run (rank 0 only; a no-op elsewhere). ``log`` writes the summary, the table and the
-    images; ``finish`` closes the run with the job's exit code."""
+    images; ``finish`` closes the run with the job's exit code. wandb prints nothing of its own
+    (``silent``, unless the environment sets ``QUIET_ENV``): the run's last lines name the wandb run
+    (``folder``, ``url``: ``probe_job.logger_lines``)."""
 
     def __init__(self, wcfg, run_dir: Path, config: dict, name: str, group: str | None, tags: list[str],
                  job_type: str):
@@ -88,15 +96,20 @@ class WandbLogger:
 
         self.wandb = wandb
         self.env_added = wandb_dirs_env(run_dir)
+        settings = getattr(wandb, "Settings", None)
+        quiet = {} if settings is None or set(QUIET_ENV) & set(os.environ) else {"settings": settings(silent=True)}
         try:
             self.run = wandb.init(mode=wcfg.mode, project=wcfg.project, entity=wcfg.entity, name=wcfg.name or name,
                                   group=wcfg.group or group, tags=list(dict.fromkeys([*wcfg.tags, *tags])),
                                   job_type=wcfg.job_type or job_type, dir=str(run_dir), config=config,
-                                  reinit="finish_previous")
+                                  reinit="finish_previous", **quiet)
         except BaseException:
             self.run = None
             self.finish()
             raise
+        files = getattr(self.run, "dir", None)  # wandb/<offline-run-...>/files
+        self.folder = Path(files).parent if files else None
+        self.url = getattr(self.run, "url", None) if wcfg.mode == "online" else None
 
     def log(self, results: dict, images: dict[str, Path]) -> None:
         if self.run is None:

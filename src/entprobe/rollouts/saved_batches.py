@@ -8,8 +8,10 @@ stored with it (``SAMPLED_KEYS``), and ``sha256`` of ``E.pt`` / ``U.pt``. Loadin
 with the config and refuses batches of another distribution with a message naming the key, and
 refuses an ``E.pt`` / ``U.pt`` that is not the file ``batches.json`` recorded. Folders saved before
 a key existed read as that key's behaviour then (``_TASK_BEFORE``; a sampling key not recorded is
-not compared; identities hashed from 16 chunks of each file, ``identity["before"]``); folders
-without fingerprint are checked on what the tensors carry.
+not compared; identities hashed from 16 chunks of each file, ``identity["before"]``, which read a
+file of up to 1 MiB whole: such a fingerprint of a larger model file cannot tell whether the model
+changed, and is refused with what to do); folders without fingerprint are checked on what the
+tensors carry.
 
 A pair is replaced as one unit: ``save_batches`` writes the three files into a fresh folder
 ``.saving-<id>`` beside them, renames it ``.ready-<id>`` (the commit point), then moves E, U and
@@ -44,6 +46,9 @@ _TASK_BEFORE = {"tokenize": "entprobe", "chat_template_kwargs": {}, "reward_func
                 "template": "{a}+{b}="}
 LOCK = ".lock"
 _CHUNK, _CHUNKS = 1 << 16, 16
+# the largest file the chunked digest of early fingerprints reads whole: 16 chunks of 64 KiB, evenly
+# spaced from the first byte to the last, leave no byte out of a file up to 16 x 64 KiB = 1 MiB
+_CHUNKED_SEES = _CHUNK * _CHUNKS
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                     "tokenizer.model", "special_tokens_map.json")
 
@@ -81,13 +86,32 @@ def file_digest(path: str | Path, full: bool = True) -> str:
     return h.hexdigest()[:16]
 
 
+def _selected(folder: Path, names: tuple[str, ...] | None, suffixes: tuple[str, ...] = ()) -> list[Path]:
+    """The files of ``folder`` named ``names`` or ending in ``suffixes`` (sorted)."""
+    return sorted(p for p in folder.iterdir() if p.is_file()
+                  and ((names and p.name in names) or p.name.endswith(suffixes or ("\0",))))
+
+
+def _chunks_miss(model_dir: Path | None, gguf: Path | None, tokenizer_dir: Path | None,
+                 adapter_dir: Path | None) -> str:
+    """The first file of the identity larger than the chunked digest reads whole (``_CHUNKED_SEES``:
+    a change between its chunks went unseen by early fingerprints); "" when there is none."""
+    files = []
+    if gguf is not None:
+        files += [gguf] if gguf.is_file() else sorted(q for q in gguf.rglob("*") if q.is_file())
+    for folder in (model_dir, adapter_dir):
+        if folder is not None:
+            files += _selected(folder, ("config.json",), (".safetensors", ".bin"))
+    tok = tokenizer_dir or (model_dir if gguf is None else None)
+    files += _selected(tok, _TOKENIZER_FILES) if tok is not None else []
+    return next((str(f) for f in files if f.stat().st_size > _CHUNKED_SEES), "")
+
+
 def files_digest(folder: Path, names: tuple[str, ...] | None, suffixes: tuple[str, ...] = (),
                  full: bool = True) -> str:
     """Digest of the files of ``folder`` named ``names`` or ending in ``suffixes`` (sorted)."""
     h = hashlib.sha256()
-    files = sorted(p for p in folder.iterdir() if p.is_file()
-                   and ((names and p.name in names) or p.name.endswith(suffixes or ("\0",))))
-    for p in files:
+    for p in _selected(folder, names, suffixes):
         (_full_digest if full else _chunk_digest)(h, p)
     return h.hexdigest()[:16]
 
@@ -107,13 +131,15 @@ def model_identity(model_dir: Path | None, gguf: Path | None, tokenizer_dir: Pat
                    adapter_dir: Path | None = None) -> dict:
     """``{"model", "tokenizer"}`` digests of the files the weights and the tokenizer come from
     (with a PEFT adapter: the base's and the adapter's, ``"<base>+<adapter>"``), and under
-    ``"before"`` the same hashed as fingerprints without ``"digests"`` were."""
+    ``"before"`` the same hashed as fingerprints without ``"digests"`` were, with ``"unseen"``: a
+    file too large for that hash to read whole (``_chunks_miss``; "" when none)."""
     out = {}
     for key, full in (("now", True), ("before", False)):
         ident = _identity(model_dir, gguf, tokenizer_dir, full)
         if adapter_dir is not None:
             ident["model"] += "+" + _identity(adapter_dir, None, None, full)["model"]
         out[key] = ident
+    out["before"]["unseen"] = _chunks_miss(model_dir, gguf, tokenizer_dir, adapter_dir)
     return {**out["now"], "before": out["before"]}
 
 
@@ -281,6 +307,13 @@ def check_saved(src: Path, E: RolloutBatch, U: RolloutBatch, meta: dict | None, 
             raise ConfigError(f"batch.load={src}: the batches were sampled by other {what} (fingerprint "
                               f"{meta[key]}, this run's {ident[key]}): they are not samples of this "
                               "policy; load the model they came from (model.*) or sample anew")
+    unseen = (identity or {}).get("before", {}).get("unseen")
+    if unseen and meta.get("digests") != DIGESTS and ("model" in meta or "tokenizer" in meta):
+        # equal, but its chunks of a file over 1 MiB miss the bytes between them: a changed model matches too
+        raise ConfigError(f"batch.load={src}: {META} predates whole-file digests: it fingerprinted the model by "
+                          f"{_CHUNKS} chunks of each file, which do not cover {unseen} (over "
+                          f"{_CHUNKED_SEES >> 20} MiB), so it cannot tell whether the model changed since; save "
+                          "the batches again (batch.save=DIR, sampled by the model they came from) and load those")
 
 
 def check_tokens(src: Path, E: RolloutBatch, U: RolloutBatch, vocab_size: int | None) -> None:

@@ -14,7 +14,8 @@ command line); it is removed when the run ends, however it ends. A run that rais
 or is stopped by SIGTERM (SLURM's ``scancel``, a time limit, torchrun) or SIGINT (Ctrl-C) leaves
 ``FAILED``: the time, the error (``killed by SIGTERM``) and the last frames of its traceback; it
 exits with 128 + the signal's number (143 for SIGTERM; SIGINT ends in ``KeyboardInterrupt``). No
-results file is written by a failed run. So a run dir holds, at the end:
+results file is written by a failed run. A run refused by its checks before any work, in a run dir
+it made, removes that folder instead (``Refusal``). So a run dir holds, at the end:
 
 - the results file: the run finished;
 - ``FAILED``: it failed, and says why;
@@ -33,6 +34,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -195,6 +197,39 @@ def running_text() -> str:
 _marking: set[str] = set()  # the run dirs this process marks (an inner marks_failure of one leaves it to the outer)
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """How ``marks_failure`` treats a run refused before it starts: an exception of ``errors`` (the
+    user errors: a config value, an input file) removes ``made``, the topmost folder this run created
+    for its run dir (the run dir or an ancestor), instead of leaving it with ``FAILED``, when it holds
+    only this run's own files (``own``: Hydra's ``.hydra/`` and job log; the markers) and the way
+    down to the run dir (``remove_made_run_dir``)."""
+    errors: tuple[type[BaseException], ...]
+    made: Path
+    own: frozenset[str] = frozenset()
+
+
+def remove_made_run_dir(run_dir: str | Path, made: str | Path, own: frozenset[str] | set[str] = frozenset()) -> bool:
+    """Remove ``made`` (the topmost folder created for ``run_dir``: ``run_dir`` itself or an ancestor
+    of it) when each folder from ``made`` down holds only the next one, and ``run_dir`` only ``own``
+    names, ``RUNNING`` and ``FAILED``; returns whether it did. Anything else there (another run's
+    folder beside it, a file someone put in) keeps everything."""
+    run_dir, made = Path(run_dir).absolute(), Path(made).absolute()
+    if made != run_dir and made not in run_dir.parents:
+        return False
+    down = [p for p in reversed(run_dir.parents) if p == made or made in p.parents] + [run_dir]
+    try:
+        for folder, nxt in zip(down, down[1:]):
+            if [p.name for p in folder.iterdir()] != [nxt.name]:
+                return False
+        if any(p.name not in {*own, RUNNING, FAILED} for p in run_dir.iterdir()):
+            return False
+        shutil.rmtree(made)
+    except OSError:
+        return False
+    return True
+
+
 def _write_marker(path: Path, text: str) -> None:
     """Write a marker; when even that fails (a full disk), say so on stderr instead of hiding the run's error."""
     try:
@@ -204,11 +239,12 @@ def _write_marker(path: Path, text: str) -> None:
 
 
 @contextlib.contextmanager
-def marks_failure(run_dir: str | Path, enabled: bool = True) -> Iterator[None]:
+def marks_failure(run_dir: str | Path, enabled: bool = True, refusal: Refusal | None = None) -> Iterator[None]:
     """Mark the block's run in ``run_dir``: ``RUNNING`` while it runs, SIGTERM / SIGINT raising in it
     (``signals_raise``), and ``FAILED`` when it raises (once per exception; then re-raised).
     ``enabled=False`` (a rank other than 0) marks nothing. Nested blocks of one run dir: the
-    outermost one writes and removes ``RUNNING`` and handles the signals."""
+    outermost one writes and removes ``RUNNING`` and handles the signals. ``refusal``: a run
+    refused in the block (its checks before any work) leaves no run dir this run made (``Refusal``)."""
     run_dir = Path(run_dir)
     key = str(run_dir.resolve())
     outer = enabled and key not in _marking
@@ -220,6 +256,12 @@ def marks_failure(run_dir: str | Path, enabled: bool = True) -> Iterator[None]:
         with signals_raise() if outer else contextlib.nullcontext():
             yield
     except BaseException as exc:
+        if enabled and refusal is not None and isinstance(exc, refusal.errors) and \
+                not getattr(exc, "_entprobe_marked", False):
+            (run_dir / RUNNING).unlink(missing_ok=True)
+            if remove_made_run_dir(run_dir, refusal.made, refusal.own):
+                with contextlib.suppress(AttributeError, TypeError):
+                    exc._entprobe_marked = True
         if enabled and not getattr(exc, "_entprobe_marked", False):
             _write_marker(run_dir / FAILED, failure_text(exc))
             with contextlib.suppress(AttributeError, TypeError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from entprobe.config import ConfigError
 from entprobe.runtime.input_files import InputFileError
 
 from entprobe.tasks.prompt_ids import is_conversational
@@ -18,18 +19,23 @@ from entprobe.tasks.base import Prompt
 from entprobe.tasks.rewards import REWARDS
 
 
+class TaskFileError(InputFileError):
+    """A record of a task's JSONL file is not a prompt record; the message names the file and line
+    (a user error: the commands print it as one line; a ``ValueError``, as it was)."""
+
+
 def _messages(value, where: str) -> tuple | None:
     """The prompt's message list (None for a text), each message a {"role": str, "content": str}."""
     if isinstance(value, str):
         if not value.strip():
-            raise ValueError(f"{where}: 'prompt' must be a non-empty string (or a list of messages)")
+            raise TaskFileError(f"{where}: 'prompt' must be a non-empty string (or a list of messages)")
         return None
     if not isinstance(value, list) or not value or not is_conversational(value):
-        raise ValueError(f"{where}: 'prompt' must be a non-empty string or a list of "
+        raise TaskFileError(f"{where}: 'prompt' must be a non-empty string or a list of "
                          '{"role": ..., "content": ...} messages')
     for m in value:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ValueError(f"{where}: message {m!r} needs a string 'role' and a string 'content'")
+            raise TaskFileError(f"{where}: message {m!r} needs a string 'role' and a string 'content'")
     return tuple(dict(m) for m in value)
 
 
@@ -55,7 +61,7 @@ def _answer(rec: dict, where: str, required: bool) -> str:
         return ""
     a = rec.get("answer")
     if isinstance(a, bool) or not isinstance(a, (str, int, float)) or not str(a).strip():
-        raise ValueError(f"{where}: 'answer' is {a!r}; it must be a number or a non-empty string (the reward "
+        raise TaskFileError(f"{where}: 'answer' is {a!r}; it must be a number or a non-empty string (the reward "
                          "compares responses with it)")
     return str(a)
 
@@ -64,12 +70,12 @@ class JsonlTask:
     def __init__(self, path: str | None = None, reward: str = "numeric", num_prompts: int = 0,
                  reward_funcs: list | None = None):
         if not path:
-            raise ValueError("task.path must point to a .jsonl file with a 'prompt' field per line")
+            raise ConfigError("task.path must point to a .jsonl file with a 'prompt' field per line")
         if reward not in REWARDS:
-            raise ValueError(f"task.reward={reward!r}; choose one of {sorted(REWARDS)}")
+            raise ConfigError(f"task.reward={reward!r}; choose one of {sorted(REWARDS)}")
         p = Path(path).expanduser()
         if not p.is_file():
-            raise FileNotFoundError(f"task.path={path!r} does not exist")
+            raise InputFileError(f"task.path={path!r} does not exist: give the .jsonl file of prompt records")
         need_answer = not reward_funcs
         records = []
         for lineno, line in enumerate(read_utf8(p).split("\n"), 1):  # not splitlines: U+2028 etc. are not line ends in JSONL
@@ -79,15 +85,15 @@ class JsonlTask:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not a JSON record ({e.msg})") from None
+                raise TaskFileError(f"{where}: not a JSON record ({e.msg})") from None
             if not isinstance(rec, dict) or "prompt" not in rec or (need_answer and "answer" not in rec):
-                raise ValueError(f"{where}: each record needs 'prompt' and 'answer'" if need_answer else
+                raise TaskFileError(f"{where}: each record needs 'prompt' and 'answer'" if need_answer else
                                  f"{where}: each record needs a 'prompt'")
             records.append((where, rec, _messages(rec["prompt"], where)))
         if len({m is None for _, _, m in records}) > 1:
             first_text = next(w for w, _, m in records if m is None)
             first_chat = next(w for w, _, m in records if m is not None)
-            raise ValueError(f"task.path={path}: prompts of both kinds ({first_text} is a text, {first_chat} a "
+            raise TaskFileError(f"task.path={path}: prompts of both kinds ({first_text} is a text, {first_chat} a "
                              "message list); a trainer's dataset has one kind: convert them to one")
         keys = list(dict.fromkeys(k for _, rec, _ in records for k in rec if k != "prompt"))
         self.prompts = []
