@@ -70,8 +70,9 @@ def readme_lines(res: dict) -> list[str]:
     """The block's three lines from a run's results (what ``main`` writes into the README)."""
     def cols(label: str) -> str:
         key, ci = KEYS[label]
-        return (f"{label:<11} {res[key]:+.4g} ± {res['SE_' + key]:.2g}".ljust(30)
-                + f"[{res[f'ci95_{ci}_low']:.3g}, {res[f'ci95_{ci}_high']:.3g}]").ljust(50)
+        # columns at 30 and 50 characters, with at least one space before each (a long number)
+        return (f"{label:<11} {res[key]:+.4g} ± {res['SE_' + key]:.2g}".ljust(29) + " "
+                + f"[{res[f'ci95_{ci}_low']:.3g}, {res[f'ci95_{ci}_high']:.3g}]").ljust(49) + " "
     agree = "consistent" if res["pred_consistent"] else "NOT consistent"
     rel = f" ({100 * res['deltaH_pred'] / res['H_orig']:+.3g}% of H)"  # as the verdict prints it
     return [cols("predicted") + f"first order, the optimizer's step on U{rel}: gradient "
