@@ -85,6 +85,15 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "--B-E 6 --B-U 6 --G 4 --max-new-tokens 8 --out /tmp/lr_sweep -- batch.seed_U=3 batch.seed_E=2": ("slow", ""),
     ".venv/bin/python benchmarks/lr_sweep.py --checkpoint /tmp/smollm2_adamw --lrs 1e-6,1e-5,3e-5,1e-4,3e-4 "
     "--B-E 6 --B-U 6 --G 4 --max-new-tokens 24 --out /tmp/lr_sweep_mom": ("slow", ""),
+    # docs/math.md (the dr_grpo measured change on SmolLM2: the checkpoint, then a probe at each lr)
+    ".venv/bin/python benchmarks/smollm2_checkpoint.py --out /tmp/smollm2_drc --steps 3 --B 4 --G 4 "
+    "--max-new-tokens 24": ("slow", ""),
+    "python -m entprobe.main model=hf model.path=/tmp/smollm2_drc optimizer.state_path=/tmp/smollm2_drc batch.B_E=6 "
+    "batch.B_U=6 batch.G=4 sampling.max_new_tokens=32 probe.weighting_mode=dr_grpo optimizer.lr=1e-6 "
+    "batch.save=/tmp/smollm2_drc_batches": ("slow", ""),
+    "python -m entprobe.main model=hf model.path=/tmp/smollm2_drc optimizer.state_path=/tmp/smollm2_drc batch.B_E=6 "
+    "batch.B_U=6 batch.G=4 sampling.max_new_tokens=32 probe.weighting_mode=dr_grpo optimizer.lr=1e-5 "
+    "batch.load=/tmp/smollm2_drc_batches": ("slow", ""),
     # docs/calibration.md (the SmolLM2 checkpoints, then the benchmark: ~30 min on 2 CPU cores)
     ".venv/bin/python benchmarks/smollm2_checkpoint.py --out /tmp/calib/smollm2_dr_grpo --loss dr_grpo -- "
     "task.reward=last_number 'task.system_prompt=\"Answer with just the number.\"'": ("slow", ""),

@@ -80,8 +80,9 @@ def readme_lines(res: dict) -> list[str]:
     notes = {row[0]: row[3] for row in verdict_lines(res)}
     def cols(label: str) -> str:
         key, ci = KEYS[label]
-        return (f"{label:<11} {res[key]:+.4g} ± {res['SE_' + key]:.2g}".ljust(30)
-                + f"[{res[f'ci95_{ci}_low']:.3g}, {res[f'ci95_{ci}_high']:.3g}]").ljust(50)
+        # columns at 30 and 50 characters, with at least one space before each (a long number)
+        return (f"{label:<11} {res[key]:+.4g} ± {res['SE_' + key]:.2g}".ljust(29) + " "
+                + f"[{res[f'ci95_{ci}_low']:.3g}, {res[f'ci95_{ci}_high']:.3g}]").ljust(49) + " "
     predicted = notes["predicted"].split(", weight decay", 1)[0] + ", ..."
     return [setup_line(res), cols("predicted") + predicted, cols("measured") + notes["measured"],
             cols("difference") + notes["difference"]]

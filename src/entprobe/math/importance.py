@@ -27,16 +27,29 @@ Separable functionals (``sequence``: f = -S; ``per_token_avg``: f = -S / L), per
 The ``lam`` term is the score term ``-mean_g k_g l_g`` of ``f+ - f``, zero in expectation, which X
 leaves out: without it the measured side carries first-order noise the prediction does not.
 
-``dr_grpo`` (f = -(1/G) sum_g S_g / Lmax: a function of the whole group), per prompt n, group
-weight ``W = prod_g w^_g``, ``b_g = x_g - F - 1/(G Lmax)`` (F = -f: the baseline inside x_g, built
-from the other responses only):
+``dr_grpo`` (f = (1/G) sum_k u_k / Lmax with ``u = -S``: the group's longest response couples it),
+per prompt n, with ``a_g = w^_g - 1``, ``Lmax_-g`` the longest of the other responses:
 
-    cv:         psi_n = W f+ - f - sum_g (w^_g - 1) b_g                         (exactly unbiased)
-    normalised: psi_n = H+ + B om_n (f+_n - H+) - f_n - sum_g (w^_g - 1)(b_g - fbar_-n)
+    cv:  psi_n = (1/G) sum_k w_k u+_k r_k - f + (1/G) sum_g a_g (1 - ubar_-g) / Lmax_-g          (exactly unbiased)
+         r_k = 1/Lmax + sum_{B} prod_{j in B} a_j (1/Lmax - 1/Lmax(outside B))
 
-with ``om = W / sum_m W_m`` over prompts (one group per prompt: nothing to normalise within it),
-``H+ = sum_n om_n f+_n`` (``psi`` is the ratio estimator's linearisation), ``fbar_-n`` the mean of
-f over the other prompts; the cross-prompt normalisation leaves an O(1/B) first-order residual.
+each response reweighted among its prompt's own (``group_change_cv``: the sum over the nonempty sets
+B of the other responses; ``ubar_-g`` the mean of u over the others). ``r_k`` is an unbiased
+estimate, given response k, of ``E_theta+[1/Lmax]``; a term vanishes unless B holds every longest
+response, so with m responses at the longest length (truncated generations) ``r = 1/Lmax + O(l^m)``.
+Expanded in l, psi is ``-sum_g x_g l_g`` at first order, and its second order is centred: each
+response's ``l_g^2 (u_g - ubar_-g - 1) / (2 G Lmax)``, plus cross terms ``l_g l_h`` only through the
+longest responses (none when three or more share the longest length). The group weight
+``W = prod_g w_g`` with zero-mean control variates (``W f+ - f - sum_g a_g b_g``) is unbiased too,
+but its second order carries ``f sum_{g<h} l_g l_h``, with f ~ H uncentred.
+
+    normalised: psi_n = H+ + B om_n (f+_n - H+) - f_n - sum_g a_g (b_g - fbar_-n)
+
+with ``W`` normalised over the B prompts, ``om = W / sum_m W_m``, ``H+ = sum_n om_n f+_n`` (``psi``
+is the ratio estimator's linearisation), ``b_g = x_g - F - 1/(G Lmax)`` (F = -f: the baseline inside
+x_g, built from the other responses only) and ``fbar_-n`` the mean of f over the other prompts
+(``group_change_normalised``). Normalising over prompts leaves an O(1/B) first-order residual,
+larger than any second-order term, so these keep the group weight; ``cv`` is the paired test's.
 The estimate is ``mean_n psi_n`` and its SE ``sd(psi) / sqrt(B)``.
 """
 from __future__ import annotations
@@ -46,7 +59,7 @@ from typing import NamedTuple
 
 import torch
 
-from entprobe.math.estimators import mean_variance, weighted_S, x_unit_coeffs
+from entprobe.math.estimators import leave_one_out_max, mean_variance, weighted_S, x_unit_coeffs
 
 def snis_weights(logw: torch.Tensor) -> torch.Tensor:
     """Self-normalised weights ``w / sum w`` in the log domain (shift by max)."""
@@ -199,20 +212,82 @@ def group_baselines(S: torch.Tensor, L: torch.Tensor, Lmax: torch.Tensor) -> tor
     return x_unit_coeffs(S, L, Lmax, "dr_grpo") - (S / Lm).mean(-1, keepdim=True) - 1.0 / (G * Lm)
 
 
-def group_change(f_orig: torch.Tensor, f_upd: torch.Tensor, lw_hat: torch.Tensor, b: torch.Tensor,
-                 normalise: bool) -> torch.Tensor:
-    """Per prompt [..., B] of a group functional (one item, the group, per prompt; f [..., B],
-    log-weights and baselines [..., B, G], ``W = prod_g w^_g``): ``W f+ - f - sum_g (w^_g - 1) b_g``
-    (cv), or with W normalised over the B prompts,
+def inverse_lmax_corrections(a: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
+    """``r_k - 1/Lmax`` [..., G] for ``a = w - 1`` and lengths L [..., G] (clamped to >= 1), where
+
+        r_k = 1/Lmax + sum_{B} prod_{j in B} a_j (1/Lmax - 1/Lmax(outside B))
+
+    over the nonempty sets B of responses other than k, ``Lmax(outside B)`` the longest response
+    of the group not in B (k included). Given response k, ``E[r_k] = E_theta+[1/Lmax]`` (the others
+    drawn at theta_plus): ``r_k = W_-k / Lmax`` minus zero-mean terms, ``prod_B a_j`` times a
+    function of responses outside B (``group_change_cv``). A term is 0 unless B holds every
+    longest response other than k, and every term is 0 when k is a longest response.
+
+    With the other responses sorted longest first (o_1, o_2, ...), the sets B whose longest
+    response left out is o_i are o_1..o_{i-1} plus any of the shorter ones:
+    ``sum_i prod_{j<i} a_(j) prod_{j>i} w_(j) (1/Lmax - 1/max(L_k, L_(i)))``, and B = all others
+    adds ``prod_j a_(j) (1/Lmax - 1/L_k)``: O(G^2) per response."""
+    G = L.shape[-1]
+    Lf = L.double().clamp(min=1)
+    order = torch.sort(Lf, dim=-1, descending=True, stable=True).indices
+    Ls, As = Lf.gather(-1, order), a.double().gather(-1, order)
+    others = torch.tensor([[j for j in range(G) if j != k] for k in range(G)], device=L.device)  # [G, G-1]
+    Lo, Ao = Ls[..., others], As[..., others]  # [..., G, G-1]: each response's others, longest first
+    ones = torch.ones_like(Ao[..., :1])
+    before = torch.cat([ones, Ao.cumprod(-1)[..., :-1]], -1)  # prod_{j<i} a_(j)
+    after = torch.cat([(1 + Ao).flip(-1).cumprod(-1).flip(-1)[..., 1:], ones], -1)  # prod_{j>i} w_(j)
+    inv_max = 1 / Ls[..., :1]  # [..., 1]
+    left_out = (before * after * (inv_max.unsqueeze(-1) - 1 / torch.maximum(Ls.unsqueeze(-1), Lo))).sum(-1)
+    corr = left_out + Ao.prod(-1) * (inv_max - 1 / Ls)
+    return torch.empty_like(corr).scatter_(-1, order, corr)
+
+
+def group_change_cv(S_orig: torch.Tensor, logw: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
+    """``cv``'s per-prompt change [..., B] of the ``dr_grpo`` functional ``f = (1/G) sum_k u_k / Lmax``
+    (``u = -S``; S, l = S_upd - S_orig and L [..., B, G]), each response reweighted among its
+    prompt's own, with ``a = w - 1`` and r from ``inverse_lmax_corrections``::
+
+        psi_n = (1/G) sum_k w_k u+_k r_k - f + (1/G) sum_g a_g (1 - ubar_-g) / Lmax_-g
+
+    (``u+ = u - l``; ``ubar_-g``, ``Lmax_-g`` the mean of u and the longest length over the other
+    responses; computed as ``mean_k [u_k (a_k r_k + r_k - 1/Lmax) - w_k l_k r_k]`` plus the last sum,
+    without cancelling large u.)
+
+    Unbiased for ``H+_n - H_n`` exactly: given the prompts, E's responses are independent draws from
+    pi_theta and the step (from U) does not depend on them, with ``E[a_j] = sum_y pi_theta+(y) - 1 = 0``.
+    So a term ``a_g`` times a function of the other responses has mean 0 (the last sum), and in
+    ``r_k = W_-k / Lmax - sum_B prod_{j in B} a_j / Lmax(outside B)`` (``W_-k = prod_{j != k} w_j =
+    sum_B prod_{j in B} a_j``) each subtracted term is ``prod_B a_j`` times a function of k and the
+    responses outside B: mean 0 given response k. ``E[W_-k / Lmax | y_k]`` is ``E[1/Lmax | y_k]``
+    with the others drawn at theta_plus (their likelihood ratio), so
+    ``E[w_k u+_k r_k] = E_theta+[u+_k / Lmax]``, and the mean over k is ``H+_n``; ``E[f] = H_n``.
+
+    Expanded in l: ``-sum_g x_g l_g`` (X's weights, term by term: the last sum makes up the part of
+    x_g built from the others), then ``sum_g l_g^2 (u_g - ubar_-g - 1) / (2 G Lmax)`` and cross terms
+    ``l_g l_h`` only from r, where a set B holds every longest response: none when three or more
+    responses share the longest length."""
+    S0, l = S_orig.double(), logw.double()
+    G = S0.shape[-1]
+    u, a = -S0, torch.expm1(l)
+    Lf = L.double().clamp(min=1)
+    inv_max = 1 / Lf.amax(-1, keepdim=True)
+    corr = inverse_lmax_corrections(a, Lf)
+    r = inv_max + corr
+    main = (u * (a * r + corr) - (1 + a) * l * r).mean(-1)
+    score = (a * (1 - loo_mean(u)) / leave_one_out_max(Lf)).sum(-1) / G
+    return main + score
+
+
+def group_change_normalised(f_orig: torch.Tensor, f_upd: torch.Tensor, lw_hat: torch.Tensor,
+                            b: torch.Tensor) -> torch.Tensor:
+    """Per prompt [..., B] of the ``dr_grpo`` functional with the group weights ``W = prod_g w^_g``
+    normalised over the B prompts (f [..., B], log-weights and baselines [..., B, G]):
     ``H+ + B om_n (f+_n - H+) - f_n - sum_g (w^_g - 1)(b_g - fbar_-n)``."""
     f0, f1, lw = f_orig.double(), f_upd.double(), lw_hat.double()
-    em = torch.expm1(lw)
-    if not normalise:
-        return torch.expm1(lw.sum(-1)) * f1 + (f1 - f0) - (em * b).sum(-1)
     B = f0.shape[-1]
     om = torch.softmax(lw.sum(-1), -1)
     Hp = (om * f1).sum(-1, keepdim=True)
-    return Hp + B * om * (f1 - Hp) - f0 - (em * (b - loo_mean(f0).unsqueeze(-1))).sum(-1)
+    return Hp + B * om * (f1 - Hp) - f0 - (torch.expm1(lw) * (b - loo_mean(f0).unsqueeze(-1))).sum(-1)
 
 
 def psis_log_weights(logw: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -256,7 +331,8 @@ def paired_psi(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Tensor, Lmax:
         f0 = -(S_orig.double() / Lm).mean(-1)
         f1 = f0 - (l / Lm).mean(-1)  # f+ = -(1/G) sum S+ / Lmax, without cancelling S
         b = group_baselines(S_orig, L, Lmax)
-        fn = lambda lw, norm: group_change(f0, f1, lw, b, norm)  # noqa: E731
+        fn = lambda lw, norm: (group_change_normalised(f0, f1, lw, b) if norm  # noqa: E731
+                               else group_change_cv(S_orig, l, L))
     else:
         f0 = -weighted_S(S_orig.double(), L, Lmax, mode)
         k = score_coefficients(L, mode)
