@@ -21,9 +21,9 @@ from entprobe.math import estimators as est
 from entprobe.math import importance as im
 from entprobe.math import token_functionals as tf
 from entprobe.math import token_importance as ti
-from entprobe.pipeline.stages.x_spec import XSpec
+from entprobe.pipeline.stages.x_spec import PER_DECISION_IS_MODES, XSpec
 
-PER_DECISION_ESTIMATORS = ("cv", "snis", "clip")
+PER_DECISION_ESTIMATORS = PER_DECISION_IS_MODES
 
 
 class TokenSide(NamedTuple):
