@@ -122,6 +122,29 @@ def se_tol(unit_tol) -> float:
     return float(t.norm()) / math.sqrt(B * (B - 1))
 
 
+def welch_interval_tol(center_tol: float, sides: list[tuple[float, int, float]]) -> dict:
+    """Bounds on an interval ``center -+ t(df) sqrt(sum V_k)`` (``estimators.interval`` with
+    Welch-Satterthwaite df) when its center moves by ``center_tol`` and each side's SE
+    ``sqrt(V_k)`` (of B_k units) by at most ``dse_k`` (``sides``: ``[(V_k, B_k, dse_k)]``):
+    ``{"SE", "df", "ci"}``. V_k moves by ``dse (2 SE + dse)``; df and t(df) are smooth in the V_k,
+    so their extremes over the small box the V_k stay in are at its corners (evaluated, not
+    linearised); the SE of the sum moves by at most ``hypot(dse_k)`` (a norm)."""
+    import itertools
+
+    from entprobe.math import estimators as est
+
+    V = [v for v, _, _ in sides]
+    dV = [d * (2 * math.sqrt(max(v, 0.0)) + d) for v, _, d in sides]
+    df = est.welch_df([(v, b) for v, b, _ in sides])
+    corners = [est.welch_df([(v + s * d, b) for (v, b, _), d, s in zip(sides, dV, signs)])
+               for signs in itertools.product((-1, 1), repeat=len(sides))]
+    q = est.t_quantile(df)
+    dq = max(abs(est.t_quantile(c) - q) for c in corners)
+    dse = math.hypot(*(d for _, _, d in sides))
+    se = math.sqrt(sum(max(v, 0.0) for v in V))
+    return {"SE": dse, "df": max(abs(c - df) for c in corners), "ci": center_tol + q * dse + dq * (se + dse)}
+
+
 def fp32_dot_tol(res: dict) -> float:
     """Relative error bound of ``deltaH1 = -lr Xbar . P Ybar`` between two fp32 computations that
     sum the same units in other orders (sharded: units taken in turn over the ranks, each rank's

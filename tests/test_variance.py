@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import compose_cfg, fp_tol, recording_units, se_tol
+from conftest import compose_cfg, fp_tol, recording_units, se_tol, welch_interval_tol
 from entprobe.math import estimators as est
 from entprobe.math import paramvec as pv
 from entprobe.cli.probe_job import run
@@ -226,18 +226,12 @@ def per_unit(run_dir) -> dict:
 def variance_bounds(v, ta: torch.Tensor, tb: torch.Tensor, B_E: int, B_U: int, lr: float, dbars: float) -> dict:
     """Absolute bounds on each field of ``est.two_batch_variance`` when its per-unit a and b move by
     at most ``ta``, ``tb`` and bars_dot by ``dbars`` (``v``: one side's values): V = SE^2 from
-    ``se_tol``; df (Welch-Satterthwaite) and the interval's t quantile over the corners of the box
-    the variances stay in (both smooth in them: a small box's extremes are its corners)."""
+    ``se_tol``, the SE, df and interval from ``welch_interval_tol``."""
     sa, sb = se_tol(ta), se_tol(tb)
     dVX, dVY = sa * (2 * math.sqrt(v.V_X) + sa), sb * (2 * math.sqrt(v.V_Y) + sb)
-    dse = lr * math.hypot(sa, sb)
-    corners = [est.welch_df([(v.V_X + i * dVX, B_E), (v.V_Y + j * dVY, B_U)]) for i in (-1, 1) for j in (-1, 1)]
-    ddf = max(abs(c - v.df) for c in corners)
-    q = est.t_quantile(v.df)
-    dq = max(abs(est.t_quantile(c) - q) for c in corners)
+    w = welch_interval_tol(lr * dbars, [(lr ** 2 * v.V_X, B_E, lr * sa), (lr ** 2 * v.V_Y, B_U, lr * sb)])
     bars = (v.ci95_low + v.ci95_high) / 2 / -lr
-    dci = lr * dbars + q * dse + dq * (v.SE + dse)
-    return {"V_X": dVX, "V_Y": dVY, "SE": dse, "df": ddf, "ci95_low": dci, "ci95_high": dci,
+    return {"V_X": dVX, "V_Y": dVY, "SE": w["SE"], "df": w["df"], "ci95_low": w["ci"], "ci95_high": w["ci"],
             "frac_var": (dVX + dVY) / bars ** 2 + v.frac_var * 2 * dbars / abs(bars)}
 
 
