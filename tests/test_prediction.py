@@ -338,9 +338,10 @@ def test_preconditioned_sgd_prediction_is_delta_h1(tmp_path):
 
 def test_other_optimizers_and_clipping_predict_the_step_they_take(tmp_path):
     """Plain SGD in closed form (-lr Xbar . Ybar, the seeds' deltaH1 with P = identity); gradient
-    clipping (a global rescale, not elementwise) and any other optimizer by their own step on a
-    snapshot: the prediction is then the first-order change of exactly the step the ground truth
-    takes, with the E-side SE only."""
+    clipping (a global rescale by a factor that does not depend on the lr) in AdamW's closed form
+    at the clipped gradient, with its parts and both SEs (tests/test_clipped_step.py checks it
+    against torch's clip and step); any other optimizer by its own step on a snapshot. Each
+    prediction is the first-order change of exactly the step the ground truth takes."""
     o = make_oracle("sequence", 2)
     gen = torch.Generator().manual_seed(13)
     E, U = batch_of(o, o.draw(1, 6, gen)[0]), batch_of(o, o.draw(1, 5, gen)[0])
@@ -363,7 +364,11 @@ def test_other_optimizers_and_clipping_predict_the_step_they_take(tmp_path):
     finally:
         for g in o.opt.param_groups:
             g["lr"] = 1e-2
-    assert clipped["pred/step_model"] == "optimizer_step" and math.isnan(clipped["SE_deltaH_pred_U"])
+    assert clipped["pred/step_model"] == "adamw_closed_form" and clipped["SE_deltaH_pred_U"] > 0
+    assert clipped["pred/grad_clip_factor"] < 0.1 and "pred/grad_clip_factor" not in adam  # clipping binds
+    assert clipped["pred/grad_clip_factor"] == pytest.approx(1e-3 / (clipped["pred/grad_norm"] + 1e-6), rel=1e-15)
     assert clipped["deltaH_pred"] == pytest.approx(clipped["deltaH1_step"], rel=1e-6)
-    assert clipped["SE_deltaH_pred"] > 0 and "deltaH_pred_gradient" not in clipped  # one unsplit update
+    parts = sum(clipped[f"deltaH_pred_{k}"] for k in ("gradient", "momentum", "weight_decay"))
+    assert clipped["SE_deltaH_pred"] > 0 and abs(parts - clipped["deltaH_pred"]) <= 1e-12 * abs(parts)
+    assert clipped["deltaH_pred_weight_decay"] == adam["deltaH_pred_weight_decay"]  # -lr wd theta: no gradient in it
     assert abs(clipped["deltaH_pred"] - adam["deltaH_pred"]) > 0.01 * abs(adam["deltaH_pred"])  # clipping bites
