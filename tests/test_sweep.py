@@ -18,9 +18,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
-from conftest import CONF_DIR, compose_cfg, fp32_dot_tol
+from conftest import CONF_DIR, compose_cfg, fp32_dot_tol, fp_tol
 from entprobe.reporting import sweep
 from entprobe.cli.probe_job import run, to_typed
 
@@ -77,6 +78,35 @@ def test_lr_sweep_reuses_batches_and_records_the_failed_job(tmp_path):
     assert len(cached) == 1 and sweep.cache_complete(cached[0])
     md = (sw / "sweep_summary.md").read_text()
     assert "3 jobs, 1 failed." in md and md.count("\n| ") == 4  # header + 3 rows
+
+
+def test_lr_sweep_with_gradient_clipping_shares_stage12(tmp_path):
+    """``importance.max_grad_norm`` (a TRL checkpoint's ``max_grad_norm=1.0``): the clipped AdamW
+    step is the closed form at ``s Ybar`` with s free of the lr, so the sweep's second job rescales
+    the first one's Stages 1-2 (prediction, parts, SEs, the clip factor), and takes its own clipped
+    step."""
+    sw = tmp_path / "sweep"
+    proc = _cli(tmp_path, "-m", *SMALL, "importance.max_grad_norm=1.0", "optimizer.lr=1e-4,1e-3",
+                f"hydra.sweep.dir={sw}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = [json.loads((sw / str(j) / "results.json").read_text()) for j in (0, 1)]
+    assert [x["reused_stage12"] for x in res] == [False, True] and [r["stage12"] for r in _rows(sw)] == ["computed", "reused"]
+    assert all(x["pred/step_model"] == "adamw_closed_form" for x in res)
+    assert res[0]["pred/grad_clip_factor"] == res[1]["pred/grad_clip_factor"] < 0.5  # clipping binds
+    assert res[1]["stage12_share"] == "reused from lr=0.0001"
+    # the rescaled prediction: each part times r = 1e-3 / 1e-4 in fp64, summed again (3 terms)
+    r = 1e-3 / 1e-4
+    parts = [res[0][f"deltaH_pred_{k}"] for k in ("gradient", "momentum", "weight_decay")]
+    assert abs(res[1]["deltaH_pred"] - r * res[0]["deltaH_pred"]) <= fp_tol(
+        torch.float64, r * sum(abs(x) for x in parts), 3, k=2, worst_case=True)
+    # its SE: the sd of the per-prompt contributions times r, each centred (e_n - mean e: rounded
+    # relative to |e_n| + |mean e|) and squared, B_E of them summed in fp64
+    e = json.loads((sw / "0" / "per_unit.json").read_text())["E/deltaH_pred"]
+    B, mean = len(e), sum(e) / len(e)
+    mag = r * (max(abs(x) for x in e) + abs(mean)) * math.sqrt(B / (B - 1))
+    assert abs(res[1]["SE_deltaH_pred"] - r * res[0]["SE_deltaH_pred"]) <= fp_tol(torch.float64, mag, B, k=2,
+                                                                                   worst_case=True)
+    assert res[0]["deltaH_true"] != res[1]["deltaH_true"]  # each job's own step
 
 
 def test_submitit_local_job_runs_ddp_over_its_tasks(tmp_path):
