@@ -183,6 +183,10 @@ class UnitRecord:
         self.rows: list[torch.Tensor] = []
         self.N = 0
 
+    def all(self) -> torch.Tensor:
+        """Every recorded unit's magnitudes [units, directions], in the order of the passes."""
+        return torch.stack(self.rows)
+
     def split(self, B_E: int) -> UnitMagnitudes:
         """E's units come first (``two_batch.compute_stage12`` projects E, then U)."""
         E, U = self.rows[:B_E], self.rows[B_E:]

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import committed_batches, compose_cfg, fp32_dot_tol, fp_tol, recording_units, rel_diff, se_tol
+from conftest import committed_batches, compose_cfg, fp32_dot_tol, fp_tol, recording_units, rel_diff
 from ddp_launch import launch
+from two_batch_bounds import assert_unit_values_agree, bounds, per_unit, unit_bounds
 from entprobe.config import ConfigError
 from entprobe.cli.probe_job import run, to_typed
 
@@ -34,30 +35,12 @@ FSDP = ("ddp.strategy=fsdp2", "ddp.timeout_s=120")
 
 def sharded_bounds(one: dict, mags, run_one: Path, run_r0: Path) -> dict:
     """Absolute bounds on the 2-rank numbers against the one-process run's (``one``; its per-unit
-    magnitudes ``mags``, ``recording_units``), and a check of the per-unit projections themselves.
-    Sharded, every per-unit projection ``V_n . d_j`` is the same sum over the N parameters taken
-    in two shards, its unit's gradient and its direction (Xbar, Ybar: the units summed over the
-    ranks) rounded on another path: ``UnitMagnitudes.tol`` per unit; SEs by ``se_tol``; the
-    prediction (the mean of e) by the mean of its per-unit bounds plus Ybar's rounding through the
-    update (the u side); the measured change, a difference of two entropy estimates whose terms
-    (-log p >= 0) sum to about |H_orig| each, by the fp32 rounding of N-term functions of them
-    (every log-prob depends on the N parameters) plus the step's rounding (the u side again). A
-    shard counted twice or lost moves any of them by O(1) of itself."""
-    pu_one, pu_r0 = (json.loads((d / "per_unit.json").read_text()) for d in (run_one, run_r0))
-    ta, tb = mags.tol("E", 0), mags.tol("U", 0)
-    parts = [k for k in pu_one["e"]]
-    tE = {k: mags.tol("E", 1 + j) for j, k in enumerate(parts)}
-    tu = mags.tol("U", 1)
-    for key, t in (("a", ta), ("b", tb), ("u", tu), *((k, tE[k]) for k in parts)):
-        got = pu_r0[key] if key in ("a", "b", "u") else pu_r0["e"][key]
-        want = pu_one[key] if key in ("a", "b", "u") else pu_one["e"][key]
-        d = (torch.tensor(got, dtype=torch.float64) - torch.tensor(want, dtype=torch.float64)).abs()
-        assert (d <= t).all(), (key, d.tolist(), t.tolist())
-    e_tot = sum(tE.values())
-    step = float(tu.mean())
-    return {"SE_deltaH1": one["lr"] * math.hypot(se_tol(ta), se_tol(tb)),
-            "deltaH_pred": float(e_tot.mean()) + step, "SE_deltaH_pred": se_tol(e_tot),
-            "deltaH_true": fp_tol(torch.float32, 2 * abs(one["H_orig"]), mags.N) + step}
+    magnitudes ``mags``, ``recording_units``), after checking the per-unit projections themselves
+    (two_batch_bounds.py: sharded, each is the same sum over the N parameters in two shards, its
+    unit's gradient and its direction rounded on another path). A shard counted twice or lost moves
+    any of them by O(1) of itself."""
+    assert_unit_values_agree(per_unit(run_r0), per_unit(run_one), unit_bounds(one, mags), "rank 0")
+    return bounds(one, mags)
 
 
 def _instrumented(seen: dict):
@@ -127,7 +110,6 @@ def _worker(rank: int, world: int, port: int, out: str, extra: tuple = ()) -> No
     D.shutdown()
 
 
-@pytest.mark.numerics
 def test_fsdp2_two_ranks_equal_one_process(tmp_path):
     with recording_units() as rec:
         one = run(compose_cfg(tmp_path / "one", *SMALL, *SAVED))
@@ -261,7 +243,6 @@ def _sampling_worker(rank: int, world: int, port: int, out: str) -> None:
 SAMPLED = ("batch.B_E=3", "batch.B_U=3", "batch.G=4", "sampling.max_new_tokens=6")
 
 
-@pytest.mark.numerics
 def test_fsdp2_samples_the_one_process_batches_on_the_default_config(tmp_path):
     """No batch.load and the default importance settings: two fsdp2 ranks sample in step (every
     forward all-gathers; uneven shards of 3 prompts), hold the batches a one-process run with the

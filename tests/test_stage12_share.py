@@ -98,7 +98,6 @@ def assert_same_results(shared: dict, own: dict, tol: dict | None = None) -> Non
 # stored: per-unit gradients (lr-free) dotted with fp64 directions: the jobs differ by fp64
 # rounding. jvp: the tangents (lr times a direction) pass the model's fp32 eager-attention
 # softmax, so a job's own projections are linear in lr only to fp32 rounding.
-@pytest.mark.numerics
 @pytest.mark.parametrize("projection,dtype", [("stored", torch.float64), ("jvp", torch.float32)])
 def test_reused_stage12_equals_the_jobs_own_on_the_exact_model(projection, dtype, tmp_path):
     o = make_oracle("sequence", 3)

@@ -41,6 +41,7 @@ from entprobe.pipeline.stages.context import nograd_prompts
 from entprobe.pipeline.stages.variance import (SMALL_MODEL_PARAMS, UNIT_GRADS_ALWAYS_MB, project_backward, project_jvp, resolve_projection,
                                       resolve_unit_backward)
 from exact_model import adamw_with_state, enumerate_responses, make_setup
+from two_batch_bounds import assert_runs_agree, per_unit
 from exact_oracle import batch_of  # the RolloutBatch of enumerated response indices (needs .setup, .K, .R)
 
 MODES = ("sequence", "dr_grpo", "per_token_avg")
@@ -167,59 +168,16 @@ def rel(x, y) -> float:
 # ---------------------------------------------------------------- one path against the per-unit backward
 # The paths compute every per-unit projection V_n . d_j (a, b, the parts of e, u) through other
 # kernels (reverse or forward mode, kept per-unit gradients, layer hooks), so they agree to the
-# fp32 rounding of those sums: per unit ``fp_tol(fp32, sum_i |V_n,i d_j,i|, N)`` (conftest.py;
-# the magnitudes recorded from the backward run, ``recording_units``). Every reported number is
-# a mean or an SE of those per-unit values, bounded from them: means by the mean of the per-unit
-# bounds, SEs by ``se_tol`` (exact: the SE is a seminorm), V = SE^2 by ``dSE (2 SE + dSE)``. The
-# fp64 exact model takes the same bound in fp32: HF's eager attention takes its softmax in fp32.
-# A path that dropped a unit, a direction or a part is off by O(1) of the per-unit values.
+# rounding of those sums (two_batch_bounds.py, from the backward run's recorded magnitudes); the
+# fp64 exact model takes the fp32 bound: HF's eager attention takes its softmax in fp32.
 # ``ci95_low/high`` are ``deltaH1 -+ t(df) SE_deltaH1`` of these (test_frac_var_and_ci95_follow_the_se).
 PATH_KEYS = tuple(k for k in VAR_KEYS if k not in ("ci95_low", "ci95_high"))
 
 
-def path_bounds(ref: dict, mags, dtype: torch.dtype = torch.float32) -> tuple[dict, dict]:
-    """(absolute bounds per results key, per-unit bounds per per_unit.json array) for any path's
-    numbers against the backward run ``ref`` whose per-unit magnitudes are ``mags``; ``dtype``:
-    the precision the two computations differ in."""
-    parts = [k for k in ("gradient", "momentum", "weight_decay") if f"SE_deltaH_pred_{k}" in ref]
-    tE = {"a": mags.tol("E", 0, dtype), **{k: mags.tol("E", 1 + j, dtype) for j, k in enumerate(parts)}}
-    tU = {"b": mags.tol("U", 0, dtype), "u": mags.tol("U", 1, dtype)}
-    e_tot = sum(tE[k] for k in parts)
-
-    def var(V, dse):  # V = SE^2 with SE moved by at most dse
-        return dse * (2 * math.sqrt(V) + dse)
-    dVX, dVY = var(ref["V_X"], se_tol(tE["a"])), var(ref["V_Y"], se_tol(tU["b"]))
-    # bars_dot = Xbar . P Ybar: the unit means of the same products
-    dbars = float(tE["a"].mean() + tU["b"].mean())
-    # deltaH_pred = -sum_parts Xbar . Delta_part: the mean of e, plus Ybar's rounding through J (u's)
-    dpred = float(e_tot.mean() + tU["u"].mean())
-    dse_pred = se_tol(e_tot)
-    q = est.t_quantile(ref["B_E"] - 1)
-    bars, lr = ref["bars_dot"], ref["lr"]
-    tol = {"V_X": dVX, "V_Y": dVY, "SE_deltaH1": lr * math.hypot(se_tol(tE["a"]), se_tol(tU["b"])),
-           "frac_var": (dVX + dVY) / bars ** 2 + ref["frac_var"] * 2 * dbars / abs(bars),
-           "deltaH_pred": dpred, "SE_deltaH_pred": dse_pred, "SE_deltaH_pred_E": dse_pred,
-           "SE_deltaH_pred_U": se_tol(tU["u"]), "ci95_pred_low": dpred + q * dse_pred,
-           "ci95_pred_high": dpred + q * dse_pred,
-           **{f"SE_deltaH_pred_{k}": se_tol(tE[k]) for k in parts}}
-    return tol, {**tE, **tU}
-
-
 def assert_path_equals_backward(res: dict, pu: dict, ref: dict, pu_ref: dict, mags, label,
-                                dtype: torch.dtype = torch.float32, keys=PATH_KEYS) -> None:
-    """``res`` (and its per_unit.json ``pu``) equal the backward run's to the bounds of ``path_bounds``."""
-    tol, unit = path_bounds(ref, mags, dtype)
-    for key, t in unit.items():  # the per-unit values themselves
-        got = pu[key] if key in ("a", "b", "u") else pu["e"][key]
-        want = pu_ref[key] if key in ("a", "b", "u") else pu_ref["e"][key]
-        d = (torch.tensor(got, dtype=torch.float64) - torch.tensor(want, dtype=torch.float64)).abs()
-        assert (d <= t).all(), (label, key, d.tolist(), t.tolist())
-    for key in keys:
-        assert abs(res[key] - ref[key]) <= tol[key], (label, key, res[key], ref[key], tol[key])
-
-
-def per_unit(run_dir) -> dict:
-    return json.loads((Path(run_dir) / "per_unit.json").read_text())
+                                dtype: torch.dtype = torch.float32) -> None:
+    """``res`` (and its per_unit.json ``pu``) equal the backward run's, to two_batch_bounds'."""
+    assert_runs_agree(res, pu, ref, pu_ref, mags, label, PATH_KEYS, dtype)
 
 
 # ---------------------------------------------------------------- fused == per-unit backward
@@ -269,7 +227,6 @@ def test_fused_equals_backward_on_exact_model(ex, mode):
 PATHS = ("stored", "fused", "jvp", "ghost")
 
 
-@pytest.mark.numerics
 @pytest.mark.parametrize("mode", MODES)
 def test_every_path_equals_backward_through_run_two_batch(ex, mode, tmp_path):
     """The orchestration itself (run_two_batch, ground truth off): each fast path gives the
@@ -303,7 +260,6 @@ def test_every_path_equals_backward_through_run_two_batch(ex, mode, tmp_path):
         assert_path_equals_backward(res, per_unit(tmp_path / f"{proj}_{how}"), ref, pu_ref, mags, (proj, how))
 
 
-@pytest.mark.numerics
 def test_ghost_with_u_gradients_over_budget_takes_forward_mode_on_u(ex, tmp_path):
     """ghost keeps U's per-unit gradients only within the budget (as auto's stored); over it U's
     projections come from forward mode (as fused): the same V_X, V_Y and SEs, the promised passes."""
@@ -323,7 +279,6 @@ def test_ghost_with_u_gradients_over_budget_takes_forward_mode_on_u(ex, tmp_path
                                 rec.split(E.B), "ghost")
 
 
-@pytest.mark.numerics
 @pytest.mark.parametrize("proj", ["stored", "fused", "jvp"])
 def test_directions_stored_per_parameter_give_the_same_numbers(ex, proj, tmp_path, monkeypatch):
     """Large models keep the k directions as one [k, n_i] block per parameter (each its own
