@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import compose_cfg, fp_tol, recording_units, se_tol, welch_interval_tol
+from conftest import compose_cfg, fp_tol, recording_units
 from entprobe.math import estimators as est
 from entprobe.math import paramvec as pv
 from entprobe.cli.probe_job import run
@@ -41,7 +41,7 @@ from entprobe.pipeline.stages.context import nograd_prompts
 from entprobe.pipeline.stages.variance import (SMALL_MODEL_PARAMS, UNIT_GRADS_ALWAYS_MB, project_backward, project_jvp, resolve_projection,
                                       resolve_unit_backward)
 from exact_model import adamw_with_state, enumerate_responses, make_setup
-from two_batch_bounds import assert_runs_agree, per_unit
+from two_batch_bounds import assert_runs_agree, per_unit, variance_bounds
 from exact_oracle import batch_of  # the RolloutBatch of enumerated response indices (needs .setup, .K, .R)
 
 MODES = ("sequence", "dr_grpo", "per_token_avg")
@@ -181,18 +181,6 @@ def assert_path_equals_backward(res: dict, pu: dict, ref: dict, pu_ref: dict, ma
 
 
 # ---------------------------------------------------------------- fused == per-unit backward
-def variance_bounds(v, ta: torch.Tensor, tb: torch.Tensor, B_E: int, B_U: int, lr: float, dbars: float) -> dict:
-    """Absolute bounds on each field of ``est.two_batch_variance`` when its per-unit a and b move by
-    at most ``ta``, ``tb`` and bars_dot by ``dbars`` (``v``: one side's values): V = SE^2 from
-    ``se_tol``, the SE, df and interval from ``welch_interval_tol``."""
-    sa, sb = se_tol(ta), se_tol(tb)
-    dVX, dVY = sa * (2 * math.sqrt(v.V_X) + sa), sb * (2 * math.sqrt(v.V_Y) + sb)
-    w = welch_interval_tol(lr * dbars, [(lr ** 2 * v.V_X, B_E, lr * sa), (lr ** 2 * v.V_Y, B_U, lr * sb)])
-    bars = (v.ci95_low + v.ci95_high) / 2 / -lr
-    return {"V_X": dVX, "V_Y": dVY, "SE": w["SE"], "df": w["df"], "ci95_low": w["ci"], "ci95_high": w["ci"],
-            "frac_var": (dVX + dVY) / bars ** 2 + v.frac_var * 2 * dbars / abs(bars)}
-
-
 @pytest.mark.numerics
 @pytest.mark.parametrize("mode", MODES)
 def test_fused_equals_backward_on_exact_model(ex, mode):

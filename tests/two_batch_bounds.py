@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import fp_tol, se_tol
+from conftest import fp_tol, se_tol, welch_interval_tol
 from entprobe.math import estimators as est
 
 PARTS = ("gradient", "momentum", "weight_decay")
@@ -90,3 +90,15 @@ def assert_runs_agree(res: dict, pu: dict, ref: dict, pu_ref: dict, mags, label,
     tol = bounds(ref, mags, dtype)
     for key in keys:
         assert abs(res[key] - ref[key]) <= tol[key], (label, key, res[key], ref[key], tol[key])
+
+
+def variance_bounds(v, ta: torch.Tensor, tb: torch.Tensor, B_E: int, B_U: int, lr: float, dbars: float) -> dict:
+    """Absolute bounds on each field of ``est.two_batch_variance`` when its per-unit a and b move by
+    at most ``ta``, ``tb`` and bars_dot by ``dbars`` (``v``: one side's values): V = SE^2 from
+    ``se_tol``, the SE, df and interval from ``welch_interval_tol``."""
+    sa, sb = se_tol(ta), se_tol(tb)
+    dVX, dVY = sa * (2 * math.sqrt(v.V_X) + sa), sb * (2 * math.sqrt(v.V_Y) + sb)
+    w = welch_interval_tol(lr * dbars, [(lr ** 2 * v.V_X, B_E, lr * sa), (lr ** 2 * v.V_Y, B_U, lr * sb)])
+    bars = (v.ci95_low + v.ci95_high) / 2 / -lr
+    return {"V_X": dVX, "V_Y": dVY, "SE": w["SE"], "df": w["df"], "ci95_low": w["ci"], "ci95_high": w["ci"],
+            "frac_var": (dVX + dVY) / bars ** 2 + v.frac_var * 2 * dbars / abs(bars)}
