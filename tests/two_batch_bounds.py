@@ -36,6 +36,8 @@ def per_unit(run_dir) -> dict:
 def unit_bounds(ref: dict, mags, dtype: torch.dtype = torch.float32) -> dict:
     """Per-unit bounds by per_unit.json array: ``a``, ``b``, ``u`` and each part of ``e``."""
     parts = [k for k in PARTS if f"SE_deltaH_pred_{k}" in ref or f"deltaH_pred_{k}" in ref]
+    if not parts:  # one direction: the whole update (its per_unit.json name: the step model's part)
+        parts = ["update" if ref.get("pred/step_model") == "optimizer_step" else "gradient"]
     out = {"a": mags.tol("E", 0, dtype), **{k: mags.tol("E", 1 + j, dtype) for j, k in enumerate(parts)},
            "b": mags.tol("U", 0, dtype)}
     if mags.U.shape[1] > 1:
@@ -47,7 +49,7 @@ def bounds(ref: dict, mags, dtype: torch.dtype = torch.float32) -> dict:
     """Absolute bounds per results key for another computation of the run ``ref`` whose per-unit
     magnitudes are ``mags``; ``dtype``: the precision the two computations differ in."""
     unit = unit_bounds(ref, mags, dtype)
-    parts = [k for k in PARTS if k in unit]
+    parts = [k for k in unit if k not in ("a", "b", "u")]
     e_tot = sum(unit[k] for k in parts)
     step = float(unit["u"].mean()) if "u" in unit else 0.0
 
@@ -67,8 +69,8 @@ def bounds(ref: dict, mags, dtype: torch.dtype = torch.float32) -> dict:
            "deltaH_pred": dpred, "SE_deltaH_pred": dse_pred, "SE_deltaH_pred_E": dse_pred,
            "ci95_pred_low": dpred + q * dse_pred, "ci95_pred_high": dpred + q * dse_pred,
            "deltaH_true": dtrue, "SE_deltaH_true": dse_true,
-           **{f"SE_deltaH_pred_{k}": se_tol(unit[k]) for k in parts},
-           **{f"deltaH_pred_{k}": float(unit[k].mean()) + step for k in parts}}
+           **{f"SE_deltaH_pred_{k}": se_tol(unit[k]) for k in parts if k in PARTS},
+           **{f"deltaH_pred_{k}": float(unit[k].mean()) + step for k in parts if k in PARTS}}
     if "u" in unit:
         tol["SE_deltaH_pred_U"] = se_tol(unit["u"])
     return tol
