@@ -70,7 +70,7 @@ def test_frozen_after_context_has_no_gradient_path(setup, batch):
 def test_loss_detached_from_S_has_no_gradient_path(setup, batch):
     ctx = setup.ctx("sequence", mb_size=2)
     with pytest.raises(RuntimeError, match="no gradient path"):
-        accumulate(ctx, batch, lambda S, mb: S.detach().sum(), "X over E")
+        accumulate(ctx, batch, lambda fwd, mb: fwd.S.detach().sum(), "X over E")
 
 
 def test_loss_reaching_none_of_the_probed_parameters(setup, batch):

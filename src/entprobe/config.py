@@ -20,6 +20,14 @@ class WeightingMode(str, Enum):
     sequence = "sequence"
     dr_grpo = "dr_grpo"
     per_token_avg = "per_token_avg"
+    token_mean = "token_mean"  # the trainers' token entropy: TRL `entropy`, verl `actor/entropy` (token-mean)
+    seq_mean_token_mean = "seq_mean_token_mean"  # verl's seq-mean-token-mean of the token entropies
+
+
+class XEstimator(str, Enum):
+    auto = "auto"  # rao_blackwell where the functional is a sum over tokens (sequence, token_mean), else score
+    score = "score"  # (S_w - baseline) grad S over whole responses
+    rao_blackwell = "rao_blackwell"  # token entropies H_t and the reward-to-go: same target, less noise
 
 
 class AdvantageMode(str, Enum):
@@ -240,6 +248,7 @@ class ProbeConfig:
     mode: ProbeMode = ProbeMode.two_batch
     mb_size_prompts: int = 2
     weighting_mode: WeightingMode = WeightingMode.dr_grpo
+    x_estimator: XEstimator = XEstimator.auto
     buffers_device: str = "auto"
     buffers_dtype: DType = DType.float32
     variance_enabled: bool = True

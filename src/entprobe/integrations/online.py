@@ -46,15 +46,16 @@ from entprobe.math.importance import psis_backend
 from entprobe.checkpoints.optim_state import OptimizerStateError
 from entprobe.tasks.prompt_ids import prompt_kwargs
 from entprobe.rollouts.sampling import RolloutBatch, draw_prompt_indices, sample_batch
-from entprobe.pipeline.stages.ground_truth import eval_at_current, importance_estimates, true_change
+from entprobe.pipeline.stages.ground_truth import (eval_at_current, importance_estimates, token_side,
+                                                   token_side_needed, true_change)
+from entprobe.pipeline.stages.x_spec import functional_value
 from entprobe.pipeline.stages.prediction import HeldOutPrediction, build_step_model, compare_with_prediction, predict_on_held_out
 from entprobe.tasks import Task
-from entprobe.math import estimators as est
 
 # what the online probe reads from the config; every other key describes the command line's own
 # step (objective, optimizer file, ...), which the online probe takes from the training loop
 ONLINE_KEYS = ("batch.B_E", "batch.G", "batch.seed_E", "sampling", "probe.mb_size_prompts", "probe.weighting_mode",
-               "probe.buffers_device", "probe.buffers_dtype", "probe.projection", "probe.unit_backward",
+               "probe.x_estimator", "probe.buffers_device", "probe.buffers_dtype", "probe.projection", "probe.unit_backward",
                "probe.unit_grads_budget_mb", "probe.nograd_memory_mb", "probe.jvp_mb_size_prompts",
                "importance.is_mode", "importance.clip_c", "importance.importance_microbatch_size",
                "model.autocast_bf16", "task.chat_template", "task.system_prompt", "task.tokenize",
@@ -203,10 +204,13 @@ class OnlineProbe:
         t0, c0 = _now(), time.process_time()
         ctx, icfg, E = self._ctx, self.cfg.importance, pend.E
         with left_as_it_was(self.model, self.optimizer, None):
-            S_upd, _ = eval_at_current(ctx, E, icfg, with_entropy=False)
+            tokens_needed = token_side_needed(ctx.x)
+            S_upd, ent_upd, lp_upd = eval_at_current(ctx, E, icfg, with_entropy=tokens_needed)
             with ctx.phase("importance"):
+                tokens = token_side(ctx.x, E, pend.pred.token_logp, lp_upd, pend.pred.entropy, ent_upd) \
+                    if tokens_needed else None
                 est_res, psi = importance_estimates(pend.pred.S, S_upd, E.gen_lengths, E.Lmax, ctx.weighting_mode,
-                                                    icfg.clip_c, warn_psis=False)
+                                                    icfg.clip_c, warn_psis=False, x=ctx.x, tokens=tokens)
                 x_after = pv.dot(pend.pred.Xbar, [p.detach() for p in ctx.params], dtype=torch.float64)
         res = pend.res
         res.update(est_res)
@@ -232,7 +236,7 @@ class OnlineProbe:
         if pend is None:
             return None
         E, res = pend.E, pend.res
-        H = float(-est.weighted_S(pend.pred.S, E.gen_lengths, E.Lmax, self._ctx.weighting_mode).double().mean())
+        H = functional_value(self._ctx.x, pend.pred.S, pend.pred.entropy, E.response_mask)
         return PendingPrediction(pend.step, res["deltaH_pred"], res["SE_deltaH_pred"], H, res["lr"])
 
     def rescale_pending(self, factor: float) -> None:

@@ -16,14 +16,17 @@ import torch
 def weighted_S(S: torch.Tensor, L: torch.Tensor, Lmax: torch.Tensor, mode: str) -> torch.Tensor:
     """The entropy functional's per-response quantity S_w [n, g].
 
-    ``sequence``: S; ``dr_grpo``: S / Lmax[n]; ``per_token_avg``: S / L[n, g].
+    ``sequence``: S; ``dr_grpo``: S / Lmax[n]; ``per_token_avg``: S / L[n, g]. The functionals
+    built from token entropies (``token_mean``, ``seq_mean_token_mean``: math/token_functionals.py)
+    have no such quantity; for them this is the sampled per-token ``S / L`` (Cui et al.'s
+    covariance baseline ``delta_h_cov`` reads it).
     """
     mode = getattr(mode, "value", mode)
     if mode == "sequence":
         return S
     if mode == "dr_grpo":
         return S / Lmax.clamp(min=1).unsqueeze(-1).to(S.dtype)
-    if mode == "per_token_avg":
+    if mode in ("per_token_avg", "token_mean", "seq_mean_token_mean"):
         return S / L.clamp(min=1).to(S.dtype)
     raise ValueError(f"unknown weighting_mode {mode!r}")
 

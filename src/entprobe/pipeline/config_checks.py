@@ -7,6 +7,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from entprobe.math.token_functionals import TOKEN_MODES
+from entprobe.pipeline.stages.token_measure import PER_DECISION_ESTIMATORS
+from entprobe.pipeline.stages.x_spec import resolve_x_estimator
 from entprobe.config import (ConfigError, EntprobeConfig, ModelSource, ProbeMode, WeightingMode, structured,
                              what_if_errors)
 from entprobe.rollouts.objectives import config_errors
@@ -95,6 +98,15 @@ def validate(cfg: Any) -> None:
     _require(not (p.cross_fit and p.weighting_mode == WeightingMode.dr_grpo), "probe.cross_fit",
              "needs a weighting mode whose functional is a mean over responses (sequence or "
              "per_token_avg): dr_grpo's couples the whole group through Lmax, so X cannot use half of it")
+    x_est = resolve_x_estimator(p.weighting_mode, p.x_estimator)  # a ConfigError when it does not apply
+    _require(not (p.cross_fit and (x_est == "rao_blackwell" or p.weighting_mode.value in TOKEN_MODES)),
+             "probe.cross_fit", f"splits each group into an X half and a Y half of whole responses; the "
+             f"{p.weighting_mode.value} / {x_est} X is built per token: use probe.x_estimator=score with "
+             "weighting_mode sequence or per_token_avg")
+    _require(x_est != "rao_blackwell" or i.is_mode.value in PER_DECISION_ESTIMATORS, "importance.is_mode",
+             f"is {i.is_mode.value}; the Rao-Blackwellised X (probe.x_estimator={p.x_estimator.value} with "
+             f"weighting_mode={p.weighting_mode.value}) is measured with per-decision weights, which offer "
+             f"{' and '.join(PER_DECISION_ESTIMATORS)}: use one of them, or probe.x_estimator=score")
     _require(0 <= i.ess_threshold <= 1, "importance.ess_threshold", "is a fraction ESS/N in [0, 1]")
     _require(i.importance_microbatch_size is None or i.importance_microbatch_size >= 1,
              "importance.importance_microbatch_size", "must be >= 1 (or null: sized from nograd_memory_mb)")

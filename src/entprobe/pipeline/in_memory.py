@@ -31,6 +31,7 @@ from entprobe.reporting.tables import console_table
 from entprobe.reporting.markdown import write_report
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.pipeline.lr_share import ShareSource, stage12_share
+from entprobe.pipeline.stages.x_spec import x_spec
 from entprobe.pipeline.stages.context import ProbeContext, resolve_buffers_device
 from entprobe.tasks import Task
 from entprobe.reporting.verdict import flags, print_verdict
@@ -59,7 +60,8 @@ def probe_context(cfg: EntprobeConfig, model: torch.nn.Module, device: torch.dev
     buf_dev = resolve_buffers_device(pcfg.buffers_device, params, dtype)
     return ProbeContext(run_model or model, names, params, device, autocast_dtype, cfg.sampling.temperature,
                         pcfg.weighting_mode.value, pcfg.mb_size_prompts, buf_dev, dtype,
-                        progress=cfg.logging.progress and D.is_main(), nograd_memory_mb=pcfg.nograd_memory_mb)
+                        progress=cfg.logging.progress and D.is_main(), nograd_memory_mb=pcfg.nograd_memory_mb,
+                        x=x_spec(pcfg.weighting_mode, pcfg.x_estimator))
 
 
 def probe_batches(cfg: EntprobeConfig, held: InMemory, E_all: RolloutBatch, U_all: RolloutBatch,
@@ -89,7 +91,8 @@ def probe_batches(cfg: EntprobeConfig, held: InMemory, E_all: RolloutBatch, U_al
     results.update(lm.meta)  # a PEFT adapter's path, base and size
     results.update(global_pass_counts(ctx.stats.flat()))  # times and memory stay this rank's
     results.update({"model_source": lm.source, "world_size": D.world(), "batch_source": batch_source,
-                    "weighting_mode": ctx.weighting_mode, "objective": ctx.objective.name,
+                    "weighting_mode": ctx.weighting_mode, "x_estimator": ctx.x.estimator,
+                    "objective": ctx.objective.name,
                     "buffers_device": str(ctx.buffers_device),
                     "preconditioner": cfg.optimizer.preconditioner.value, "is_mode": cfg.importance.is_mode.value})
     return results

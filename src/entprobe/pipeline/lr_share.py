@@ -103,6 +103,7 @@ class Stage12:
     projection: str | None
     unit_backward: str | None  # set when per-unit gradients were taken in the X pass
     step_terms: torch.Tensor  # per parameter tensor: Xbar . Delta theta (all parts; the attribution)
+    E_token_logp: torch.Tensor | None = None  # [B_E, G, T] this rank's E token log-probs at theta
     step_facts: dict = dataclasses.field(default_factory=dict)  # the step model's, lr-free (clipping's factor)
 
     def at_lr(self, lr: float) -> "Stage12":

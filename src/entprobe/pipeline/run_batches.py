@@ -71,6 +71,9 @@ def sample_global(cfg: EntprobeConfig, lm, task, ctx: ProbeContext) -> tuple[Rol
     (the draws of a one-process run), stopping together, and takes rank 0's."""
     b, s = cfg.batch, cfg.sampling
 
+    def bar(label: str) -> str | None:  # one bar, on the main rank: tokens per second while sampling
+        return f"sample {label}" if cfg.logging.progress and D.is_main() else None
+
     def draw(B, seed, label):
         if B < D.world():
             raise ConfigError(f"batch.B_{label}={B} prompts cannot be split over {D.world()} ranks")
@@ -78,12 +81,12 @@ def sample_global(cfg: EntprobeConfig, lm, task, ctx: ProbeContext) -> tuple[Rol
             idx = draw_prompt_indices(len(task.prompts), B, seed)
             with ctx.phase(f"sample_{label}"):
                 whole = sample_batch(lm.model, lm.tokenizer, task, idx, b.G, s, seed, b.advantage.value, b.adv_eps,
-                                     stop_together=True, **prompt_kwargs(cfg, lm.source))
+                                     stop_together=True, progress=bar(label), **prompt_kwargs(cfg, lm.source))
             return D.broadcast_object(whole)  # rank 0's draws on every rank, whatever the rounding
         idx = draw_prompt_indices(len(task.prompts), B, seed).tensor_split(D.world())[D.rank()]
         with ctx.phase(f"sample_{label}"):
             mine = sample_batch(lm.model, lm.tokenizer, task, idx, b.G, s, rank_seed(seed), b.advantage.value,
-                                b.adv_eps, **prompt_kwargs(cfg, lm.source))
+                                b.adv_eps, progress=bar(label), **prompt_kwargs(cfg, lm.source))
         return concat_batches(D.gather_objects(mine), lm.tokenizer.pad_token_id) if D.is_dist() else mine
 
     # single_batch measures its step on a fresh E too (responses the step was not fit to)
@@ -130,4 +133,6 @@ def shard_resample(cfg: EntprobeConfig, lm, task, E: RolloutBatch) -> RolloutBat
     """Fresh responses for this rank's E prompts at the current (updated) parameters."""
     b = cfg.batch
     return sample_batch(lm.model, lm.tokenizer, task, E.prompt_index, b.G, cfg.sampling,
-                        rank_seed(b.seed_E + 1_000_003), b.advantage.value, b.adv_eps, **prompt_kwargs(cfg, lm.source))
+                        rank_seed(b.seed_E + 1_000_003), b.advantage.value, b.adv_eps,
+                        progress="resample E" if cfg.logging.progress and D.is_main() else None,
+                        **prompt_kwargs(cfg, lm.source))

@@ -16,6 +16,7 @@ import torch
 from entprobe.runtime import distributed as D
 from entprobe.runtime.atomic_io import torch_save_atomic
 from entprobe.runtime.input_files import InputFileError, load_torch_file
+from entprobe.runtime.progress import TokenRate
 from entprobe.rollouts.logprobs import position_ids_from_mask
 from entprobe.tasks.prompt_ids import encode_prompts
 from entprobe.tasks.base import score_rows
@@ -23,6 +24,7 @@ from entprobe.tasks.base import score_rows
 
 ABSURD = 1e6  # |advantage| or |reward| beyond it: a corrupt file, not a reward scale
 LOGP_TOL = 1e-5  # a log-probability above it is not one (log_softmax is <= 0 up to rounding)
+OPTIONAL_FIELDS = ("temperature", "sampler_entropy")  # a saved batch may lack these
 
 
 @dataclass
@@ -35,6 +37,9 @@ class RolloutBatch:
     advantages: torch.Tensor  # [B, G] fp32
     prompt_index: torch.Tensor  # [B] long, index into task.prompts
     temperature: float = 1.0
+    # [B, G, T] fp32 entropy of the sampling distribution log_softmax(logits/temp) at each generated
+    # position, recorded while sampling (None: not recorded, e.g. batches saved before it was)
+    sampler_entropy: torch.Tensor | None = None
 
     @property
     def B(self) -> int:
@@ -87,7 +92,7 @@ class RolloutBatch:
         data = load_torch_file(path, "a saved batch", todo)
         names = {f.name for f in fields(cls)}
         if not isinstance(data, dict) or not names >= set(data) or any(
-                not isinstance(data.get(f.name), torch.Tensor) for f in fields(cls) if f.name != "temperature"):
+                not isinstance(data.get(f.name), torch.Tensor) for f in fields(cls) if f.name not in OPTIONAL_FIELDS):
             raise InputFileError(f"{path}: not a batch written by entprobe (fields {sorted(names)}); {todo}")
         batch = cls(**data)
         wrong = batch.problem()
@@ -134,6 +139,10 @@ class RolloutBatch:
         t = self.temperature
         if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
             return f"temperature {self.temperature!r} is not a positive number"
+        h = self.sampler_entropy
+        if h is not None and (tuple(h.shape) != (B, G, T) or not h.dtype.is_floating_point
+                              or not bool(h.isfinite().all()) or bool((h < -LOGP_TOL).any())):
+            return f"sampler_entropy must be finite entropies >= 0 of shape [B, G, T] = {(B, G, T)}"
         return None
 
     def stats(self, prefix: str) -> dict[str, float]:
@@ -236,7 +245,6 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
-@torch.no_grad()
 def kv_cache_key(model) -> str:
     """The forward's KV-cache argument: ``cache`` (transformers >= 5.2x, where ``past_key_values``
     is deprecated) or ``past_key_values`` (earlier releases)."""
@@ -256,13 +264,14 @@ def _kv_cache(out):
     return cache if cache is not None else out.past_key_values
 
 
-
+@torch.no_grad()
 def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eos_id: int,
              pad_id: int, temperature: float, top_k: int, top_p: float,
-             seed: int, device, first_prompt: int = 0,
-             stop_together: bool = False) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
+             seed: int, device, first_prompt: int = 0, stop_together: bool = False,
+             on_tokens=None) -> tuple[list[list[int]], list[list[int]], list[list[float]], list[list[float]]]:
     """Sample G responses per prompt with a KV cache; returns per-row prompt ids, response ids,
-    and per-token ``log_softmax(logits / temperature)`` of each sampled token (rows = prompt-major).
+    per-token ``log_softmax(logits / temperature)`` of each sampled token and the entropy of that
+    distribution at each position (rows = prompt-major).
 
     Each row draws from its own stream (``row_keys``: seed, prompt position ``first_prompt + i``
     in the whole batch, response index): token t of a row is the inverse-CDF pick of the row's
@@ -270,7 +279,10 @@ def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eo
     logit on another machine) changes that response only; B prompts are a prefix of 2B.
 
     ``stop_together``: every rank of the process group runs as many forward calls (the loop ends
-    when every rank's rows are done), as a model sharded with FSDP2 needs (each call all-gathers)."""
+    when every rank's rows are done), as a model sharded with FSDP2 needs (each call all-gathers).
+    ``on_tokens(n)``: called after each decoding step with the number of tokens it sampled (a
+    progress bar's tokens per second). Runs under ``no_grad``: no pass here needs a graph, and
+    with autograd on every decoding step's graph would stay alive until the loop ends."""
     rows = [p for p in prompt_ids for _ in range(G)]
     N, P = len(rows), max(len(p) for p in rows)
     r = torch.arange(N)
@@ -286,14 +298,17 @@ def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eo
     cache_key = kv_cache_key(model)
     past, logits = _kv_cache(out), out.logits[:, -1].float()
     done = torch.zeros(N, dtype=torch.bool, device=device)
-    toks, lps = [], []
+    toks, lps, ents = [], [], []
     for step in range(max_new_tokens):
         logp = (logits / temperature).log_softmax(-1)
+        ents.append(-(logp.exp() * logp).sum(-1))
         probs = filter_logits(logp, top_k, top_p).softmax(-1)
         nxt = inverse_cdf(probs, keyed_uniforms(keys, step))
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         toks.append(torch.where(done, -1, nxt))
         lps.append(logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1))
+        if on_tokens is not None:
+            on_tokens(int((~done).sum()))
         done = done | (nxt == eos_id)
         if D.all_true(bool(done.all())) if stop_together else done.all():
             break
@@ -303,17 +318,20 @@ def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eo
         past, logits = _kv_cache(out), out.logits[:, -1].float()
     tok = torch.stack(toks, 1).cpu()
     lp = torch.stack(lps, 1).cpu()
-    responses, logprobs = [], []
+    ent = torch.stack(ents, 1).cpu()
+    responses, logprobs, entropies = [], [], []
     for i in range(N):
         keep = tok[i] >= 0
         responses.append(tok[i][keep].tolist())
         logprobs.append(lp[i][keep].tolist())
-    return rows, responses, logprobs
+        entropies.append(ent[i][keep].tolist())
+    return rows, responses, logprobs, entropies
 
 
 def assemble(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]],
-             G: int, pad_id: int) -> tuple[torch.Tensor, ...]:
-    """Pack rows into [B, G, T] tensors: prompts left-padded to P, responses right-padded."""
+             G: int, pad_id: int, entropies: list[list[float]] | None = None) -> tuple[torch.Tensor, ...]:
+    """Pack rows into [B, G, T] tensors: prompts left-padded to P, responses right-padded (ids,
+    attention mask, response mask, log-probs, and with ``entropies`` the entropies)."""
     N = len(prompts)
     P, R = max(len(p) for p in prompts), max(1, max(len(r) for r in responses))
     T = P + R
@@ -321,6 +339,7 @@ def assemble(prompts: list[list[int]], responses: list[list[int]], logprobs: lis
     att = torch.zeros((N, T), dtype=torch.long)
     resp = torch.zeros((N, T), dtype=torch.long)
     lp = torch.zeros((N, T), dtype=torch.float32)
+    ent = torch.zeros((N, T), dtype=torch.float32) if entropies is not None else None
     for i, (p, r, l) in enumerate(zip(prompts, responses, logprobs)):
         ids[i, P - len(p):P] = torch.tensor(p)
         att[i, P - len(p):P + len(r)] = 1
@@ -328,19 +347,22 @@ def assemble(prompts: list[list[int]], responses: list[list[int]], logprobs: lis
             ids[i, P:P + len(r)] = torch.tensor(r)
             resp[i, P:P + len(r)] = 1
             lp[i, P:P + len(r)] = torch.tensor(l)
-    return tuple(t.view(N // G, G, T) for t in (ids, att, resp, lp))
+            if ent is not None:
+                ent[i, P:P + len(r)] = torch.tensor(entropies[i])
+    return tuple(t.view(N // G, G, T) for t in (ids, att, resp, lp) + ((ent,) if ent is not None else ()))
 
 
 def sample_batch(model, tokenizer, task, prompt_index: torch.Tensor, G: int, sampling, seed: int,
                  advantage: str, adv_eps: float, chat_template: str = "auto",
-                 system_prompt: str | None = None, progress=None, style: str = "entprobe",
+                 system_prompt: str | None = None, progress: str | None = None, style: str = "entprobe",
                  template_kwargs: dict | None = None, stop_together: bool = False) -> RolloutBatch:
     """Sample G responses for each prompt in ``prompt_index`` (reproducible from ``seed``; each
     response from its own stream keyed by its prompt's position in ``prompt_index``, see
     ``generate``: the first k prompts draw the same responses whatever follows them), the
     prompts tokenized under the convention ``style`` (``prompt_ids``), the rewards the task's
     (``tasks.score_rows``: its reward functions called once on the whole batch). ``stop_together``:
-    see ``generate`` (every rank must then sample the same number of prompts)."""
+    see ``generate`` (every rank must then sample the same number of prompts). ``progress``: the
+    label of a progress bar over the prompts, with the tokens sampled per second (None: no bar)."""
     if sampling.top_k or sampling.top_p < 1.0:
         warnings.warn("truncated sampling (top_k/top_p) draws from a distribution other than "
                       "pi_theta: every entropy estimator is biased. Use top_k=0, top_p=1 for "
@@ -350,26 +372,29 @@ def sample_batch(model, tokenizer, task, prompt_index: torch.Tensor, G: int, sam
     model.eval()
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     pad = eos if pad is None else pad
-    all_p, all_r, all_l = [], [], []
+    all_p, all_r, all_l, all_h = [], [], [], []
     idx = prompt_index.tolist()
     chunk = sampling.gen_microbatch_prompts
-    for s in range(0, len(idx), chunk):
-        texts = [task.prompts[i].source for i in idx[s:s + chunk]]
-        ids = encode_prompts(tokenizer, texts, str(getattr(chat_template, "value", chat_template)), system_prompt,
-                             style, template_kwargs)
-        p, r, l = generate(model, ids, G, sampling.max_new_tokens, eos, pad, sampling.temperature,
-                           sampling.top_k, sampling.top_p, seed, device, first_prompt=s,
-                           stop_together=stop_together)
-        all_p += p; all_r += r; all_l += l
-        if progress is not None:
-            progress(len(texts))
+    bar = TokenRate(progress, len(idx), G)
+    try:
+        for s in range(0, len(idx), chunk):
+            texts = [task.prompts[i].source for i in idx[s:s + chunk]]
+            ids = encode_prompts(tokenizer, texts, str(getattr(chat_template, "value", chat_template)), system_prompt,
+                                 style, template_kwargs)
+            p, r, l, h = generate(model, ids, G, sampling.max_new_tokens, eos, pad, sampling.temperature,
+                                  sampling.top_k, sampling.top_p, seed, device, first_prompt=s,
+                                  stop_together=stop_together, on_tokens=bar.tokens)
+            all_p += p; all_r += r; all_l += l; all_h += h
+            bar.prompts(len(texts))
+    finally:
+        bar.close()
     model.train(was_training)
-    ids, att, resp, lp = assemble(all_p, all_r, all_l, G, pad)
+    ids, att, resp, lp, ent = assemble(all_p, all_r, all_l, G, pad, all_h)
     rows = [task.prompts[idx[i // G]] for i in range(len(all_r))]
     texts = [tokenizer.decode(r, skip_special_tokens=True) for r in all_r]
     rewards = score_rows(task, rows, texts, all_r).to(torch.float32).view(len(idx), G)
     adv = group_advantages(rewards, advantage, adv_eps)
-    return RolloutBatch(ids, att, resp, lp, rewards, adv, prompt_index.clone(), float(sampling.temperature))
+    return RolloutBatch(ids, att, resp, lp, rewards, adv, prompt_index.clone(), float(sampling.temperature), ent)
 
 
 def draw_prompt_indices(num_prompts: int, B: int, seed: int) -> torch.Tensor:

@@ -45,8 +45,9 @@ from entprobe.runtime.atomic_io import atomic_open
 from entprobe.pipeline.geometry import Geometry
 from entprobe.reporting.tables import write_per_unit
 from entprobe.rollouts.sampling import RolloutBatch
-from entprobe.pipeline.stages.accumulate import check_grads
+from entprobe.pipeline.stages.accumulate import check_grads, prepare_x
 from entprobe.pipeline.stages.context import ProbeContext
+from entprobe.pipeline.stages.x_spec import functional_value
 from entprobe.pipeline.stages.ground_truth import StepInputs, run_ground_truth
 from entprobe.pipeline.stages.prediction import build_step_model, compare_with_prediction, predict_on_held_out
 from entprobe.math.ustat import UnitCoeffs, cyclic_partners, incomplete_u_statistic, top_units, unit_coefficients
@@ -81,8 +82,22 @@ def plan_units(B_local: int, block_size: int, num_blocks: int) -> UnitPlan:
 
 
 def _coeffs(ctx: ProbeContext, S: torch.Tensor, mb: RolloutBatch, cross_fit: bool) -> UnitCoeffs:
+    """X's and Y's response weights; X's from ``ctx.x`` for the functionals the seed's weights do not
+    cover (zero when X is in per-token form: ``_x_loss`` builds it)."""
+    if ctx.x.tokens or ctx.x.mode in ("token_mean", "seq_mean_token_mean"):
+        cy = ctx.y_weights(mb, S.device).to(S.dtype)
+        cx = torch.zeros_like(S) if ctx.x.tokens else ctx.x.weights(S.detach(), mb)
+        return UnitCoeffs(cx, cy, cy)
     return unit_coefficients(S, mb.gen_lengths.to(S.device), mb.Lmax.to(S.device), mb.advantages.to(S.device),
                              ctx.weighting_mode, cross_fit, cy_full=ctx.y_weights(mb, S.device))
+
+
+def _x_loss(ctx: ProbeContext, fwd, mb: RolloutBatch, c: UnitCoeffs) -> torch.Tensor:
+    """The X loss of a microbatch: the (possibly cross-fitted) response weights ``c.cx``, or X's
+    per-token form (``ctx.x``: Rao-Blackwellised, or ``seq_mean_token_mean``; not cross-fitted)."""
+    if ctx.x.tokens:
+        return ctx.x.loss(fwd, mb)
+    return (c.cx * fwd.S).sum()
 
 
 def _backward(ctx: ProbeContext, loss: torch.Tensor, mb: RolloutBatch, retain: bool = False) -> None:
@@ -127,9 +142,10 @@ def bars_pass(ctx: ProbeContext, batch: RolloutBatch, cross_fit: bool, full_y: b
     for start, mb in ctx.iterate(batch, ctx.mb_size, "U-stat bars"):
         what = f"U-stat bars, prompts [{start}, {start + mb.B})"
         with torch.enable_grad(), D.no_sync(ctx.model):
-            S, lp, ent = ctx.forward_S(mb, what, with_entropy=True)
+            fwd = ctx.forward_S(mb, what, with_entropy=ctx.x.entropy)
+            S, lp, ent = fwd
             c = _coeffs(ctx, S, mb, cross_fit)
-            losses = [(c.cx * S).sum(), (c.cy * S).sum()] + ([(c.cy_full * S).sum()] if full_y else [])
+            losses = [_x_loss(ctx, fwd, mb, c), (c.cy * S).sum()] + ([(c.cy_full * S).sum()] if full_y else [])
             for i, (loss, buf) in enumerate(zip(losses, sums)):
                 _backward(ctx, loss, mb, retain=i < len(losses) - 1)
                 check_grads(ctx, what)
@@ -151,12 +167,13 @@ def _unit_grads(ctx: ProbeContext, unit: RolloutBatch, k: int, cross_fit: bool, 
     microbatch: the Y accumulated so far is set aside while the X backward runs, then put back."""
     for s, mb in unit.microbatches(ctx.mb_size):
         with torch.enable_grad(), D.no_sync(ctx.model):
-            S, _, _ = ctx.forward_S(mb, f"{label}, prompts +[{s}, {s + mb.B})")
+            fwd = ctx.forward_S(mb, f"{label}, prompts +[{s}, {s + mb.B})", with_entropy=ctx.x.entropy)
+            S = fwd.S
             c = _coeffs(ctx, S, mb, cross_fit)
             if X_dev is not None:
                 y_so_far = [p.grad for p in ctx.params]
                 ctx.zero_grad()
-                _backward(ctx, (c.cx * S).sum() / k, mb, retain=want_y)
+                _backward(ctx, _x_loss(ctx, fwd, mb, c) / k, mb, retain=want_y)
                 for x, p in zip(X_dev, ctx.params):
                     if p.grad is not None:
                         x.add_(p.grad)
@@ -230,6 +247,7 @@ def run_single_batch(ctx: ProbeContext, batch: RolloutBatch, geo: Geometry, pcfg
     full_y = pcfg.cross_fit and icfg.enabled
     f0, b0 = _probe_passes(ctx)
     with ctx.phase("ustat_bars"):
+        prepare_x(ctx, batch)  # token_mean's constants from this batch
         bars = bars_pass(ctx, batch, pcfg.cross_fit, full_y)
     bars_dot = pv.dot(bars.Xbar, bars.Ybar, geo.P)
     if K:
@@ -269,7 +287,7 @@ def run_single_batch(ctx: ProbeContext, batch: RolloutBatch, geo: Geometry, pcfg
     S_g = D.gather_units(bars.S)
     L_g, Lmax_g, A_g = (D.gather_units(t) for t in (batch.gen_lengths, batch.Lmax, batch.advantages))
     Sw_g = est.weighted_S(S_g, L_g, Lmax_g, ctx.weighting_mode)
-    res["H_orig"] = float(-Sw_g.double().mean())
+    res["H_orig"] = functional_value(ctx.x, S_g, D.gather_units(bars.entropy), D.gather_units(batch.response_mask))
     res["deltaH_cov"] = est.delta_h_cov(lr, Sw_g, ctx.objective.effective_advantages(A_g, L_g, Lmax_g))
 
     if icfg.enabled:
@@ -293,7 +311,7 @@ def held_out_ground_truth(ctx: ProbeContext, E: RolloutBatch, batch: RolloutBatc
     pred = predict_on_held_out(ctx, E, step, pcfg)
     res = dict(pred.res)
     inp = StepInputs(geo.optimizer, geo.lr, pred.Xbar, bars.Ybar_full, geo.P, batch.B, pred.S, bars.token_logp,
-                     pred.entropy)
+                     pred.entropy, pred.token_logp)
     gt = run_ground_truth(ctx, E, batch, inp, icfg, resample=resample)
     psi, log_w = gt.pop("gt/psi"), gt.pop("gt/log_weights")
     res.update(gt)

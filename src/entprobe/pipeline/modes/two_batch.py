@@ -28,8 +28,9 @@ from entprobe.reporting.planning import projections_record
 from entprobe.reporting.tables import write_per_unit
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.pipeline.lr_share import Stage12, Stage12Share
-from entprobe.pipeline.stages.accumulate import accumulate, global_mean, x_loss_of, y_loss_of
+from entprobe.pipeline.stages.accumulate import accumulate, global_mean, prepare_x, x_loss_of, y_loss_of
 from entprobe.pipeline.stages.context import ProbeContext
+from entprobe.pipeline.stages.x_spec import functional_value
 from entprobe.pipeline.stages.ground_truth import StepInputs, run_ground_truth
 from entprobe.pipeline.stages.prediction import (build_step_model, compare_with_prediction, directions, mul_into,
                                         prediction_results)
@@ -58,9 +59,10 @@ def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Ge
     # prediction), each written in place into its row
     dirE = directions(ctx, [mul_into(Ybar, geo.P)], step, dir_dev)
     PY = dirE.column(0)  # P Ybar: deltaH1 and the attribution table
+    prepare_x(ctx, E)  # token_mean's constants from E (stages/accumulate.py)
     with ctx.phase("accumulate_X_E"):
         accX = accumulate(ctx, E, x_loss_of(ctx), "X over E", directions=dirE if fused else None,
-                          with_entropy=True, unit_backward="ghost" if mode == "ghost" else unit_bwd)
+                          with_entropy=ctx.x.entropy, unit_backward="ghost" if mode == "ghost" else unit_bwd)
         Xbar, B_E = global_mean(accX.sum_buf, accX.B)
     terms = pv.dot_terms(Xbar, PY)  # Xbar . P Ybar per parameter: bars_dot and the attribution table
     step_dots = pv.dot_set(Xbar, dirE)[1:].tolist()  # Xbar . Delta theta_part
@@ -101,7 +103,7 @@ def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Ge
     return Stage12(geo.lr, list(ctx.names), Ybar, Xbar, B_E, B_U, accY.S, accY.token_logp, accX.S, accX.entropy,
                    terms, nX, nPY, nh_dot, step.names, step.kind, step_dots, a, b, mode,
                    unit_bwd if (mode in ("stored", "fused") or keep_u) and pcfg.variance_enabled else None,
-                   step_terms, step.facts)
+                   step_terms, accX.token_logp, step.facts)
 
 
 def stage12_of(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry, pcfg, icfg,
@@ -137,9 +139,8 @@ def stage12_results(st: Stage12, ctx: ProbeContext, E: RolloutBatch, U: RolloutB
     Sw_U = est.weighted_S(S_U, L_U, Lmax_U, ctx.weighting_mode)
     res["deltaH_cov"] = est.delta_h_cov(lr, Sw_U, ctx.objective.effective_advantages(
         D.gather_units(U.advantages), L_U, Lmax_U))
-    S_E = D.gather_units(st.S_E)
-    res["H_orig"] = float(-est.weighted_S(S_E, D.gather_units(E.gen_lengths), D.gather_units(E.Lmax),
-                                          ctx.weighting_mode).double().mean())
+    ent_E = D.gather_units(st.E_entropy) if st.E_entropy is not None else None
+    res["H_orig"] = functional_value(ctx.x, D.gather_units(st.S_E), ent_E, D.gather_units(E.response_mask))
     e = u = None
     if st.a is not None:
         v = est.two_batch_variance(st.a[:, 0], st.b[:, 0], lr, bars_dot)
@@ -171,7 +172,7 @@ def run_two_batch(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geom
     psi = log_w = None
     if icfg.enabled:
         inp = StepInputs(geo.optimizer, geo.lr, st.Xbar, st.Ybar, geo.P, st.B_U, st.S_E, st.U_token_logp,
-                         st.E_entropy)
+                         st.E_entropy, st.E_token_logp)
         gt = run_ground_truth(ctx, E, U, inp, icfg, resample=resample)
         psi, log_w = gt.pop("gt/psi"), gt.pop("gt/log_weights")
         res.update(gt)

@@ -20,6 +20,7 @@ only when a check fails, so the error still names the microbatch and the paramet
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -30,9 +31,9 @@ from entprobe.runtime import distributed as D
 from entprobe.math import paramvec as pv
 from entprobe.runtime import sharding
 from entprobe.runtime.distributed import no_sync
-from entprobe.math.estimators import x_loss
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.pipeline.stages.context import ProbeContext, is_filler
+from entprobe.pipeline.stages.x_spec import Forward
 from entprobe.pipeline.stages.ghost_projection import GhostHooks
 
 
@@ -48,16 +49,35 @@ class Accumulated:
     # each chunk a buffer of [b, *shape] tensors, b units (a vmap microbatch, or 1 unit of a loop)
 
 
-def x_loss_of(ctx: ProbeContext) -> Callable[[torch.Tensor, RolloutBatch], torch.Tensor]:
-    """``L_X(S, mb) = sum_n sum_g detach(w) * S`` with X's unit weights in the context's mode
-    (``estimators.x_unit_coeffs``): its gradient is ``sum_n X_n``, E[X_n] = -grad H_n."""
-    return lambda S, mb: x_loss(S, mb.gen_lengths.to(S.device), mb.Lmax.to(S.device), ctx.weighting_mode)
+def x_loss_of(ctx: ProbeContext) -> Callable[[Forward, RolloutBatch], torch.Tensor]:
+    """``L_X(fwd, mb)``: the context's X (``ctx.x``, stages/x_spec.py) summed over the microbatch's
+    units, ``sum_g detach(w) S`` or ``sum_{g,t} a l_t + e H_t``: its gradient is ``sum_n X_n``,
+    E[X_n] = -grad H_n."""
+    return ctx.x.loss
 
 
-def y_loss_of(ctx: ProbeContext) -> Callable[[torch.Tensor, RolloutBatch], torch.Tensor]:
-    """``L_Y(S, mb) = sum_n sum_g w[n,g] S[n,g]`` with the context's objective's weights
+def y_loss_of(ctx: ProbeContext) -> Callable[[Forward, RolloutBatch], torch.Tensor]:
+    """``L_Y(fwd, mb) = sum_n sum_g w[n,g] S[n,g]`` with the context's objective's weights
     (entprobe: ``w = A / (G Lmax)``; rollouts/objectives.py): its gradient is ``sum_n Y_n``."""
-    return ctx.y_loss
+    return lambda fwd, mb: ctx.y_loss(fwd.S, mb)
+
+
+def prepare_x(ctx: ProbeContext, batch: RolloutBatch) -> None:
+    """``ctx.x`` for an X pass over ``batch``: ``token_mean``'s constants (``kappa`` = the batch's
+    ``sum H / sum L``, ``scale`` = 1 / its mean length, over all ranks) from the entropies the
+    sampler recorded, else from a forward without a graph over the batch (phase ``x_constants``).
+    Nothing to do for the other functionals."""
+    if ctx.x.mode != "token_mean":
+        return
+    m = batch.response_mask.double()
+    H = batch.sampler_entropy
+    if H is None:
+        with ctx.phase("x_constants"), torch.no_grad():
+            H = torch.cat([ctx.forward_S(mb, f"token entropies [{s}, {s + mb.B})", with_entropy=True).ent.cpu()
+                           for s, mb in ctx.iterate(batch, ctx.nograd_mb(batch, False), "token entropies")
+                           if not is_filler(mb)])
+    sum_H, sum_L, n = D.reduce_scalars(float((H.double() * m).sum()), float(m.sum()), float(batch.B * batch.G))
+    ctx.x = dataclasses.replace(ctx.x, kappa=sum_H / sum_L, scale=n / sum_L)
 
 
 def check_grads(ctx: ProbeContext, what: str) -> None:
@@ -83,8 +103,9 @@ def _vmap_unit_grads(ctx: ProbeContext, mb: RolloutBatch, loss_of, what: str, wi
     backward, ``b`` times its arithmetic: the cheaper way on models whose time is per-op host time.
     Returns S, token log-probs, entropies and ``[b, *shape]`` gradients per parameter."""
     with torch.enable_grad(), no_sync(ctx.model):
-        S, lp, ent = ctx.forward_S(mb, what, with_entropy=with_entropy)
-        losses = torch.stack([loss_of(S[u:u + 1], mb.select(u)) for u in range(mb.B)])
+        fwd = ctx.forward_S(mb, what, with_entropy=with_entropy)
+        S, lp, ent = fwd
+        losses = torch.stack([loss_of(fwd.unit(u), mb.select(u)) for u in range(mb.B)])
         if not losses.requires_grad:
             raise RuntimeError(f"{what}: the probe loss has no gradient path (is autograd "
                                "disabled, or are all parameters frozen?)")
@@ -133,7 +154,7 @@ def _add_units_(buf: pv.Buffer, units: list[pv.Buffer]) -> None:
 
 
 def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
-               directions: pv.DirectionSet | None = None, with_entropy: bool = False,
+               directions: pv.DirectionSet | None = None, with_entropy: bool | str = False,
                keep_unit_grads: bool = False, unit_backward: str = "loop") -> Accumulated:
     """Sum the probe gradients of ``batch`` into a buffer, microbatch by microbatch.
 
@@ -200,8 +221,9 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
                     ctx.stats.count("backward", piece.B * piece.G)
                 else:
                     with torch.enable_grad(), no_sync(ctx.model):  # forward too: DDP arms its all-reduce there
-                        S, lp, ent = ctx.forward_S(piece, what, with_entropy=with_entropy)
-                        loss = loss_of(S, piece)
+                        fwd = ctx.forward_S(piece, what, with_entropy=with_entropy)
+                        S, lp, ent = fwd
+                        loss = loss_of(fwd, piece)
                         if not loss.requires_grad:
                             raise RuntimeError(f"{what}: the probe loss has no gradient path (is autograd "
                                                "disabled, or are all parameters frozen?)")
@@ -250,15 +272,16 @@ def _ghost_unit_grads(ctx: ProbeContext, hooks: GhostHooks, piece: RolloutBatch,
     covered parameters) plus, for the uncovered ones, a batched backward restricted to them."""
     hooks.start(piece.B)
     with torch.enable_grad(), no_sync(ctx.model):
-        S, lp, ent = ctx.forward_S(piece, what, with_entropy=with_entropy)
-        loss = loss_of(S, piece)
+        fwd = ctx.forward_S(piece, what, with_entropy=with_entropy)
+        S, lp, ent = fwd
+        loss = loss_of(fwd, piece)
         if not loss.requires_grad:
             raise RuntimeError(f"{what}: the probe loss has no gradient path (is autograd "
                                "disabled, or are all parameters frozen?)")
         extra = None
         if hooks.uncovered:
             ps = [ctx.params[i] for i in hooks.uncovered]
-            losses = torch.stack([loss_of(S[u:u + 1], piece.select(u)) for u in range(piece.B)])
+            losses = torch.stack([loss_of(fwd.unit(u), piece.select(u)) for u in range(piece.B)])
             eye = torch.eye(piece.B, dtype=losses.dtype, device=losses.device)
             with hooks.paused():
                 gb = torch.autograd.grad(losses, ps, grad_outputs=eye, is_grads_batched=True, allow_unused=True,

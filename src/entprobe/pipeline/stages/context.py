@@ -14,6 +14,7 @@ from entprobe.runtime import sharding
 from entprobe.rollouts.logprobs import check_finite, token_logprobs
 from entprobe.rollouts.objectives import ENTPROBE, Objective
 from entprobe.rollouts.sampling import RolloutBatch
+from entprobe.pipeline.stages.x_spec import Forward, XSpec
 
 
 @dataclass
@@ -117,6 +118,11 @@ class ProbeContext:
     nograd_memory_mb: float = 1024.0
     stats: PhaseStats = field(default_factory=PhaseStats)
     objective: Objective = ENTPROBE  # the update objective bound to U (objectives.bind)
+    x: XSpec | None = None  # X's functional and estimator (None: the weighting mode's score form)
+
+    def __post_init__(self):
+        if self.x is None:
+            self.x = XSpec(getattr(self.weighting_mode, "value", self.weighting_mode), "score")
 
     def y_loss(self, S: torch.Tensor, mb: RolloutBatch) -> torch.Tensor:
         """The objective's ``sum_n sum_g w[n,g] S[n,g]`` on microbatch ``mb``: gradient ``sum_n Y_n``."""
@@ -163,9 +169,10 @@ class ProbeContext:
         for p in self.params:
             p.grad = None
 
-    def forward_S(self, mb: RolloutBatch, what: str, with_entropy: bool = False, model=None):
+    def forward_S(self, mb: RolloutBatch, what: str, with_entropy: bool | str = False, model=None) -> Forward:
         """Sequence log-probs S [b, G] (with graph when grad is enabled), token log-probs and
-        token entropies [b, G, T]. ``model`` overrides the callable (forward-mode AD)."""
+        token entropies [b, G, T] (``with_entropy="grad"``: differentiable too). ``model``
+        overrides the callable (forward-mode AD)."""
         ids, att, resp = mb.flat(self.device)
         tl = token_logprobs(model or self.model, ids, att, resp, self.temperature,
                             with_entropy=with_entropy, autocast_dtype=self.autocast_dtype)
@@ -173,10 +180,11 @@ class ProbeContext:
         S = tl.logp.sum(-1).view(mb.B, mb.G)
         check_finite(S.detach(), what)
         if is_filler(mb):  # a collective pass only: no gradient, no count (runtime/sharding.py)
-            return S * 0.0, tl.logp.view(shape), None
+            zero = tl.entropy.view(shape) * 0.0 if tl.entropy is not None and tl.entropy.requires_grad else None
+            return Forward(S * 0.0, tl.logp.view(shape) * 0.0, zero)
         self.stats.count("forward", mb.B * mb.G)
         ent = tl.entropy.view(shape) if tl.entropy is not None else None
-        return S, tl.logp.view(shape), ent
+        return Forward(S, tl.logp.view(shape), ent)
 
     def iterate(self, batch: RolloutBatch, size: int, desc: str):
         """Microbatches of ``size`` prompts with an optional progress bar. Under FSDP2 ranks with

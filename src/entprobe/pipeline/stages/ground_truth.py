@@ -27,6 +27,8 @@ from entprobe.runtime.sharding import like_param, local
 from entprobe.pipeline.stages.context import ProbeContext, is_filler
 from entprobe.pipeline.stages.snapshot import resolve_snapshot_device, restore, take
 from entprobe.pipeline.stages.step_split import split_step, xbar_dot_step
+from entprobe.pipeline.stages.token_measure import TokenSide, resampled_token_change, token_importance_estimates
+from entprobe.pipeline.stages.x_spec import XSpec
 
 
 @dataclass
@@ -40,6 +42,7 @@ class StepInputs:
     S_orig: torch.Tensor  # [B_E, G] local E log-probs at theta (from the X pass)
     U_token_logp: torch.Tensor  # [B_U, G, T] local U token log-probs at theta (from the Y pass)
     token_entropy_orig: torch.Tensor | None  # [B_E, G, T]
+    E_token_logp: torch.Tensor | None = None  # [B_E, G, T] local E token log-probs at theta (X pass)
 
 
 def _set_grads(ctx: ProbeContext, buf: pv.Buffer, scale: float) -> None:
@@ -132,9 +135,25 @@ def _step(ctx: ProbeContext, inp: StepInputs, icfg, grads_from: Callable[[], Non
 IS_MODES = im.IS_ESTIMATORS
 
 
+def token_side_needed(x: XSpec) -> bool:
+    """Whether X's measured side reads E's token log-probs and entropies (stages/token_measure.py)."""
+    return x.measures_tokens
+
+
+def token_side(x: XSpec, E: RolloutBatch, lp0, lp1, H0, H1) -> TokenSide | None:
+    """E's token-level values gathered over ranks, when X's measured side needs them (None otherwise)."""
+    if not token_side_needed(x):
+        return None
+    if lp0 is None or H0 is None or H1 is None:
+        raise RuntimeError(f"the {x.mode} / {x.estimator} measured change needs E's token log-probs and "
+                           "entropies at theta and theta_plus")
+    return TokenSide(*(D.gather_units(t) for t in (lp0, lp1, H0, H1, E.response_mask.double())))
+
+
 def importance_estimates(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Tensor,
                          Lmax: torch.Tensor, mode: str, clip_c: float,
-                         warn_psis: bool = True) -> tuple[dict[str, float], dict]:
+                         warn_psis: bool = True, x: XSpec | None = None,
+                         tokens: TokenSide | None = None) -> tuple[dict[str, float], dict]:
     """H(theta) and stratified IS estimates of the change on the same samples, [B, G] inputs.
 
     H = -E[S_w] in the weighting mode's functional; each estimator is paired with the prediction by
@@ -142,7 +161,11 @@ def importance_estimates(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Ten
     ``SE_deltaH_<est>`` for ``IS_MODES``, per-token SNIS, weight diagnostics, k-hat or why it is
     undefined) and the per-prompt contributions ``{est: psi [B]}`` for paired comparisons.
     ``warn_psis``: warn when PSIS is undefined (it is then NaN, never another estimate).
+    ``tokens`` (with ``x``): the token-level values of E, for X's per-token form and the token
+    functionals (stages/token_measure.py).
     """
+    if tokens is not None:
+        return token_importance_estimates(tokens, x, clip_c, warn_psis)
     mode = getattr(mode, "value", mode)
     f_orig = -est.weighted_S(S_orig, L, Lmax, mode).double()  # [B, G]
     logw = (S_upd - S_orig).double()
@@ -181,11 +204,11 @@ def importance_estimates(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Ten
     return out, {k: v.psi for k, v in changes.items()}
 
 
-def eval_at_current(ctx: ProbeContext, E: RolloutBatch, icfg,
-                    with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """E's sequence log-probs [B_E, G] and token entropies [B_E, G, T] (CPU; None without
-    ``with_entropy``) at the parameters as they are now (theta_plus after a step), without a
-    graph, in eval mode (the mode is put back)."""
+def eval_at_current(ctx: ProbeContext, E: RolloutBatch, icfg, with_entropy: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """E's sequence log-probs [B_E, G], token entropies [B_E, G, T] (CPU; None without
+    ``with_entropy``) and token log-probs [B_E, G, T] at the parameters as they are now
+    (theta_plus after a step), without a graph, in eval mode (the mode is put back)."""
     was_training = ctx.model.training
     with ctx.phase("gt_eval_E"), torch.no_grad():
         ctx.model.eval()
@@ -200,7 +223,8 @@ def eval_at_current(ctx: ProbeContext, E: RolloutBatch, icfg,
                     outs.append(o)
         finally:
             ctx.model.train(was_training)
-    return torch.cat([o[0].cpu() for o in outs]), torch.cat([o[2].cpu() for o in outs]) if with_entropy else None
+    return (torch.cat([o[0].cpu() for o in outs]), torch.cat([o[2].cpu() for o in outs]) if with_entropy else None,
+            torch.cat([o[1].cpu() for o in outs]))
 
 
 KHAT_MAX = 0.7  # above it the importance weights' mean is unreliable (PSIS's rule of thumb)
@@ -220,7 +244,7 @@ def measurability(est_res: dict, ess_threshold: float, khat_max: float = KHAT_MA
     why = []
     if not (ess >= ess_threshold):  # NaN counts as degenerate
         why.append(f"ESS/N {ess:.2f} < {ess_threshold:g}")
-    if math.isfinite(khat) and khat > khat_max and not spread <= 2.0:
+    if math.isfinite(khat) and khat > khat_max and not spread <= 2.0 and est_res.get("is/weights") != "per_decision":
         why.append(f"k-hat {khat:.2f} > {khat_max:g}")
     return "; ".join(why)
 
@@ -296,18 +320,24 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
         res["gt/reused_probe_gradient"] = float(reuse and icfg.step_mode.value == "optimizer")
         if fail_after_step is not None:
             fail_after_step()
-        S_upd, ent_upd = eval_at_current(ctx, E, icfg)
+        S_upd, ent_upd, lp_upd = eval_at_current(ctx, E, icfg)
         S_orig_g, S_upd_g = D.gather_units(inp.S_orig), D.gather_units(S_upd)
         L_g, Lmax_g = D.gather_units(E.gen_lengths), D.gather_units(E.Lmax)
+        tokens = token_side(ctx.x, E, inp.E_token_logp, lp_upd, inp.token_entropy_orig, ent_upd)
         est_res, psi = importance_estimates(S_orig_g, S_upd_g, L_g, Lmax_g, ctx.weighting_mode, icfg.clip_c,
-                                            warn_psis=icfg.is_mode.value == "psis")
+                                            warn_psis=icfg.is_mode.value == "psis", x=ctx.x, tokens=tokens)
         res.update(est_res)
         if resample is not None and icfg.resample_on_low_ess and est_res["ESS_frac"] < icfg.ess_threshold:
             with ctx.phase("gt_resample"):
                 fresh = resample()  # at theta_plus: the restore has not happened yet
-            f_of = lambda b, S: -est.weighted_S(D.gather_units(S), D.gather_units(b.gen_lengths),  # noqa: E731
-                                                D.gather_units(b.Lmax), ctx.weighting_mode)
-            rs = resampled_change(f_of(fresh, fresh.S_sampler), f_of(E, inp.S_orig))
+            if ctx.x.measures_tokens:  # the functional from the token entropies (the sampler's, for the fresh ones)
+                rs = resampled_token_change(ctx.x.mode, D.gather_units(fresh.sampler_entropy),
+                                            D.gather_units(fresh.response_mask), D.gather_units(inp.token_entropy_orig),
+                                            D.gather_units(E.response_mask))
+            else:
+                f_of = lambda b, S: -est.weighted_S(D.gather_units(S), D.gather_units(b.gen_lengths),  # noqa: E731
+                                                    D.gather_units(b.Lmax), ctx.weighting_mode)
+                rs = resampled_change(f_of(fresh, fresh.S_sampler), f_of(E, inp.S_orig))
             res.update(rs)
             res["H_upd_resample"] = est_res["H_orig"] + rs["deltaH_resample"]
         res.update(true_change(est_res, psi, icfg.is_mode.value, icfg.ess_threshold))

@@ -30,7 +30,7 @@ from entprobe.math import estimators as est
 from entprobe.math import paramvec as pv
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.runtime.sharding import like_param, local
-from entprobe.pipeline.stages.accumulate import accumulate, global_mean, x_loss_of
+from entprobe.pipeline.stages.accumulate import accumulate, global_mean, prepare_x, x_loss_of
 from entprobe.reporting.attribution import headline
 from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.pipeline.stages.step_split import plain_adamw
@@ -311,6 +311,7 @@ class HeldOutPrediction:
     entropy: torch.Tensor | None  # [B_E, G, T] token entropies at theta (None: not asked for)
     e: torch.Tensor  # [B_E, parts] per-prompt contributions ``-X_n . Delta theta_part`` (gathered);
     # [B_E, 1] (the whole update's) when predicted with ``total_only``
+    token_logp: torch.Tensor | None = None  # [B_E, G, T] this rank's E token log-probs at theta
 
 
 def _sum_rows_into_first(dset: pv.DirectionSet) -> None:
@@ -346,9 +347,11 @@ def predict_on_held_out(ctx: ProbeContext, E: RolloutBatch, step: StepModel, pcf
         dirE = directions(ctx, [lambda out: None] if total else [], step, ctx.device)
         if total:
             _sum_rows_into_first(dirE)
+    prepare_x(ctx, E)  # token_mean's constants from E
     with ctx.phase("accumulate_X_E"):
         accX = accumulate(ctx, E, x_loss_of(ctx), "X over held-out E", directions=dirE.first(1) if total else dirE,
-                          with_entropy=with_entropy, unit_backward=held_out_unit_backward(pcfg, ctx, E))
+                          with_entropy=ctx.x.entropy if (ctx.x.measures_tokens or with_entropy) else False,
+                          unit_backward=held_out_unit_backward(pcfg, ctx, E))
         Xbar, B_E = global_mean(accX.sum_buf, accX.B)
     step_dots = pv.dot_set(Xbar, dirE).tolist()[1 if total else 0:]  # Xbar . Delta theta_part
     # each parameter tensor's part of the headline, -Xbar_i . Delta theta_i (nats): attr_pred/*
@@ -357,4 +360,4 @@ def predict_on_held_out(ctx: ProbeContext, E: RolloutBatch, step: StepModel, pcf
     e = -D.gather_units(accX.proj)
     res = {"gt/B_E": B_E, **prediction_results(step.names, step.kind, step_dots, e, None, step.facts),
            **headline(list(ctx.names), [-float(t) for t in step_terms], pcfg.top_k_params)}
-    return HeldOutPrediction(res, Xbar, accX.S, accX.entropy, e)
+    return HeldOutPrediction(res, Xbar, accX.S, accX.entropy, e, accX.token_logp)

@@ -42,11 +42,11 @@ from entprobe.runtime import distributed as D
 from entprobe.math import paramvec as pv
 from entprobe.runtime import sharding
 from entprobe.runtime.distributed import no_sync
-from entprobe.math.estimators import x_unit_coeffs
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.config import ConfigError
 from entprobe.pipeline.stages.context import ProbeContext, device_budget_bytes, model_dims
 from entprobe.pipeline.stages.ghost_projection import ghost_supported
+from entprobe.pipeline.stages.x_spec import Forward
 
 
 def _math_sdpa():
@@ -59,10 +59,23 @@ def _math_sdpa():
 
 
 def unit_coeffs(ctx: ProbeContext, S: torch.Tensor, mb: RolloutBatch, side: str) -> torch.Tensor:
-    """Per-response weights w [b, G] such that the unit vector is ``sum_g w[n,g] grad S[n,g]``."""
+    """Per-response weights w [b, G] such that the unit vector is ``sum_g w[n,g] grad S[n,g]``
+    (X in its score form, ``ctx.x.weights``; Y)."""
     if side == "X":
-        return x_unit_coeffs(S, mb.gen_lengths.to(S.device), mb.Lmax.to(S.device), ctx.weighting_mode)
+        return ctx.x.weights(S, mb)
     return ctx.y_weights(mb, S.device)
+
+
+def _unit_tangents(ctx: ProbeContext, fwd: Forward, mb: RolloutBatch, side: str) -> torch.Tensor:
+    """Per unit [b] (fp64) the directional derivative of the unit's X or Y along the dual
+    parameters' tangent: ``sum_g w dS_g``, or for X in per-token form ``sum_{g,t} a dl_t + e dH_t``
+    with the coefficients from the primal values."""
+    if side == "X" and ctx.x.tokens:
+        (lp, dlp), (ent, dent) = (fwAD.unpack_dual(t) for t in (fwd.lp, fwd.ent))
+        c = ctx.x.token_coeffs(ent, mb)
+        return (c.a.double() * dlp.double()).sum((-1, -2)) + (c.e.double() * dent.double()).sum((-1, -2))
+    primal, tangent = fwAD.unpack_dual(fwd.S)
+    return (unit_coeffs(ctx, primal, mb, side).double() * tangent.double()).sum(-1)
 
 
 _T = torch.Tensor
@@ -265,27 +278,38 @@ def project_jvp(ctx: ProbeContext, batch: RolloutBatch, directions: pv.Direction
     not shrink, so a larger microbatch is cheaper on small models yet can outgrow a training
     microbatch when the vocabulary is large (benchmarks/README.md).
     """
-    base = getattr(ctx.model, "module", ctx.model)  # DDP: call the wrapped module functionally
-    names = [f"model.{n.removeprefix('module.')}" for n in ctx.names]
-
-    return torch.stack([_project_jvp_one(ctx, batch, directions.column(j), side, label, mb_size, base, names)
+    entropy = "grad" if side == "X" and ctx.x.tokens else False
+    return torch.stack([_jvp_pass(ctx, batch, directions.column(j), label, mb_size, entropy,
+                                  lambda fwd, mb: _unit_tangents(ctx, fwd, mb, side)).cpu()
                         for j in range(directions.k)], 1)
 
 
-def _project_jvp_one(ctx: ProbeContext, batch: RolloutBatch, direction: pv.Buffer, side: str, label: str,
-                     mb_size: int | None, base: torch.nn.Module, names: list[str]) -> torch.Tensor:
-    """One forward-mode pass along one direction: [B] float64."""
+def token_tangents(ctx: ProbeContext, batch: RolloutBatch, direction: pv.Buffer, label: str,
+                   mb_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad l_t . direction, grad H_t . direction)`` for every token of ``batch`` [B, G, T] (fp64,
+    CPU; 0 off the responses) from one forward-mode pass: every X of every functional and estimator
+    projected onto the direction follows from them and its coefficients (benchmarks compare them)."""
+    def per_mb(fwd, mb):
+        return torch.stack([fwAD.unpack_dual(t).tangent.double() for t in (fwd.lp, fwd.ent)])
+    out = _jvp_pass(ctx, batch, direction, label, mb_size, "grad", per_mb, cat_dim=1).cpu()
+    return out[0], out[1]
+
+
+def _jvp_pass(ctx: ProbeContext, batch: RolloutBatch, direction: pv.Buffer, label: str, mb_size: int | None,
+              entropy, per_mb, cat_dim: int = 0) -> torch.Tensor:
+    """One forward-mode pass along one direction: ``per_mb(dual forward, microbatch)`` of every
+    microbatch, concatenated (dim ``cat_dim``)."""
+    base = getattr(ctx.model, "module", ctx.model)  # DDP: call the wrapped module functionally
+    names = [f"model.{n.removeprefix('module.')}" for n in ctx.names]
     operands = _DualOperands()
 
     def passes(model):
         out = []
         for start, mb in ctx.iterate(batch, mb_size or ctx.mb_size, label):
             operands.reset()
-            S, _, _ = ctx.forward_S(mb, f"{label} prompts [{start}, {start + mb.B})", model=model)
-            primal, tangent = fwAD.unpack_dual(S)
-            w = unit_coeffs(ctx, primal, mb, side)
-            out.append((w.double() * tangent.double()).sum(-1))  # [b], stays on the device
-        return torch.cat(out)
+            fwd = ctx.forward_S(mb, f"{label} prompts [{start}, {start + mb.B})", model=model, with_entropy=entropy)
+            out.append(per_mb(fwd, mb))  # stays on the device
+        return torch.cat(out, cat_dim)
 
     with torch.no_grad(), fwAD.dual_level(), _math_sdpa(), operands:
         duals = {n: fwAD.make_dual(p.detach(), d.to(p.device, p.dtype))
@@ -313,9 +337,12 @@ def project_backward(ctx: ProbeContext, batch: RolloutBatch, directions: pv.Dire
             if owner != me:
                 mb.filler = True  # another rank's unit: log-probs times 0, not counted here
             with torch.enable_grad(), no_sync(ctx.model):  # probe pass: no DDP gradient all-reduce
-                S, _, _ = ctx.forward_S(mb, f"{label} prompt {start}")
-                w = unit_coeffs(ctx, S.detach(), mb, side)
-                (w * S).sum().backward()
+                if side == "X":
+                    fwd = ctx.forward_S(mb, f"{label} prompt {start}", with_entropy=ctx.x.entropy)
+                    ctx.x.loss(fwd, mb).backward()
+                else:
+                    S = ctx.forward_S(mb, f"{label} prompt {start}").S
+                    (unit_coeffs(ctx, S.detach(), mb, side) * S).sum().backward()
             proj = pv.dot_set(pv.grads(ctx.params), directions).cpu()
             if owner == me:
                 ctx.stats.count("backward", mb.B * mb.G)

@@ -279,7 +279,8 @@ def base_e_scaled(st, f: float) -> torch.Tensor | None:
 def _measure(ctx, E, U, st, geo, icfg, Y: pv.Buffer, f: float, e: torch.Tensor | None, pred: float) -> dict:
     """The real step with gradient ``-Y`` at lr x f, measured on E (Stage 3, everything restored
     bit-exactly), and its paired difference with the prediction ``pred`` (per-prompt ``e``)."""
-    inp = StepInputs(geo.optimizer, st.lr * f, st.Xbar, Y, geo.P, st.B_U, st.S_E, st.U_token_logp, st.E_entropy)
+    inp = StepInputs(geo.optimizer, st.lr * f, st.Xbar, Y, geo.P, st.B_U, st.S_E, st.U_token_logp, st.E_entropy,
+                     st.E_token_logp)
     with scaled_lrs(geo.optimizer, f), ctx.phase("what_if_measure"):
         gt = run_ground_truth(ctx, E, U, inp, icfg)
     psi = gt.pop("gt/psi")
