@@ -58,7 +58,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--B", type=int, default=8, help="prompts in E and in U")
     ap.add_argument("--G", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=2, help="timed repetitions of the X passes (0: no timing)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batches", default=None, help="folder to save / load the sampled batches (batch.save)")
     ap.add_argument("--json", default=None)
@@ -160,7 +160,7 @@ def one_length(a: argparse.Namespace, max_new: int) -> dict:
             accumulate(ctx, E, x_loss_of(ctx), "X over E", directions=parts, with_entropy=ctx.x.entropy,
                        unit_backward="vmap" if sum(p.numel() for p in ctx.params) < 10_000_000 else "loop")
             times[estimator].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(v) if v else math.nan for k, v in times.items()}  # --reps 0: not timed
     # ESS/N after the real step: whole responses vs per-decision
     with torch.no_grad():
         saved = [p.detach().clone() for p in ctx.params]

@@ -259,7 +259,10 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else NAN
 
 
-def summarise(rows: list[dict]) -> list[dict]:
+def summarise(rows: list[dict], B_E: int = 8) -> list[dict]:
+    from entprobe.math.estimators import t_quantile
+
+    q = t_quantile(B_E - 1)  # the prediction's 95% t interval (B_E - 1 df)
     out = []
     seen = []
     for r in rows:
@@ -292,6 +295,11 @@ def summarise(rows: list[dict]) -> list[dict]:
                 r["ci95_true_minus_pred_low"] <= 0 <= r["ci95_true_minus_pred_high"] for r in hi_ess) / len(hi_ess)
                 if hi_ess else NAN),
             "sign_resolved_n": len(res), "sign_resolved_agree": agree_res, "sign_all_agree": agree_all,
+            # the prediction's own resolution: its 95% interval excludes 0 (by sign), its spread over draws
+            "pred_excl0_pos": sum(r["deltaH_pred"] > q * r["SE_deltaH_pred"] for r in ok),
+            "pred_excl0_neg": sum(r["deltaH_pred"] < -q * r["SE_deltaH_pred"] for r in ok),
+            "sd_pred": statistics.stdev([r["deltaH_pred"] for r in ok]) if len(ok) > 1 else NAN,
+            "median_se_pred": median([r["SE_deltaH_pred"] for r in ok]),
             "ratio": R, "SE_ratio": Rse, "ratio_lo": Rlo, "ratio_hi": Rhi, "slope": b, "slope_lo": blo, "slope_hi": bhi,
             "sd_z": statistics.stdev(z) if len(z) > 1 else NAN,
             "median_se_ratio": median([r["SE_deltaH_true_minus_pred"] / r["SE_deltaH_true"] for r in m
@@ -345,18 +353,22 @@ def write_md(summary: list[dict], path: Path, header: str) -> None:
              "through 0 over draws [95% bootstrap]; "
              "SE ratio = median SE_deltaH_true_minus_pred / SE_deltaH_true; "
              "sd z = spread of (measured - predicted) / its SE over draws (1 if calibrated); unmeasurable = draws the "
-             "probe declined to measure, by reason (k-hat > 0.7, ESS/N < 0.3; a draw can have both).", "",
+             "probe declined to measure, by reason (k-hat > 0.7, ESS/N < 0.3; a draw can have both); "
+             "pred 95% excl. 0 = draws whose prediction's 95% t interval excludes 0 (+ / -); sd pred = the "
+             "prediction's spread over draws, median SE = its median SE_deltaH_pred.", "",
              "| checkpoint | lr | measurable / draws | holds 0 ± SE | rejections (p) | sign: resolved / all | "
+             "pred 95% excl. 0 (+/-) | sd pred / median SE | "
              "mean predicted | mean measured | measured/predicted [95%] | slope [95%] | SE ratio | sd z | "
              "median ESS/N | "
              "unmeasurable (k-hat, ESS) | U zero-var groups |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
         lines.append(
             f"| {s['checkpoint']} | {s['lr']:g} | {s['measurable']} / {s['runs']} | "
             f"{fmt(s['holds0'], 2)} ± {fmt(s['SE_holds0'], 2)} | "
             f"{s['rejections']} ({fmt(s['p_excess_rejections'], 2)}) | "
             f"{s['sign_resolved_agree']}/{s['sign_resolved_n']} / {s['sign_all_agree']}/{s['measurable']} | "
+            f"{s['pred_excl0_pos']}/{s['pred_excl0_neg']} | {fmt(s['sd_pred'], 2)} / {fmt(s['median_se_pred'], 2)} | "
             f"{fmt(s['mean_pred'])} | {fmt(s['mean_true'])} | {fmt(s['ratio'], 4)} [{fmt(s['ratio_lo'], 4)}, "
             f"{fmt(s['ratio_hi'], 4)}] | {fmt(s['slope'], 4)} [{fmt(s['slope_lo'], 4)}, {fmt(s['slope_hi'], 4)}] | "
             f"{fmt(s['median_se_ratio'], 2)} | {fmt(s['sd_z'], 2)} | "
@@ -369,11 +381,11 @@ def write_md(summary: list[dict], path: Path, header: str) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def write_outputs(rows: list[dict], out: Path, header: str) -> None:
+def write_outputs(rows: list[dict], out: Path, header: str, B_E: int = 8) -> None:
     if not rows:
         return
     try:
-        summary = summarise(rows)
+        summary = summarise(rows, B_E)
         write_csv(rows, out / "calibration_runs.csv")
         write_csv(summary, out / "calibration.csv")
         write_md(summary, out / "calibration.md", header)
@@ -391,14 +403,14 @@ def main(argv=None) -> int:
               f"{a.seed_E0}), seed_U={a.seed_U} fixed per checkpoint")
     t0 = time.perf_counter()
     try:  # the outputs are rewritten after every draw: a run cut short leaves its table so far
-        rows = run_all(a, out, on_draw=lambda rows: write_outputs(rows, out, header))
+        rows = run_all(a, out, on_draw=lambda rows: write_outputs(rows, out, header, a.B_E))
     except Exception:  # set-up failed (imports, config): report, still exit 0
         traceback.print_exc()
         return 0
     if not rows:
         print("nothing to run: give --builtin, --ckpt or --ckpt-grpo")
         return 0
-    write_outputs(rows, out, header)
+    write_outputs(rows, out, header, a.B_E)
     print(f"[calibration] {len(rows)} runs in {time.perf_counter() - t0:.1f}s "
           f"(runs' own time {sum(r['wall_s'] for r in rows if math.isfinite(r['wall_s'])):.0f}s) -> "
           f"{out}/calibration{{.md,.csv,_runs.csv}}")

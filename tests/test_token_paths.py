@@ -18,8 +18,8 @@ from entprobe.pipeline.stages.accumulate import accumulate, global_mean, prepare
 from entprobe.pipeline.stages.prediction import build_step_model, directions
 from entprobe.pipeline.stages.variance import token_tangents
 
-CASES = [("token_mean", "rao_blackwell"), ("token_mean", "score"), ("seq_mean_token_mean", "score"),
-         ("sequence", "rao_blackwell")]
+# sequence / rao_blackwell: tests/test_variance.py (its x_estimator=auto)
+CASES = [("token_mean", "rao_blackwell"), ("token_mean", "score"), ("seq_mean_token_mean", "score")]
 PATHS = ("stored", "fused", "jvp", "ghost", "backward")
 KEYS = ("deltaH_pred", "SE_deltaH_pred", "deltaH1", "SE_deltaH1", "V_X", "V_Y")
 

@@ -247,7 +247,7 @@ def what_if_errors(cfg) -> list[tuple[str, str]]:
 class ProbeConfig:
     mode: ProbeMode = ProbeMode.two_batch
     mb_size_prompts: int = 2
-    weighting_mode: WeightingMode = WeightingMode.dr_grpo
+    weighting_mode: WeightingMode = WeightingMode.token_mean
     x_estimator: XEstimator = XEstimator.auto
     buffers_device: str = "auto"
     buffers_dtype: DType = DType.float32
