@@ -15,6 +15,8 @@ from its coefficients, on the same responses, so the figures compare estimators,
   independent given the prompt, so the covariance over prompts of their contributions is the
   between-prompt variance, and ``within = 1 - cov(e_A, e_B) / Var(e_n)`` (noisy at small B_E:
   it can leave [0, 1]);
+- ``pathwise``: ``Var`` of the pathwise terms ``-e grad H_t . Delta theta`` over ``Var(e_n)`` (0 for
+  the score forms of sequence and token_mean, which have none; the rest is the score terms and their covariance);
 - ``B_E sign``: the B_E at which the SE is half the Rao-Blackwellised prediction's size (a sign
   resolved at z = 2), ``B_E (2 SE / |pred|)^2``;
 - the X pass's time with each estimator (the pipeline's default projection path, median of
@@ -129,11 +131,13 @@ def one_length(a: argparse.Namespace, max_new: int) -> dict:
     t_tan = time.perf_counter() - t0
     m, L, Lmax = E.response_mask.double(), E.gen_lengths.double(), E.Lmax.double()
     rows = {}
-    def contributions(mode, estimator, sl) -> torch.Tensor:
-        """-X_n . Delta theta per prompt [B] from the responses ``sl`` of each group."""
+    def contributions(mode, estimator, sl, part: str = "all") -> torch.Tensor:
+        """-X_n . Delta theta per prompt [B] from the responses ``sl`` of each group (``part``: the
+        score terms ``a dl`` or the pathwise terms ``e dH`` only)."""
         c = coefficients(mode, estimator, S[:, sl], lp[:, sl], H[:, sl], m[:, sl], L[:, sl], L[:, sl].amax(-1),
                          token_mean_stats=(H, m))
-        return -((c.a * dl[:, sl]).sum((-1, -2)) + (c.e * dH[:, sl]).sum((-1, -2)))
+        score, path = -(c.a * dl[:, sl]).sum((-1, -2)), -(c.e * dH[:, sl]).sum((-1, -2))
+        return {"all": score + path, "score": score, "path": path}[part]
 
     half = E.G // 2
     for mode, estimator in CASES:
@@ -141,8 +145,10 @@ def one_length(a: argparse.Namespace, max_new: int) -> dict:
         eA, eB = contributions(mode, estimator, slice(0, half)), contributions(mode, estimator, slice(half, None))
         var_e = float(e.var())
         between = float(((eA - eA.mean()) * (eB - eB.mean())).sum() / (e.numel() - 1))
+        path = contributions(mode, estimator, slice(None), "path")
         rows[(mode, estimator)] = {"pred": float(e.mean()), "SE": math.sqrt(var_e / e.numel()),
-                                   "within_share": 1.0 - between / var_e if var_e > 0 else math.nan}
+                                   "within_share": 1.0 - between / var_e if var_e > 0 else math.nan,
+                                   "path_share": float(path.var()) / var_e if var_e > 0 else math.nan}
     for (mode, estimator), r in rows.items():
         base, rb = rows[(mode, "score")], rows.get((mode, "rao_blackwell"), rows[(mode, "score")])
         r["SE_ratio"] = base["SE"] / r["SE"] if r["SE"] > 0 else math.nan
@@ -186,10 +192,11 @@ def main() -> None:
         r = one_length(a, T)
         out.append(r)
         print(f"\n{a.model}, {T} new tokens (mean length {r['mean_length']:.1f}), B_E = B_U = {a.B}, G = {a.G}, lr {a.lr:g}")
-        print(f"{'functional/estimator':34s} {'pred':>11s} {'SE':>10s} {'SE ratio':>9s} {'within':>7s} {'B_E sign':>9s}")
+        print(f"{'functional/estimator':34s} {'pred':>11s} {'SE':>10s} {'SE ratio':>9s} {'within':>7s} "
+              f"{'pathwise':>9s} {'B_E sign':>9s}")
         for name, row in r["rows"].items():
             print(f"{name:34s} {row['pred']:11.3g} {row['SE']:10.3g} {row['SE_ratio']:9.2f} "
-                  f"{row['within_share']:7.2f} {row['B_E_sign']:9.0f}")
+                  f"{row['within_share']:7.2f} {row['path_share']:9.2f} {row['B_E_sign']:9.0f}")
         tu = r["time_units"]
         print(f"X pass (token_mean): score {tu['score']:.2f} units, rao_blackwell {tu['rao_blackwell']:.2f} units "
               f"(1 unit = {r['time_s']['train']:.2f} s); extra {tu['rao_blackwell'] - tu['score']:+.2f} units")

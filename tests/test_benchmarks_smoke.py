@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
     (["benchmarks/bench_variance.py", "--reps", "1"], "auto picks"),
     (["benchmarks/bench_probe.py", "--reps", "1"], "floor "),
     (["benchmarks/online_probe.py", "--steps", "4", "--every", "2"], "closed-form update vs the real step"),
-], ids=["bench_variance", "bench_probe", "online_probe"])
+    (["benchmarks/bench_rao_blackwell.py", "--B", "4", "--G", "4", "--reps", "1"], "ESS/N after the step"),
+], ids=["bench_variance", "bench_probe", "online_probe", "bench_rao_blackwell"])
 def test_benchmark_runs_on_the_builtin_model(args, line):
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}

@@ -104,6 +104,10 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "--lrs 1e-6,1e-5,3e-5 --draws 10 --out /tmp/calib/bench -- importance.resample_on_low_ess=false "
     "task.tokenize=entprobe task.reward=last_number "
     "'task.system_prompt=\"Answer with just the number.\"'": ("slow", ""),
+    "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/calibration.py --builtin --builtin-draws 40 --builtin-lrs 1e-5,1e-4 "
+    "--out /tmp/calib/builtin_token_mean": ("slow", ""),
+    "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/calibration.py --builtin --builtin-draws 40 --builtin-lrs 1e-5,1e-4 "
+    "--out /tmp/calib/builtin_dr_grpo --probe probe.weighting_mode=dr_grpo": ("slow", ""),
     ".venv/bin/python benchmarks/calibration.py --builtin --draws 2 --builtin-lrs 1e-3,1e-2 --B-E 4 --B-U 4 "
     "--out /tmp/calib_small": ("run", "tests/test_calibration_cmd.py::test_calibration_small_command_writes_csv_and_table"),
     # docs/memory.md
