@@ -156,6 +156,7 @@ def trl_process(model: str, r: dict, steps: int = 2) -> dict:
 
 
 def trl_child(spec: dict, out: str) -> None:
+    """``trl_process``'s child: build the trainer, train, write the peak and CPU seconds to ``out``."""
     from _common import proc_kb
     from online_probe import build_trainer
 
