@@ -19,13 +19,31 @@ def proc_kb(key: str) -> int:
 
 class PeakMemory:
     """Peak increase (MiB) over the memory in use when the block starts: on CPU ``VmHWM`` reset
-    to ``VmRSS`` through ``/proc/self/clear_refs``; on CUDA ``max_memory_allocated``."""
+    to ``VmRSS`` through ``/proc/self/clear_refs``; on CUDA ``max_memory_allocated``. Also
+    ``abs_mib``, the block's peak in absolute terms (the memory in use at its start plus the
+    increase: what the process held at the block's high point), and, across every block of the
+    process, ``PeakMemory.process_mib()``: the process's high-water mark since it started, which the
+    resets would otherwise lose (what ran between blocks, model loading and sampling included)."""
+
+    _seen_hwm = 0  # the largest high-water mark read before a reset or at a block's end (CPU kB, CUDA bytes)
 
     def __init__(self, device: torch.device):
-        self.device, self.mib = device, float("nan")
+        self.device, self.mib, self.abs_mib = device, float("nan"), float("nan")
+
+    @classmethod
+    def _note(cls, device: torch.device) -> None:
+        hwm = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else proc_kb("VmHWM")
+        cls._seen_hwm = max(cls._seen_hwm, hwm)
+
+    @classmethod
+    def process_mib(cls, device: torch.device) -> float:
+        """The process's peak so far in MiB (CPU: resident set; CUDA: allocated), resets included."""
+        cls._note(device)
+        return cls._seen_hwm / (2**20 if device.type == "cuda" else 1024)
 
     def __enter__(self):
         gc.collect()
+        self._note(self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -38,9 +56,12 @@ class PeakMemory:
     def __exit__(self, *exc):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self.mib = (torch.cuda.max_memory_allocated(self.device) - self.base) / 2**20
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.mib, self.abs_mib = (peak - self.base) / 2**20, peak / 2**20
         else:
-            self.mib = (proc_kb("VmHWM") - self.base) / 1024
+            peak = proc_kb("VmHWM")
+            self.mib, self.abs_mib = (peak - self.base) / 1024, peak / 1024
+        self._note(self.device)
 
 
 def training_unit(ctx, E, U) -> None:

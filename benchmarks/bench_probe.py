@@ -6,6 +6,9 @@ teacher-forced log-prob path) and the optimizer's ``step()``. The ratios without
 definition before it was counted, ``fwd+bwd units``) are printed beside. In one process, on the
 same sampled batches, each repetition runs, in this order:
 
+- ``sample``: E and U drawn as the job draws them (``sample_global``, the config's seeds: the
+  same batches again, which the script checks), so that the job's memory and time include its
+  sampling (``--no-sample`` skips it);
 - ``train``: the forward+backward;
 - ``step``: the AdamW ``step()`` alone (on zero gradients; a snapshot taken before and restored
   after, outside the timed block);
@@ -22,18 +25,29 @@ is the process's CPU time (``OMP_NUM_THREADS=1`` is the default here), so that o
 a shared machine does not enter the ratios; wall-clock ratios are printed beside. Phase breakdowns
 are the phases' shares of the probe's wall time times its units. Peak memory of each block is the increase of the process high-water mark over the RSS at
 the block's start (CPU: ``VmHWM`` reset through ``/proc/self/clear_refs``, with
-``MALLOC_MMAP_THRESHOLD_=131072`` so RSS follows live tensors; CUDA: ``max_memory_allocated``).
-Sampling and model loading are outside every block; no fresh-sample fallback runs (resample=None).
+``MALLOC_MMAP_THRESHOLD_=131072`` so RSS follows live tensors; CUDA: ``max_memory_allocated``);
+its absolute peak (the memory at its start plus that rise) is what the process held at the block's
+high point. The *job's peak* is the larger of the ``sample`` and ``probe`` blocks' absolute
+peaks (a job samples, then probes), printed beside a training step's (the ``train`` block's, with
+the weights and AdamW state held; the ``step`` block's also holds this script's snapshot) and, with
+``--trl``, beside a TRL ``GRPOTrainer`` process's whole-process peak on the same
+model and batch sizes (B_U prompts x G a step, the same new tokens and lr, TRL's defaults: gradient
+checkpointing on; a fresh interpreter, 2 steps; online_probe.py's ``build_trainer``), against the
+goal of at most 1.5 times TRL's. Model loading is outside every block (the process's high-water
+mark, which includes it, is printed too: ``/usr/bin/time -v`` reads only the last block's, since
+the resets lower the kernel's record); no fresh-sample fallback runs (resample=None).
 
 SmolLM2 ships without optimizer state: the script gives it a real AdamW state from one step (mean
 token NLL of a separate sampled batch; lr 1e-5, weight decay 0.01), so the probe runs in Adam
-geometry with a real AdamW step. Its E/U seeds are swapped (U = seed 1) so that U holds a reward.
+geometry with a real AdamW step (taken before E and U are drawn, so they are sampled at the
+weights the probe runs at). Its E/U seeds are swapped (U = seed 1) so that U holds a reward.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_probe.py                      # default model, ~1 min
     OMP_NUM_THREADS=1 python benchmarks/bench_probe.py --model smollm2 --reps 3   # ~15 min on 2 cores
     python benchmarks/bench_probe.py --model default -- batch.B_E=16 batch.B_U=16  # extra overrides
     python benchmarks/bench_probe.py --model smollm2 --default-malloc   # allocation costs as a user's run
     python benchmarks/bench_probe.py --model smollm2 --compare ghost --no-literal   # auto's path beside ghost
+    OMP_NUM_THREADS=1 python benchmarks/bench_probe.py --model smollm2 --reps 2 --trl  # and TRL's process peak
 
 Also printed: the *floor*, what any probe of this design pays whatever its per-prompt path: the
 ``train`` block (a forward+backward over E ∪ U: the probe's Y and X passes repeat it) plus the
@@ -50,6 +64,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -108,17 +123,55 @@ def build(model: str, extra: list[str]):
         inputs = check_inputs(compose(COMMON + MODELS[model] + extra + ["optimizer.preconditioner=identity"]))
     torch.manual_seed(cfg.seed)
     lm, task, ctx = load_probe(cfg)
-    E, U = get_batches(cfg, lm, task, ctx, inputs)[:2]
-    # a model without optimizer state (SmolLM2's GGUF, a bare HF folder) gets one from a real step
+    # a model without optimizer state (SmolLM2's GGUF, a bare HF folder) gets one from a real step,
+    # taken before E and U are drawn: they are sampled at the weights the probe runs at, as in a job
     has_state = inputs.optimizer_state is not None
     geo = build_geometry(cfg, lm, ctx.params, ctx.buffers_device, inputs.optimizer_state)[0] if has_state \
         else adamw_state(cfg, lm, task, ctx)
-    return cfg, lm, ctx, E, U, geo
+    E, U = get_batches(cfg, lm, task, ctx, inputs)[:2]
+    return cfg, lm, task, ctx, E, U, geo
+
+
+def same_tokens(got, want) -> bool:
+    """Whether two (E, U) pairs hold the same responses (sampling is keyed by seed: it should)."""
+    return all(a.input_ids.shape == b.input_ids.shape and torch.equal(a.input_ids, b.input_ids)
+               for a, b in zip(got, want))
+
+
+def trl_process(model: str, r: dict, steps: int = 2) -> dict:
+    """A TRL ``GRPOTrainer`` training process on the same model and batch sizes (online_probe.py's
+    ``build_trainer``: B_U prompts x G responses a step, the same new tokens, lr, CPU, TRL's defaults
+    otherwise: gradient checkpointing on, no reference model), ``steps`` steps in a fresh
+    interpreter under this process's environment: its whole-process peak (``VmHWM``, MiB) and CPU
+    seconds of ``train()``."""
+    spec = {"model": model, "steps": steps, "prompts_per_step": r["B_U"], "G": r["G"],
+            "max_new": r["max_new_tokens"], "lr": r["lr"]}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "trl.json"
+        proc = subprocess.run([sys.executable, __file__, "--trl-child", json.dumps(spec), str(out)],
+                              capture_output=True, text=True)  # TRL's per-step logs are not this script's
+        if proc.returncode != 0:
+            raise RuntimeError(f"the TRL process failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return {**spec, **json.loads(out.read_text())}
+
+
+def trl_child(spec: dict, out: str) -> None:
+    """``trl_process``'s child: build the trainer, train, write the peak and CPU seconds to ``out``."""
+    from _common import proc_kb
+    from online_probe import build_trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tr = build_trainer(tmp, spec["steps"], model=spec["model"], prompts_per_step=spec["prompts_per_step"],
+                           G=spec["G"], max_new=spec["max_new"], lr=spec["lr"])
+        c0 = time.process_time()
+        tr.train()
+        cpu = time.process_time() - c0
+    Path(out).write_text(json.dumps({"peak_mib": proc_kb("VmHWM") / 1024, "train_cpu_s": cpu}))
 
 
 # ---------------------------------------------------------------- the blocks
-def timed(fn, device) -> tuple[float, float, float, object]:
-    """(wall seconds, process CPU seconds, peak MiB, result) of ``fn()``."""
+def timed(fn, device) -> tuple[float, float, tuple[float, float], object]:
+    """(wall seconds, process CPU seconds, (peak MiB over the start, absolute peak MiB), result) of ``fn()``."""
     with PeakMemory(device) as mem:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -127,34 +180,39 @@ def timed(fn, device) -> tuple[float, float, float, object]:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return wall, cpu, mem.mib, out
+    return wall, cpu, (mem.mib, mem.abs_mib), out
 
 
-def bench(model: str, reps: int, extra: list[str], compare: tuple[str, ...] = (), literal: bool = True) -> dict:
+def bench(model: str, reps: int, extra: list[str], compare: tuple[str, ...] = (), literal: bool = True,
+          sample: bool = True) -> dict:
     from entprobe.config import ProjectionMode
     from entprobe.pipeline.modes.two_batch import run_two_batch
+    from entprobe.pipeline.run_batches import sample_global
     from entprobe.pipeline.stages.context import PhaseStats
     from entprobe.pipeline.stages.snapshot import restore, take
 
-    cfg, lm, ctx, E, U, geo = build(model, extra)
+    cfg, lm, task, ctx, E, U, geo = build(model, extra)
     schedules = {"probe": (cfg.probe, cfg.importance)}
     for proj in compare:  # the same probe with another projection path, in the same repetitions
         schedules[f"p:{proj}"] = (dataclasses.replace(cfg.probe, projection=ProjectionMode(proj)), cfg.importance)
     if literal:
         schedules["literal"] = (dataclasses.replace(cfg.probe, projection=ProjectionMode.backward),
                                 dataclasses.replace(cfg.importance, reuse_probe_gradient=False))
-    blocks = ("train", "step", *schedules)
-    wall, cpu, mem = ({k: [] for k in blocks} for _ in range(3))
+    blocks = (*(("sample",) if sample else ()), "train", "step", *schedules)
+    wall, cpu, mem, mem_abs = ({k: [] for k in blocks} for _ in range(4))
     phases = {k: [] for k in schedules}
     results = {}
     tmp = Path(tempfile.mkdtemp(prefix="bench_probe_"))
     for rep in range(reps + 1):  # interleaved, so that a change of machine load hits every block
         if rep == 1:  # the first repetition warms up (lazy initialisation, first-call allocations)
-            for d in (wall, cpu, mem, phases):
+            for d in (wall, cpu, mem, mem_abs, phases):
                 for v in d.values():
                     v.clear()
         for name in blocks:
-            if name == "train":
+            if name == "sample":  # E and U drawn as the job draws them (the same seeds: the same batches)
+                c = dataclasses.replace(ctx, stats=PhaseStats())
+                fn = lambda c=c: sample_global(cfg, lm, task, c)  # noqa: E731
+            elif name == "train":
                 fn = lambda: training_unit(ctx, E, U)  # noqa: E731
             elif name == "step":
                 snap = take(ctx.params, geo.optimizer, torch.device("cpu"))
@@ -164,7 +222,7 @@ def bench(model: str, reps: int, extra: list[str], compare: tuple[str, ...] = ()
             else:
                 c = dataclasses.replace(ctx, stats=PhaseStats())
                 fn = lambda c=c, pi=schedules[name]: run_two_batch(c, E, U, geo, *pi, tmp)  # noqa: E731
-            w, t, mib, res = timed(fn, lm.device)
+            w, t, (mib, abs_mib), res = timed(fn, lm.device)
             if name == "step":
                 ctx.zero_grad()
                 restore(ctx.params, geo.optimizer, snap)
@@ -172,9 +230,13 @@ def bench(model: str, reps: int, extra: list[str], compare: tuple[str, ...] = ()
             wall[name].append(w)
             cpu[name].append(t)
             mem[name].append(mib)
+            mem_abs[name].append(abs_mib)
+            if name == "sample":
+                results[name] = same_tokens(res, (E, U))
             if name in schedules:
                 phases[name].append({p: sec / w for p, sec in c.stats.seconds.items()})  # share of wall
                 results[name] = res
+            del res  # the sampled batches: not held into the next block
     # On CPU the process's CPU time is the clock (other users' load does not count; the runs are
     # single-threaded with OMP_NUM_THREADS=1); on CUDA the wall clock.
     clock = cpu if lm.device.type == "cpu" else wall
@@ -186,7 +248,8 @@ def bench(model: str, reps: int, extra: list[str], compare: tuple[str, ...] = ()
     return {"model": model, "device": str(lm.device), "reps": reps, "clock": "cpu" if clock is cpu else "wall",
             "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default"),
             "n_params": sum(p.numel() for p in ctx.params),
-            "B_E": E.B, "B_U": U.B, "G": E.G, "T_E": E.input_ids.shape[-1], "T_U": U.input_ids.shape[-1],
+            "B_E": E.B, "B_U": U.B, "G": E.G, "max_new_tokens": cfg.sampling.max_new_tokens,
+            "lr": cfg.optimizer.lr or 1e-5, "T_E": E.input_ids.shape[-1], "T_U": U.input_ids.shape[-1],
             "mb_size_prompts": ctx.mb_size, "optimizer_step_s": statistics.median(clock["step"]),
             "fwd_bwd_s": fwd_bwd, "unit_s": unit,
             "fwd_bwd_units": {k: statistics.median(v) / fwd_bwd for k, v in clock.items()},
@@ -195,6 +258,8 @@ def bench(model: str, reps: int, extra: list[str], compare: tuple[str, ...] = ()
             "paired_units": {k: statistics.median(x / t for x, t in zip(v, step_of)) for k, v in clock.items()},
             "wall_units": {k: statistics.median(v) / wall_unit for k, v in wall.items()},
             "wall_s": wall, "cpu_s": cpu, "peak_mib": {k: max(v) for k, v in mem.items()},
+            "peak_abs_mib": {k: max(v) for k, v in mem_abs.items()},
+            "process_peak_mib": PeakMemory.process_mib(lm.device), "sampled_same_batches": results.get("sample"),
             "phase_units": {k: {p: statistics.median(r[p] for r in v) * units[k] for p in v[0]}
                             for k, v in phases.items()},
             "check": {k: {q: results[k].get(q) for q in ("deltaH1", "deltaH_true", "deltaH1_step", "ESS_frac",
@@ -220,15 +285,45 @@ def report(r: dict) -> None:
         print(f"  {k} phases (units, wall shares x total): " + ", ".join(f"{p} {u:.2f}" for p, u in ph.items()))
     for k, c in r["check"].items():
         print(f"  {k}: " + ", ".join(f"{q}={v:.4g}" for q, v in c.items() if v is not None))
+    memory_report(r)
+
+
+def memory_report(r: dict) -> None:
+    """The whole job's peak (sampling included) beside a training step's and, when measured, a TRL
+    training process's: each block's absolute peak is what the process held at the block's high
+    point (its memory at the start plus the ``peak MiB`` rise)."""
+    a = r["peak_abs_mib"]
+    print("  process memory at each block's high point (MiB; its start plus its rise): " +
+          ", ".join(f"{k} {v:.0f}" for k, v in a.items()))
+    job = max(a[k] for k in ("sample", "probe") if k in a)
+    train = a["train"]  # the step block's absolute peak also holds this script's snapshot: not a trainer's
+    parts = "sampling E and U, then the probe" if "sample" in a else "the probe; sampling not measured, --no-sample"
+    print(f"  the job's peak ({parts}): {job:.0f} MiB; a training step's (the train block, with the weights and "
+          f"AdamW state held): {train:.0f} MiB; job / training step {job / train:.2f}; this process's high-water "
+          f"mark (loading and set-up included) {r['process_peak_mib']:.0f} MiB")
+    if r.get("sampled_same_batches") is not None:
+        print(f"  the sample block drew the probe's batches again: {'yes' if r['sampled_same_batches'] else 'NO'}")
+    trl = r.get("trl")
+    if trl:
+        print(f"  TRL GRPOTrainer process ({trl['prompts_per_step']} prompts x G={trl['G']}, {trl['max_new']} new "
+              f"tokens, {trl['steps']} steps, TRL's defaults): peak {trl['peak_mib']:.0f} MiB; the job's peak / "
+              f"TRL's {job / trl['peak_mib']:.2f} (goal <= 1.5)")
+    else:
+        print(f"  against the goal (<= 1.5x a TRL training process's peak): not measured here (--trl); against "
+              f"the train block {job / train:.2f}")
 
 
 def own_args() -> argparse.Namespace:
     """This script's options beside ``bench_args``' (taken out of ``sys.argv``): ``--compare PROJ``
-    (also time the probe with ``probe.projection=PROJ``, e.g. ghost, in the same repetitions) and
-    ``--no-literal`` (skip the spec-literal schedule)."""
+    (also time the probe with ``probe.projection=PROJ``, e.g. ghost, in the same repetitions),
+    ``--no-literal`` (skip the spec-literal schedule), ``--no-sample`` (skip the sampling block) and
+    ``--trl`` (measure a TRL GRPOTrainer process's peak on the same model and batch sizes: CPU,
+    ``--model default`` or ``smollm2`` without a model override)."""
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--compare", nargs="+", default=[], choices=["stored", "fused", "jvp", "ghost", "backward"])
     ap.add_argument("--no-literal", action="store_true")
+    ap.add_argument("--no-sample", action="store_true")
+    ap.add_argument("--trl", action="store_true")
     cut = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
     own, rest = ap.parse_known_args(sys.argv[1:cut])
     sys.argv[1:cut] = rest
@@ -237,11 +332,16 @@ def own_args() -> argparse.Namespace:
 
 def main() -> int:
     reexec_with_bench_env()
+    if sys.argv[1:2] == ["--trl-child"]:  # trl_process's child: a TRL training process of its own
+        trl_child(json.loads(sys.argv[2]), sys.argv[3])
+        return 0
     own = own_args()
     a = bench_args(__doc__, MODELS, "default", 5, 2.0, "probe budget in units")
     out = []
     for m in a.model:
-        r = bench(m, a.reps, a.overrides, tuple(own.compare), not own.no_literal)
+        r = bench(m, a.reps, a.overrides, tuple(own.compare), not own.no_literal, not own.no_sample)
+        if own.trl:
+            r["trl"] = trl_process(m, r)
         report(r)
         out.append(r)
         for k in r["units"]:
