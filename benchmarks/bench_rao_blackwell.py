@@ -20,7 +20,8 @@ from its coefficients, on the same responses, so the figures compare estimators,
 - ``B_E sign``: the B_E at which the SE is half the Rao-Blackwellised prediction's size (a sign
   resolved at z = 2), ``B_E (2 SE / |pred|)^2``;
 - the X pass's time with each estimator (the pipeline's default projection path, median of
-  ``--reps``) in training-step units (one forward+backward over E ∪ U);
+  ``--reps``) in training-step units (one forward+backward over E ∪ U), and its peak memory over
+  its start (``_common.PeakMemory``);
 - after the real step, ESS/N of the whole-response weights and of the per-decision weights the
   Rao-Blackwellised measured change uses (whole-response weights degrade with length).
 
@@ -44,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from _common import compose, reexec_with_bench_env, training_unit
+from _common import PeakMemory, compose, reexec_with_bench_env, training_unit
 
 CASES = [("sequence", "score"), ("sequence", "rao_blackwell"), ("token_mean", "score"),
          ("token_mean", "rao_blackwell"), ("seq_mean_token_mean", "score"), ("per_token_avg", "score"),
@@ -155,6 +156,7 @@ def one_length(a: argparse.Namespace, max_new: int) -> dict:
         r["B_E_sign"] = a.B * (2 * r["SE"] / abs(rb["pred"])) ** 2 if rb["pred"] else math.inf
     # time of the X pass (the pipeline's default path) for each estimator of token_mean
     times = {"train": [], "score": [], "rao_blackwell": []}
+    peaks: dict[str, float] = {}
     for _ in range(a.reps):
         t0 = time.perf_counter()
         training_unit(ctx, E, U)
@@ -162,10 +164,12 @@ def one_length(a: argparse.Namespace, max_new: int) -> dict:
         for estimator in ("score", "rao_blackwell"):
             ctx.x = x_spec("token_mean", estimator)
             prepare_x(ctx, E)
-            t0 = time.perf_counter()
-            accumulate(ctx, E, x_loss_of(ctx), "X over E", directions=parts, with_entropy=ctx.x.entropy,
-                       unit_backward="vmap" if sum(p.numel() for p in ctx.params) < 10_000_000 else "loop")
-            times[estimator].append(time.perf_counter() - t0)
+            with PeakMemory(ctx.device) as mem:
+                t0 = time.perf_counter()
+                accumulate(ctx, E, x_loss_of(ctx), "X over E", directions=parts, with_entropy=ctx.x.entropy,
+                           unit_backward="vmap" if sum(p.numel() for p in ctx.params) < 10_000_000 else "loop")
+                times[estimator].append(time.perf_counter() - t0)
+            peaks[estimator] = max(peaks.get(estimator, 0.0), mem.mib)
     med = {k: statistics.median(v) if v else math.nan for k, v in times.items()}  # --reps 0: not timed
     # ESS/N after the real step: whole responses vs per-decision
     with torch.no_grad():
@@ -182,7 +186,7 @@ def one_length(a: argparse.Namespace, max_new: int) -> dict:
     ess_pd = ti.per_decision_ess_frac(rho, m)
     return {"max_new": max_new, "mean_length": float(L.mean()), "rows": {f"{k[0]}/{k[1]}": v for k, v in rows.items()},
             "time_units": {k: med[k] / med["train"] for k in ("score", "rao_blackwell")},
-            "time_s": med, "tangent_pass_s": t_tan, "ESS_frac_sequence": ess_seq, "ESS_frac_per_decision": ess_pd}
+            "time_s": med, "tangent_pass_s": t_tan, "x_pass_peak_mib": peaks, "ESS_frac_sequence": ess_seq, "ESS_frac_per_decision": ess_pd}
 
 
 def main() -> None:
@@ -200,6 +204,10 @@ def main() -> None:
         tu = r["time_units"]
         print(f"X pass (token_mean): score {tu['score']:.2f} units, rao_blackwell {tu['rao_blackwell']:.2f} units "
               f"(1 unit = {r['time_s']['train']:.2f} s); extra {tu['rao_blackwell'] - tu['score']:+.2f} units")
+        if r["x_pass_peak_mib"]:
+            pk = r["x_pass_peak_mib"]
+            print(f"X pass peak memory over its start: score {pk['score']:.0f} MiB, rao_blackwell "
+                  f"{pk['rao_blackwell']:.0f} MiB")
         print(f"ESS/N after the step: whole responses {r['ESS_frac_sequence']:.4f}, per-decision "
               f"{r['ESS_frac_per_decision']:.4f}")
     if a.json:
