@@ -193,3 +193,24 @@ def test_normalised_per_decision_estimators_are_paired_and_nearly_unbiased(mode,
         e, psi, _, _ = _simulate(mode, "rao_blackwell", f, N=200, is_mode=is_mode)
         ratios[f] = float(((psi - e).std(-1) / psi.std(-1)).median())
     assert ratios[STEPS[1]] < ratios[STEPS[0]] / 5 and ratios[STEPS[0]] < 0.3, ratios
+
+
+def test_resampled_change_of_a_token_functional_is_the_change_of_its_values():
+    """``deltaH_resample`` of token_mean is ``Phi(fresh) - Phi(E)`` (each batch's ``sum H / sum L``)
+    exactly, and of seq_mean_token_mean the difference of the per-prompt means; the per-prompt
+    contributions' spread gives its SE (nonzero here)."""
+    from entprobe.pipeline.stages.token_measure import resampled_token_change
+
+    gen = torch.Generator().manual_seed(3)
+    m0 = (torch.rand(6, 4, 5, generator=gen) < 0.7).double()
+    m0[..., 0] = 1
+    m1 = (torch.rand(6, 4, 5, generator=gen) < 0.6).double()
+    m1[..., 0] = 1
+    H0, H1 = torch.rand(6, 4, 5, generator=gen) * 2, torch.rand(6, 4, 5, generator=gen) * 2
+    r = resampled_token_change("token_mean", H1, m1, H0, m0)
+    phi = lambda H, m: float((H * m).sum() / m.sum())  # noqa: E731
+    assert r["deltaH_resample"] == pytest.approx(phi(H1, m1) - phi(H0, m0), abs=64 * torch.finfo(torch.float64).eps)
+    assert r["SE_deltaH_resample"] > 0
+    r = resampled_token_change("seq_mean_token_mean", H1, m1, H0, m0)
+    f = lambda H, m: float(((H * m).sum(-1) / m.sum(-1)).mean())  # noqa: E731
+    assert r["deltaH_resample"] == pytest.approx(f(H1, m1) - f(H0, m0), abs=64 * torch.finfo(torch.float64).eps)
