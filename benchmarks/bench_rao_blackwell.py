@@ -75,7 +75,7 @@ def overrides(a: argparse.Namespace, max_new: int) -> list[str]:
     if a.model == "smollm2":
         if not a.ckpt:
             sys.exit("--model smollm2 needs --ckpt DIR (benchmarks/smollm2_checkpoint.py --out DIR)")
-        out += [f"model=hf", f"model.path={a.ckpt}", f"optimizer.state_path={a.ckpt}", "task=arithmetic",
+        out += ["model=hf", f"model.path={a.ckpt}", f"optimizer.state_path={a.ckpt}", "task=arithmetic",
                 "probe.mb_size_prompts=1"]
     if a.batches:
         folder = Path(a.batches) / f"{a.model}-T{max_new}-B{a.B}-G{a.G}-s{a.seed}"
@@ -104,7 +104,6 @@ def coefficients(mode: str, estimator: str, S, lp, H, m, L, Lmax, token_mean_sta
 
 def one_length(a: argparse.Namespace, max_new: int) -> dict:
     from entprobe.cli.probe_job import load_from_disk
-    from entprobe.math import paramvec as pv
     from entprobe.math import token_importance as ti
     from entprobe.math import importance as im
     from entprobe.pipeline.stages.accumulate import accumulate, global_mean, prepare_x, x_loss_of, y_loss_of
@@ -130,8 +129,9 @@ def one_length(a: argparse.Namespace, max_new: int) -> dict:
     t0 = time.perf_counter()
     dl, dH = token_tangents(ctx, E, delta, "tangents along Delta theta")
     t_tan = time.perf_counter() - t0
-    m, L, Lmax = E.response_mask.double(), E.gen_lengths.double(), E.Lmax.double()
+    m, L = E.response_mask.double(), E.gen_lengths.double()
     rows = {}
+
     def contributions(mode, estimator, sl, part: str = "all") -> torch.Tensor:
         """-X_n . Delta theta per prompt [B] from the responses ``sl`` of each group (``part``: the
         score terms ``a dl`` or the pathwise terms ``e dH`` only)."""

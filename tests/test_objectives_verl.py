@@ -16,12 +16,10 @@ from collections import defaultdict
 import pytest
 import torch
 
-from entprobe.math import paramvec as pv
 from entprobe.config import ObjectiveConfig, ObjectivePreset
 from entprobe.rollouts.logprobs import token_logprobs
 from entprobe.rollouts.objectives import VERL_LOSS_AGG_MODES, prepare
 from entprobe.pipeline.stages.accumulate import accumulate, y_loss_of
-from entprobe.pipeline.stages.context import ProbeContext
 from exact_model import MAX_NEW, make_setup
 
 

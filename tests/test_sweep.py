@@ -17,7 +17,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 from omegaconf import OmegaConf
 
