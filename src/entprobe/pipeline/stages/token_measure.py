@@ -5,8 +5,9 @@ returns (``deltaH_<est>``, ``SE_deltaH_<est>``, ``H_upd_<est>``, weight diagnost
 per-prompt contributions ``{est: psi [B]}`` for the paired test.
 
 Which estimator: the Rao-Blackwellised X (``sequence``, ``token_mean``) pairs with the per-decision
-estimator (``cv``; ``snis`` normalised per position; ``clip``, as snis with truncated weights); the score-form X and ``seq_mean_token_mean``
-pair with the whole-response one (``cv``, ``snis``, ``clip``, ``psis``). ``ESS_frac`` is that of the
+estimator (``cv``; ``snis`` normalised per position; ``clip``, as snis with truncated weights); the
+score-form X and ``seq_mean_token_mean`` pair with the whole-response one (``cv``, ``snis``, ``clip``,
+``psis``). ``ESS_frac`` is that of the
 weights the estimator uses (``ESS_frac_per_decision`` or the whole responses' ``ESS_frac_sequence``;
 both are reported).
 """
