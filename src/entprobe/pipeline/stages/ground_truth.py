@@ -208,7 +208,13 @@ def eval_at_current(ctx: ProbeContext, E: RolloutBatch, icfg, with_entropy: bool
                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """E's sequence log-probs [B_E, G], token entropies [B_E, G, T] (CPU; None without
     ``with_entropy``) and token log-probs [B_E, G, T] at the parameters as they are now
-    (theta_plus after a step), without a graph, in eval mode (the mode is put back)."""
+    (theta_plus after a step), without a graph, in eval mode (the mode is put back). With X in
+    per-token form they come from the same formulas as the X pass's (``with_entropy="grad"`` runs
+    its function forward only): ``l+ - l`` and ``H+ - H`` then hold the step's change, not the
+    last-bit difference between two ways of computing a log-softmax (summed over a response's
+    tokens it would be a first-order-sized bias at small lr)."""
+    if with_entropy and ctx.x.tokens:
+        with_entropy = "grad"
     was_training = ctx.model.training
     with ctx.phase("gt_eval_E"), torch.no_grad():
         ctx.model.eval()
