@@ -233,8 +233,9 @@ def test_tied_weights_and_an_empty_update_run_to_the_end(tmp_path, is_mode):
     from entprobe.rollouts.sampling import RolloutBatch
 
     saved, tied = tmp_path / "saved", tmp_path / "tied"
+    DR = "probe.weighting_mode=dr_grpo"  # one importance item per prompt (the group weight)
     # B_E 8, G 4: 32 weights, enough for PSIS's tail fit, which the ties then break
-    run(compose_cfg(tmp_path / "first", f"batch.save='{saved}'", "importance.enabled=false", "batch.B_E=8"))
+    run(compose_cfg(tmp_path / "first", f"batch.save='{saved}'", "importance.enabled=false", "batch.B_E=8", DR))
     E, U = RolloutBatch.load(saved / "E.pt"), RolloutBatch.load(saved / "U.pt")
     _repeat_first_response(E).save(tied / "E.pt")
     _repeat_first_response(U).save(tied / "U.pt")
@@ -242,7 +243,7 @@ def test_tied_weights_and_an_empty_update_run_to_the_end(tmp_path, is_mode):
     import contextlib
     # PSIS undefined warns when PSIS is the reported estimate; as a side diagnostic it stays quiet
     with pytest.warns(UserWarning, match="PSIS") if is_mode == "psis" else contextlib.nullcontext():
-        res = run(compose_cfg(out, f"batch.load='{tied}'", f"importance.is_mode={is_mode}", "batch.B_E=8"))
+        res = run(compose_cfg(out, f"batch.load='{tied}'", f"importance.is_mode={is_mode}", "batch.B_E=8", DR))
     written = json.loads((out / "results.json").read_text())
     assert math.isnan(res["psis_khat"]) and math.isnan(res["deltaH_psis"]) and "tail fit" in res["psis_khat_note"]
     if is_mode == "psis":

@@ -7,8 +7,9 @@ import json
 import math
 
 import pytest
+import torch
 
-from conftest import compose_cfg
+from conftest import compose_cfg, fp_tol
 from entprobe.reporting import plots
 from entprobe.cli.probe_job import run
 from entprobe.reporting.markdown import PLOT_FILES, REPORT_FILE
@@ -54,9 +55,16 @@ def test_report_md_with_plots_and_the_per_prompt_values_behind_the_ses(tmp_path)
     assert res["reward"] == res["critic/score/mean"] == pytest.approx(res["batch_U/reward_mean"])
     lw = pu["E/log_weights"]
     assert len(lw) == res["B_E"] and {len(row) for row in lw} == {res["G"]}
-    # dr_grpo: the importance weights are the groups' (ESS over prompts' groups)
-    w = [math.exp(sum(row)) for row in lw]
-    assert sum(w) ** 2 / sum(x * x for x in w) / len(w) == pytest.approx(res["ESS_frac"], rel=1e-9)
+    # token_mean (the default): the responses' whole-sequence weights, ESS within each prompt
+    # (ESS_frac_sequence; ESS_frac is that of the per-decision weights the measured change uses)
+    ess = [sum(w) ** 2 / sum(x * x for x in w) / len(w) for w in ([math.exp(v) for v in row] for row in lw)]
+    # per_unit's log-weights are differences of two fp32 sums of L log-probs (ESS_frac_sequence sums
+    # them in fp64): each off by up to eps32 |S| sqrt(L), |S| ~ L H per token (4x headroom for the
+    # longest response), and ESS_frac moves by at most 2 max|dl|
+    L = res["batch_E/mean_gen_length"]
+    tol = 2 * fp_tol(torch.float32, 2 * 4 * L * res["H_orig_per_token"], max(1, round(L)))
+    assert sum(ess) / len(ess) == pytest.approx(res["ESS_frac_sequence"], abs=tol)
+    assert res["is/weights"] == "per_decision" and 0 < res["ESS_frac"] <= 1
 
 
 def test_a_failing_plot_is_a_warning_and_the_run_keeps_its_results(tmp_path, monkeypatch):

@@ -256,7 +256,7 @@ def test_documented_sweep_writes_its_plot_and_wandb_runs_are_named_grouped_and_s
         assert init["name"] == f"B_E={r['B_E']},lr={r['lr']}", init["name"]
         assert init["group"] == str(sw.relative_to(tmp_path)) and init["job_type"] == "two_batch"
         assert init["mode"] == "offline" and init["dir"] == str(sw / str(job))
-        assert init["tags"] == ["two_batch", "builtin", "dr_grpo", "sweep"]
+        assert init["tags"] == ["two_batch", "builtin", "token_mean", "sweep"]
         res = json.loads((sw / str(job) / "results.json").read_text())
         assert fin["exit_code"] == 0 and fin["summary"]["deltaH_pred"] == res["deltaH_pred"]
         assert set(fin["summary"]) == {k for k, v in res.items() if isinstance(v, (bool, int, float, str))}

@@ -234,9 +234,9 @@ def test_cli_probes_a_trl_checkpoint_by_its_path(ckpt, tmp_path, monkeypatch, ca
     assert (res["B_E"], res["B_U"], res["G"]) == (2, 2, 3)
     # what was probed, named in the results and on the verdict's first line
     assert (res["task"], res["task_reward"], res["objective"]) == ("arithmetic '{a}+{b}='", "numeric", "trl/dr_grpo")
-    assert res["entropy_functional"] == "dr_grpo (S / Lmax(group))"
-    assert ("task arithmetic '{a}+{b}=' · reward numeric · objective trl/dr_grpo · entropy functional dr_grpo "
-            "(S / Lmax(group))") in out
+    assert res["entropy_functional"] == "token_mean (sum H_t / sum L over all tokens: TRL's entropy)"
+    assert ("task arithmetic '{a}+{b}=' · reward numeric · objective trl/dr_grpo · entropy functional token_mean "
+            "(sum H_t / sum L over all tokens: TRL's entropy)") in out
     c = logged["config"]  # the logger's (wandb's) config is what ran, the file's settings included
     assert (c["objective"]["preset"], c["objective"]["loss_type"], c["batch"]["G"]) == ("trl", "dr_grpo", 3)
 

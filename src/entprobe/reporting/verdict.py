@@ -245,7 +245,7 @@ def print_verdict(r: dict, fl: list[Flag], phases: dict[str, float] | None = Non
         t.add_row(*row)
     con = Console(width=140)
     if setup_line(r):
-        con.print(setup_line(r), markup=False, highlight=False)
+        con.print(setup_line(r), markup=False, highlight=False, soft_wrap=True)  # one line, never wrapped
     con.print(Panel(t, title=title(r), expand=False))
     if what_if_lines(r):
         w = Table(show_header=False, box=None, pad_edge=False)

@@ -127,6 +127,7 @@ def stage12_of(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometr
         with ctx.phase("stage12_load"):
             stored = share.load(ctx)
         if stored is not None:
+            prepare_x(ctx, E)  # token_mean's constants, which the measured side pairs with (not stored)
             return stored.at_lr(geo.lr), {"reused_stage12": True, "stage12_share": f"reused from lr={stored.lr:g}"}
         st = compute_stage12(ctx, E, U, geo, pcfg, icfg, stop_if_zero)
         if isinstance(st, ZeroUpdate):
