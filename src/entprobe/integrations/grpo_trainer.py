@@ -61,6 +61,7 @@ class TrainArgs:
     save_every: int = 10
     probe_every: int = 0
     probe_B_E: int = 8
+    probe_source: str = "held_out"  # or "rollouts": the step's own batch (integrations/online.py)
     seed: int = 0
     device: str = "cpu"
     resume: str | None = None  # a checkpoint-<step> folder of this run, or "last": --out's latest
@@ -73,7 +74,13 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 def check_args(a: TrainArgs) -> None:
     """Clear errors naming the option before anything is loaded."""
-    for name in ("steps", "B", "G", "max_new_tokens", "save_every", "probe_B_E"):
+    if a.probe_source not in ("held_out", "rollouts"):
+        raise ConfigError(f"--probe-source={a.probe_source!r}: held_out or rollouts")
+    if a.probe_B_E == 0 and a.probe_source == "rollouts":  # rollouts without a measurement
+        pass
+    elif a.probe_B_E < 1:
+        raise ConfigError(f"--probe-B-E={a.probe_B_E}: must be >= 1 (0 with --probe-source rollouts: measure nothing)")
+    for name in ("steps", "B", "G", "max_new_tokens", "save_every"):
         if getattr(a, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}={getattr(a, name)}: must be >= 1")
     if a.G < 2:
@@ -141,6 +148,17 @@ def load_policy(a: TrainArgs):
     return model.to(torch.device(a.device)).train(), tok
 
 
+def rollout_source(a: TrainArgs) -> dict:
+    """``OnlineProbe``'s keywords for ``--probe-source``: for ``rollouts`` the loss as entprobe's objective
+    (``dr_grpo``: entprobe's own, ``A / (G Lmax)``; ``grpo``: TRL's ``grpo``, ``A / (G L)``, with the
+    batch's advantages) and the clipping."""
+    if a.probe_source != "rollouts":
+        return {}
+    objective = {} if a.loss == "dr_grpo" else {"objective": "trl", "objective.loss_type": "grpo",
+                                                 "objective.scale_rewards": "group"}
+    return {"source": "rollouts", "max_grad_norm": a.max_grad_norm if a.max_grad_norm > 0 else None, **objective}
+
+
 def load_task(a: TrainArgs):
     return ArithmeticTask(512, 9, seed=a.seed) if a.task == "arithmetic" else JsonlTask(a.task, a.reward)
 
@@ -148,9 +166,10 @@ def load_task(a: TrainArgs):
 def probe_line(step: int, m: dict) -> str:
     """One printed line per probe: prediction, measurement, their paired difference."""
     g = lambda k: m.get(f"entprobe/{k}", float("nan"))  # noqa: E731
+    measured = (f"deltaH_true {g('deltaH_true'):+.3e} +- {g('SE_deltaH_true'):.1e}  consistent "
+                f"{_consistent(g('pred_consistent'))}" if "entprobe/pred_consistent" in m else "not measured")
     return (f"[entprobe] step {step}: deltaH_pred {g('deltaH_pred'):+.3e} +- {g('SE_deltaH_pred'):.1e}  "
-            f"deltaH_true {g('deltaH_true'):+.3e} +- {g('SE_deltaH_true'):.1e}  "
-            f"consistent {_consistent(g('pred_consistent'))}  ({g('time_s'):.1f} s)")
+            f"{measured}  ({g('time_s'):.1f} s)")
 
 
 def _consistent(v: float) -> str:
@@ -173,8 +192,9 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
     sched = get_scheduler(a.lr_scheduler, opt, num_warmup_steps=a.warmup_steps, num_training_steps=a.steps)
     sampling = SamplingConfig(max_new_tokens=a.max_new_tokens)
     advantage = "dr_grpo" if a.loss == "dr_grpo" else "grpo"
-    probe = (OnlineProbe(model, opt, tok, task, every=a.probe_every, seed=a.seed, sampling={
-        "max_new_tokens": a.max_new_tokens}, batch={"B_E": a.probe_B_E, "G": a.G}) if a.probe_every else None)
+    probe = (OnlineProbe(model, opt, tok, task if a.probe_B_E else None, every=a.probe_every, seed=a.seed,
+                         sampling={"max_new_tokens": a.max_new_tokens}, batch={"B_E": max(a.probe_B_E, 2), "G": a.G},
+                         **rollout_source(a)) if a.probe_every else None)
     guarded = a.guard_floor is not None or a.guard_max_decay is not None
     stepper = EntropyGuard(probe, floor=a.guard_floor, max_decay=a.guard_max_decay) if guarded else probe
     history, written, start = [], [], 0
@@ -202,7 +222,8 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
                      if a.max_grad_norm > 0 else None)
         lr = sched.get_last_lr()[0]  # the lr of this step (logged as HF Trainer logs it)
         if stepper is not None:
-            stepper.before_step(step)
+            stepper.before_step(step, **({"rollouts": batch, "grad_norm": grad_norm} if a.probe_source == "rollouts"
+                                         else {}))
         opt.step()
         metrics = stepper.after_step() if stepper is not None else None  # (the guard puts back the scheduler's lr)
         sched.step()

@@ -237,14 +237,15 @@ class EntropyGuard:
                               "resume with the guard's own min_factor / max_factor, or from another checkpoint")
         self.factor = float(f)
 
-    def before_step(self, step: int) -> float:
+    def before_step(self, step: int, **rollouts) -> float:
         """Call with the step's gradient in ``.grad``, the scheduler's lr in the param groups: the
         probe predicts (when due), the guard decides, each group's lr is multiplied by the factor.
-        Returns the factor."""
+        ``rollouts``: ``OnlineProbe.before_step``'s (``rollouts=``, ``grad_norm=``) for
+        ``source="rollouts"``. Returns the factor."""
         t0, probe = time.perf_counter(), self.probe
         self.restore_lr()  # a step whose optimizer.step() raised never reached after_step: no factor on a factor
         self._decision = None
-        if probe.before_step(step):
+        if probe.before_step(step, **rollouts):
             p = probe.pending
             dec = decide(self.rule, step, p.deltaH_pred, p.SE, p.H, self.factor)
             self.factor, self._decision = dec.factor, dec
@@ -324,7 +325,7 @@ class EntropyGuardCallback(EntropyProbeCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         step, decided = state.global_step + 1, len(self.guard.decisions)
-        self.guard.before_step(step)
+        self.guard.before_step(step, **self.step_rollouts(step))
         if len(self.guard.decisions) > decided and state.is_world_process_zero:
             print(self.guard.decisions[-1].line(self.guard.rule), flush=True)
 

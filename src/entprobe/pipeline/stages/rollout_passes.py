@@ -1,0 +1,164 @@
+"""The passes of the prediction on the step's own batch (``source="rollouts"``;
+math/rollout_ustat.py has the estimator): per prompt n of the batch, X_n and the objective's Y_n,
+and the dots the cross-prompt U-statistic needs, ``UnitDots``:
+
+    e_n = X_n . Delta theta_part (each part of the update),  X_n . J y,  Y_n . y,  X_n . J Y_n,  Y_n . J Xbar
+
+with y the gradient input of the step (minus the trainer's ``.grad``) and J the update's diagonal
+Jacobian in y (``StepModel.jacobian_times_into``; its diagonal is written once, ``J 1``).
+
+Pass 1 (phase ``rollouts_units``), per prompt: one forward (token entropies too, for X's per-token form
+and the entropy H at theta), the X backward (graph kept), the Y backward; the gradients are taken from
+``.grad`` without a copy and dotted on the model's device: the update's parts and ``J y`` in one read
+(``paramvec.dot_set``), ``Y_n . y``, ``X_n . J Y_n``. The X and Y sums are kept (Xbar; Ybar for the
+check that the objective reproduces the trainer's gradient). Each Y_n is also kept when all of them
+fit ``probe.unit_grads_budget_mb``; then ``Y_n . J Xbar`` needs no further pass. Otherwise pass 2
+(phase ``rollouts_y``): the Y pass again with the projection onto ``J Xbar`` (``accumulate``'s
+per-unit projections). Cost: 1 forward + 2 backward per sequence (+ 1 + 1 without the kept Y_n).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from entprobe.math import paramvec as pv
+from entprobe.math.adamw import StepModel
+from entprobe.math.rollout_ustat import UnitDots, clip_coefficient
+from entprobe.rollouts.sampling import RolloutBatch
+from entprobe.pipeline.stages.accumulate import accumulate, check_grads, prepare_x, y_loss_of
+from entprobe.pipeline.stages.context import ProbeContext
+from entprobe.pipeline.stages.prediction import directions
+
+
+@dataclass
+class RolloutPasses:
+    dots: UnitDots
+    step_dots: list[float]  # Xbar . Delta theta_part, the step model's parts in order
+    ybar_norm: float  # |Ybar| of the objective's units (before any clipping)
+    ybar_dot_y: float  # Ybar . y
+    y_norm: float  # |y|
+    S: torch.Tensor  # [B, G] sequence log-probs at theta (CPU)
+    entropy: torch.Tensor | None  # [B, G, T] token entropies at theta (CPU)
+    kept_y: bool  # Y_n kept (no pass 2)
+    Xbar: pv.Buffer  # mean of the batch's X_n (model device)
+    residual: float  # |y - c Ybar|, the gradient the objective does not account for
+
+
+def _dot(a: pv.Buffer, b: pv.Buffer, c: pv.Buffer | None = None) -> torch.Tensor:
+    """``sum_i a_i (c_i) b_i`` as a 0-dim fp64 tensor on a's device (products in fp32 or wider)."""
+    total = torch.zeros((), dtype=torch.float64, device=a[0].device)
+    for i, (x, y) in enumerate(zip(a, b)):
+        dt = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
+        y = y.to(x.device, dt)
+        if c is not None:
+            y = y * c[i].to(x.device, dt)
+        total += torch.dot(x.reshape(-1).to(dt), y.reshape(-1)).double()
+    return total
+
+
+def _take_grads(ctx: ProbeContext) -> pv.Buffer:
+    """``.grad`` of every trainable parameter (zeros where None), detached; ``.grad`` left None."""
+    out = [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in ctx.params]
+    ctx.zero_grad()
+    return out
+
+
+def keeps_y(ctx: ProbeContext, B: int, budget_mb: float) -> bool:
+    """Whether the B prompts' Y_n (parameter-sized, the gradients' dtype) fit ``budget_mb``."""
+    per = sum(p.numel() * p.element_size() for p in ctx.params)
+    return B * per <= budget_mb * 2**20
+
+
+def _loo_input(ctx: ProbeContext, y: pv.Buffer, Y: pv.Buffer, c: float, k: float, B: int,
+               max_grad_norm: float | None, out: pv.Buffer) -> pv.Buffer:
+    """The step's gradient input without prompt n, written into ``out``: ``Ybar_{-n} =
+    ((B + k_n) Ybar - Y_n) / (B - 1)`` (``Ybar = y / c``; ``rollout_ustat.leave_one_out``), clipped as
+    the trainer clips (``clip_coefficient`` of its norm)."""
+    for o, yt, Yt in zip(out, y, Y):
+        torch.mul(yt, (B + k) / c, out=o).sub_(Yt.to(o.dtype)).div_(B - 1)
+    scale = clip_coefficient(pv.norm(out), max_grad_norm)
+    if scale != 1.0:
+        pv.scale_(out, scale)
+    return out
+
+
+def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step_at: Callable[[pv.Buffer], StepModel],
+                   y: pv.Buffer, c: float, max_grad_norm: float | None, budget_mb: float) -> RolloutPasses:
+    """The per-prompt dots of the batch the optimizer is about to step on (module docstring).
+    ``y``: the step's gradient input (minus ``.grad``, on the model's device), ``c`` its clip
+    coefficient (``y = c Ybar``, 1 unclipped), ``max_grad_norm`` the trainer's clipping;
+    ``step_at(y')``: the update's model at another gradient input (the update without prompt n)."""
+    if step.jacobian_times_into is None:
+        raise ValueError(f"source=rollouts needs the update's Jacobian in closed form (AdamW or SGD without "
+                         f"clipping inside the optimizer); the step model here is {step.kind}")
+    if batch.B < 3 or batch.G < 2:
+        raise ValueError(f"source=rollouts: the batch has {batch.B} prompt(s) x {batch.G} response(s); the "
+                         "cross-prompt U-statistic needs >= 3 prompts and >= 2 responses each")
+    dev, B = ctx.device, batch.B
+    prepare_x(ctx, batch)  # token_mean's constants from the batch
+    coupling = ctx.objective.coupling
+    k = [0.0] * B if coupling is None else [float(v) for v in coupling]
+    moving = [p for p in step.names if p != "weight_decay"]  # the parts that depend on the gradient
+    with ctx.phase("step_parts"):  # row 0: J y; rows 1..: the update's parts
+        dset = directions(ctx, [lambda out: step.jacobian_times_into(y, out)], step, dev)
+        jdiag = [torch.empty_like(t) for t in dset.column(0)]
+        step.jacobian_times_into([torch.ones_like(t) for t in jdiag], jdiag)
+        loo_set = pv.empty_directions(len(moving), jdiag, dev, jdiag[0].dtype)
+        y_loo = [torch.empty_like(t) for t in jdiag]
+    keep = keeps_y(ctx, B, budget_mb)
+    Xsum, Ysum = [torch.zeros_like(t) for t in jdiag], [torch.zeros_like(t) for t in jdiag]
+    rows, loo, yy, xjyn, kept, S_all, ent_all = [], [], [], [], [], [], []
+    ctx.zero_grad()
+    with ctx.phase("rollouts_units"):
+        for n, unit in ctx.iterate(batch, 1, "rollouts: per prompt"):
+            what = f"source=rollouts, prompt {n}"
+            with torch.enable_grad():
+                fwd = ctx.forward_S(unit, what, with_entropy=ctx.x.entropy)
+                x_loss, y_loss = ctx.x.loss(fwd, unit), ctx.y_loss(fwd.S, unit)
+                if not x_loss.requires_grad:
+                    raise RuntimeError(f"{what}: the probe loss has no gradient path (autograd disabled, or "
+                                       "all parameters frozen?)")
+                x_loss.backward(retain_graph=True)
+                check_grads(ctx, f"{what} (X)")
+                X = _take_grads(ctx)
+                y_loss.backward()
+                check_grads(ctx, f"{what} (Y)")
+                Y = _take_grads(ctx)
+            ctx.stats.count("backward", 2 * unit.G)
+            rows.append(pv.dot_set(X, dset))
+            yy.append(_dot(Y, y))
+            xjyn.append(_dot(X, Y, jdiag))
+            step_at(_loo_input(ctx, y, Y, c, k[n], B, max_grad_norm, y_loo)).write(
+                {p: loo_set.column(j) for j, p in enumerate(moving)})
+            loo.append(pv.dot_set(X, loo_set))
+            for acc, g in ((Xsum, X), (Ysum, Y)):
+                for a_, t in zip(acc, g):
+                    a_.add_(t.to(a_.dtype))
+            if keep:
+                kept.append(Y)
+            S_all.append(fwd.S.detach().cpu())
+            if fwd.ent is not None:
+                ent_all.append(fwd.ent.detach().cpu())
+            del X, Y, fwd, x_loss, y_loss
+    del loo_set, y_loo
+    Xbar = pv.scale_(Xsum, 1.0 / B)
+    Ybar = pv.scale_(Ysum, 1.0 / B)
+    jx = [j * x for j, x in zip(jdiag, Xbar)]
+    if keep:
+        yjx = torch.stack([_dot(Y, jx) for Y in kept])
+    else:
+        with ctx.phase("rollouts_y"):
+            acc = accumulate(ctx, batch, y_loss_of(ctx), "source=rollouts, Y . J Xbar",
+                             directions=pv.stack_directions([jx], dev), unit_backward="loop")
+        yjx = acc.proj[:, 0].double()
+    rows = torch.stack(rows).cpu()
+    e = rows[:, 1:]
+    e_loo = e.clone()
+    e_loo[:, [step.names.index(p) for p in moving]] = torch.stack(loo).cpu()
+    dots = UnitDots(e, rows[:, 0], torch.stack(yy).cpu(), yjx.cpu(), torch.stack(xjyn).cpu(), e_loo)
+    step_dots = [float(v) for v in pv.dot_set(Xbar, dset)[1:]]
+    residual = sum(float((yt.double() - c * Yt.double()).square().sum()) for yt, Yt in zip(y, Ybar)) ** 0.5
+    return RolloutPasses(dots, step_dots, pv.norm(Ybar), float(_dot(Ybar, y)), pv.norm(y), torch.cat(S_all),
+                         torch.cat(ent_all) if ent_all else None, keep, Xbar, residual)
