@@ -10,7 +10,11 @@ from its coefficients, on the same responses, so the figures compare estimators,
 - ``pred`` and ``SE`` (``sd(e) / sqrt(B_E)``, the run's ``SE_deltaH_pred``);
 - ``SE ratio``: the score form's SE over this row's, for the same functional (the gain);
 - ``within``: the share of ``Var(e_n)`` from the responses of a prompt (the rest is between
-  prompts: more responses G cannot remove it); from the spread of the per-response terms in each group;
+  prompts: more responses G cannot remove it). Each group is split into two halves of G/2
+  responses, each half's X built within it (the same coefficient functions): the halves are
+  independent given the prompt, so the covariance over prompts of their contributions is the
+  between-prompt variance, and ``within = 1 - cov(e_A, e_B) / Var(e_n)`` (noisy at small B_E:
+  it can leave [0, 1]);
 - ``B_E sign``: the B_E at which the SE is half the Rao-Blackwellised prediction's size (a sign
   resolved at z = 2), ``B_E (2 SE / |pred|)^2``;
 - the X pass's time with each estimator (the pipeline's default projection path, median of
@@ -76,9 +80,10 @@ def overrides(a: argparse.Namespace, max_new: int) -> list[str]:
     return out + list(a.overrides)
 
 
-def coefficients(mode: str, estimator: str, S, lp, H, m, L, Lmax):
+def coefficients(mode: str, estimator: str, S, lp, H, m, L, Lmax, token_mean_stats):
     """Per-token coefficients (a, e) of X in this functional and estimator (response weights on
-    every token of their response for the score forms)."""
+    every token of their response for the score forms); token_mean's constants from the whole
+    batch ``token_mean_stats = (H, m)``."""
     from entprobe.math import estimators as est
     from entprobe.math import token_functionals as tf
 
@@ -86,7 +91,7 @@ def coefficients(mode: str, estimator: str, S, lp, H, m, L, Lmax):
         return tf.seq_mean_token_mean_coeffs(H, m)
     kappa = scale = 0.0
     if mode == "token_mean":
-        _, D, kappa = tf.token_mean_stats(H, m)
+        _, D, kappa = tf.token_mean_stats(*token_mean_stats)
         scale = 1.0 / D
     if estimator == "rao_blackwell":
         return tf.rao_blackwell_coeffs(H, m, kappa, scale if mode == "token_mean" else 1.0)
@@ -124,15 +129,20 @@ def one_length(a: argparse.Namespace, max_new: int) -> dict:
     t_tan = time.perf_counter() - t0
     m, L, Lmax = E.response_mask.double(), E.gen_lengths.double(), E.Lmax.double()
     rows = {}
+    def contributions(mode, estimator, sl) -> torch.Tensor:
+        """-X_n . Delta theta per prompt [B] from the responses ``sl`` of each group."""
+        c = coefficients(mode, estimator, S[:, sl], lp[:, sl], H[:, sl], m[:, sl], L[:, sl], L[:, sl].amax(-1),
+                         token_mean_stats=(H, m))
+        return -((c.a * dl[:, sl]).sum((-1, -2)) + (c.e * dH[:, sl]).sum((-1, -2)))
+
+    half = E.G // 2
     for mode, estimator in CASES:
-        c = coefficients(mode, estimator, S, lp, H, m, L, Lmax)
-        phi = -((c.a * dl).sum(-1) + (c.e * dH).sum(-1))  # [B, G] per-response terms
-        e = phi.sum(-1)  # [B] per-prompt contributions
-        B, G = phi.shape
+        e = contributions(mode, estimator, slice(None))  # [B]
+        eA, eB = contributions(mode, estimator, slice(0, half)), contributions(mode, estimator, slice(half, None))
         var_e = float(e.var())
-        within = float((G * phi).var(-1).mean()) / G  # Var(mean of G terms) from the within-group spread
-        rows[(mode, estimator)] = {"pred": float(e.mean()), "SE": math.sqrt(var_e / B),
-                                   "within_share": min(within / var_e, 1.0) if var_e > 0 else math.nan}
+        between = float(((eA - eA.mean()) * (eB - eB.mean())).sum() / (e.numel() - 1))
+        rows[(mode, estimator)] = {"pred": float(e.mean()), "SE": math.sqrt(var_e / e.numel()),
+                                   "within_share": 1.0 - between / var_e if var_e > 0 else math.nan}
     for (mode, estimator), r in rows.items():
         base, rb = rows[(mode, "score")], rows.get((mode, "rao_blackwell"), rows[(mode, "score")])
         r["SE_ratio"] = base["SE"] / r["SE"] if r["SE"] > 0 else math.nan

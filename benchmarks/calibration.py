@@ -45,7 +45,9 @@ Smallest run (the built-in model only, ~30 s; tests/test_calibration_cmd.py):
         --out /tmp/calib_small
 
 Overrides after ``--`` apply to the ``--ckpt`` / ``--ckpt-grpo`` checkpoints (not to the built-in
-model, whose task and tokenizer differ).
+model, whose task and tokenizer differ); ``--probe KEY=VALUE`` to every checkpoint, the built-in
+model's included (the probe's own settings: ``--probe probe.weighting_mode=dr_grpo`` calibrates
+another functional on the same draws).
 """
 from __future__ import annotations
 
@@ -95,6 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=str(HERE / "results" / "calibration"))
     ap.add_argument("--resume", action="store_true",
                     help="take the draws whose every lr already has a results.json under <out>/runs from there")
+    ap.add_argument("--probe", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override for every checkpoint, the built-in model's included (e.g. "
+                         "probe.weighting_mode=dr_grpo to calibrate another functional); repeatable")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for the checkpoints, after --")
     return ap.parse_args(argv)
 
@@ -119,9 +124,10 @@ def checkpoints(a) -> list[tuple[str, list[str], list[float], int]]:
         label, _, d = spec.partition("=")
         ck = Path(d).expanduser().resolve()
         out.append((label, ["model=hf", f"model.path={ck}", f"optimizer.state_path={ck}",
-                            f"sampling.max_new_tokens={a.max_new_tokens}", *extra, *a.overrides], lrs, a.draws))
+                            f"sampling.max_new_tokens={a.max_new_tokens}", *extra, *a.overrides, *a.probe],
+                    lrs, a.draws))
     if a.builtin:  # last: the checkpoints' numbers come first
-        out.append(("builtin", [f"sampling.max_new_tokens={a.builtin_max_new_tokens}"],
+        out.append(("builtin", [f"sampling.max_new_tokens={a.builtin_max_new_tokens}", *a.probe],
                     [float(x) for x in a.builtin_lrs.split(",") if x.strip()],
                     a.draws if a.builtin_draws is None else a.builtin_draws))
     return out

@@ -9,7 +9,10 @@ folder unless the caller already set it (CI sets it to reuse the built default c
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -71,11 +74,75 @@ def cfg(tmp_path) -> DictConfig:
     return compose_cfg(tmp_path)
 
 
-U32 = 2.0 ** -24  # fp32 unit roundoff
+U32 = 2.0 ** -24  # fp32 unit roundoff (half of torch.finfo(torch.float32).eps)
 
 
 def rel_diff(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-300)
+
+
+# ---------------------------------------------------------------- floating-point tolerances
+# Every tolerance below is ``k * eps(dtype) * magnitude * g(n)``: eps the dtype's machine epsilon
+# (2u, u the unit roundoff: two computations each within u of a value differ by up to 2u of it),
+# ``magnitude`` the sum of the absolute values of the terms that are summed (never the result,
+# which cancellation can make arbitrarily smaller), n their number. A wrong formula moves a
+# result by 1e-2 of itself or more; each test says what its bound is next to the bound.
+
+def fp_tol(dtype: torch.dtype, magnitude: float, n_terms: int = 1, k: float = 1.0,
+           worst_case: bool = False) -> float:
+    """Bound on ``|a - b|`` for two computations, in ``dtype``, of one sum of ``n_terms`` terms
+    whose absolute values sum to ``magnitude`` (or a bound on it: ``n max|x_i|``; ``|x| |y|`` for
+    a dot, by Cauchy-Schwarz), in other orders or by other kernels, each term carrying its own
+    rounding: ``k * eps * magnitude * g(n)``.
+
+    ``worst_case=True``: g(n) = n, the deterministic bound (Higham, *Accuracy and Stability of
+    Numerical Algorithms*, 2nd ed., eq. (4.4): any order of summation errs by at most
+    ``gamma_{n-1} sum |x_i|``, ``gamma_m = m u / (1 - m u)``); use it for short sums (the units of a
+    batch, a few steps of arithmetic). Default: g(n) = sqrt(n), the same bound when the rounding
+    errors are independent with mean zero (Higham & Mary, SIAM J. Sci. Comput. 41 (2019) A2815:
+    ``lambda sqrt(n) u sum |x_i|``, holding with probability at least ``1 - 2n exp(-lambda^2 / 2)``
+    per sum); for the long sums (over a model's parameters: the worst case, n u, would be a bound
+    of ~1e-2 relative on 76k fp32 terms, too loose to catch anything), where k = 1 stands for
+    ``lambda = 2`` per computation. torch's kernels sum in blocks (SIMD lanes, pairwise
+    reductions), which grows slower still: the probe's fp32 dots were measured within
+    ``8 eps magnitude`` on the built-in model's 76k parameters, ``sqrt(76k) = 276``.
+    ``k``: the number of such roundings chained (a product of two rounded factors: 2), or the
+    number of sums whose errors add."""
+    g = float(n_terms) if worst_case else math.sqrt(max(n_terms, 1))
+    return k * torch.finfo(dtype).eps * magnitude * g
+
+
+def se_tol(unit_tol) -> float:
+    """Bound on ``|SE(v) - SE(w)|`` for two sets of B per-unit values with ``|v_n - w_n| <=
+    unit_tol[n]``, where ``SE(v) = sd(v) / sqrt(B) = ||v - mean v|| / sqrt(B (B - 1))``: a seminorm
+    of v, so ``|SE(v) - SE(w)| <= SE(v - w)`` (triangle inequality), and centring only shortens a
+    vector: ``SE(v - w) <= ||unit_tol|| / sqrt(B (B - 1))``. No rounding assumption: exact."""
+    t = torch.as_tensor(unit_tol, dtype=torch.float64).reshape(-1)
+    B = t.numel()
+    return float(t.norm()) / math.sqrt(B * (B - 1))
+
+
+def welch_interval_tol(center_tol: float, sides: list[tuple[float, int, float]]) -> dict:
+    """Bounds on an interval ``center -+ t(df) sqrt(sum V_k)`` (``estimators.interval`` with
+    Welch-Satterthwaite df) when its center moves by ``center_tol`` and each side's SE
+    ``sqrt(V_k)`` (of B_k units) by at most ``dse_k`` (``sides``: ``[(V_k, B_k, dse_k)]``):
+    ``{"SE", "df", "ci"}``. V_k moves by ``dse (2 SE + dse)``; df and t(df) are smooth in the V_k,
+    so their extremes over the small box the V_k stay in are at its corners (evaluated, not
+    linearised); the SE of the sum moves by at most ``hypot(dse_k)`` (a norm)."""
+    import itertools
+
+    from entprobe.math import estimators as est
+
+    V = [v for v, _, _ in sides]
+    dV = [d * (2 * math.sqrt(max(v, 0.0)) + d) for v, _, d in sides]
+    df = est.welch_df([(v, b) for v, b, _ in sides])
+    corners = [est.welch_df([(v + s * d, b) for (v, b, _), d, s in zip(sides, dV, signs)])
+               for signs in itertools.product((-1, 1), repeat=len(sides))]
+    q = est.t_quantile(df)
+    dq = max(abs(est.t_quantile(c) - q) for c in corners)
+    dse = math.hypot(*(d for _, _, d in sides))
+    se = math.sqrt(sum(max(v, 0.0) for v in V))
+    return {"SE": dse, "df": max(abs(c - df) for c in corners), "ci": center_tol + q * dse + dq * (se + dse)}
 
 
 def fp32_dot_tol(res: dict) -> float:
@@ -88,6 +155,72 @@ def fp32_dot_tol(res: dict) -> float:
     ``(B_E + B_U) u / |cos|``, with cos that of the run itself (on the committed batches
     cos = 0.0069: 7e-5; a lost or doubled unit moves deltaH1 by O(1))."""
     return (res["B_E"] + res["B_U"]) * U32 / abs(res["cos_Xbar_PYbar"])
+
+
+@dataclass
+class UnitMagnitudes:
+    """Per-unit magnitudes of the probe's per-unit projections (``recording_units``):
+    ``E[n, j] = sum_i |X_n,i d_j,i|`` over E's units and the E-side directions (``P Ybar``, then
+    the update's parts: ``a`` and ``e`` of per_unit.json), ``U[n, j]`` likewise over U's units and
+    the U-side directions (``P Xbar``, then ``J Xbar``: ``b`` and ``u``); ``N`` parameters."""
+    E: torch.Tensor
+    U: torch.Tensor
+    N: int
+
+    def tol(self, side: str, j: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Per-unit bound on two computations of the projections ``V_n . d_j``: each is a sum over
+        the N parameters of terms ``V_n,i d_j,i`` that two paths (forward or reverse mode, other
+        kernels, another order or sharding) compute with their own rounding (of the unit's gradient
+        coordinate and of the direction's): ``fp_tol`` of ``sum_i |V_n,i d_j,i|`` and N terms."""
+        M = self.E if side == "E" else self.U
+        return torch.tensor([fp_tol(dtype, float(m), self.N) for m in M[:, j]], dtype=torch.float64)
+
+
+class UnitRecord:
+    """What ``recording_units`` saw: one row of magnitudes per unit, in the order of the passes."""
+
+    def __init__(self):
+        self.rows: list[torch.Tensor] = []
+        self.N = 0
+
+    def all(self) -> torch.Tensor:
+        """Every recorded unit's magnitudes [units, directions], in the order of the passes."""
+        return torch.stack(self.rows)
+
+    def split(self, B_E: int) -> UnitMagnitudes:
+        """E's units come first (``two_batch.compute_stage12`` projects E, then U)."""
+        E, U = self.rows[:B_E], self.rows[B_E:]
+        return UnitMagnitudes(torch.stack(E), torch.stack(U) if U else torch.zeros(0, 0, dtype=torch.float64), self.N)
+
+
+@contextlib.contextmanager
+def recording_units():
+    """Inside the block, a two-batch run with ``probe.projection=backward`` on one process records
+    the magnitudes of its per-unit projections (``UnitRecord.split(B_E)`` after the run): each
+    unit's gradient meets the directions in ``variance.project_backward``'s ``pv.dot_set``, where
+    the recorder sees the same tensors and also sums ``|V_n,i| |d_j,i|`` (in fp64)."""
+    from entprobe.math import paramvec as pv
+    from entprobe.pipeline.stages import variance
+
+    rec = UnitRecord()
+
+    class Recorder:
+        def __getattr__(self, name):
+            return getattr(pv, name)
+
+        @staticmethod
+        def dot_set(a, dset):
+            rec.rows.append(torch.tensor([sum(float((x.detach().double().reshape(-1).abs()
+                                                     * dset.block(i)[j].double().abs()).sum()) for i, x in enumerate(a))
+                                          for j in range(dset.k)], dtype=torch.float64))
+            rec.N = sum(x.numel() for x in a)
+            return pv.dot_set(a, dset)
+
+    variance.pv = Recorder()
+    try:
+        yield rec
+    finally:
+        variance.pv = pv
 
 
 @pytest.fixture

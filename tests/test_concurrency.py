@@ -12,13 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import compose_cfg
+from conftest import compose_cfg, recording_units
 from entprobe.runtime.atomic_io import atomic_open
 from entprobe.runtime.locks import LockTimeout, file_lock
 from entprobe.cli.probe_job import run
 from entprobe.rollouts.sampling import RolloutBatch
+from two_batch_bounds import bounds
 
-QUICK = ("importance.enabled=false", "probe.variance_enabled=false")
+# the per-unit backward: its passes record the magnitudes the comparison below is bounded by
+QUICK = ("importance.enabled=false", "probe.projection=backward")
 
 
 class Holder:
@@ -117,10 +119,13 @@ def test_two_runs_saving_to_one_folder_leave_one_runs_complete_pair(tmp_path):
     seed = meta["seed_E"]
     assert meta["seed_U"] == seed + 100
     # the pair in the folder is that run's: rerun it on the saved batches and get its numbers back
-    again = run(compose_cfg(tmp_path / "again", f"batch.load='{folder}'", f"batch.seed_E={seed}",
-                            f"batch.seed_U={seed + 100}", *QUICK))
-    # equal up to the thread count's reduction order (the runs above use one thread, this process may not)
-    assert again["deltaH1"] == pytest.approx(results[seed]["deltaH1"], rel=1e-6) and again["batch_source"] == "load"
+    with recording_units() as rec:
+        again = run(compose_cfg(tmp_path / "again", f"batch.load='{folder}'", f"batch.seed_E={seed}",
+                                f"batch.seed_U={seed + 100}", *QUICK))
+    # equal up to the rounding of the per-unit sums (the runs above use one thread, this process may
+    # not, and another thread count blocks the sums otherwise: two_batch_bounds.py)
+    tol = bounds(again, rec.split(again["B_E"]))["deltaH1"]
+    assert abs(again["deltaH1"] - results[seed]["deltaH1"]) <= tol and again["batch_source"] == "load"
     other = results[23 - seed]["deltaH1"]  # the other run's batches give another number
     assert abs(other - results[seed]["deltaH1"]) > 1e-3 * abs(results[seed]["deltaH1"])
     assert sorted(p.name for p in folder.iterdir()) == [".lock", "E.pt", "U.pt", "batches.json"]

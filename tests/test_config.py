@@ -172,7 +172,7 @@ def test_hf_model_without_optimizer_state_refuses_then_runs_in_identity_geometry
     assert res["lr_source"] == "optimizer.lr (config)"
     assert res["model_source"] == f"hf:{hf}"
     assert res["bars_dot"] != 0 and math.isfinite(res["deltaH1"])
-    assert res["deltaH1"] == pytest.approx(-1e-3 * res["bars_dot"], rel=1e-12)
+    assert res["deltaH1"] == -1e-3 * res["bars_dot"]  # est.delta_h1: the same one fp64 product
 
 
 def test_report_per_token_puts_per_token_entropy_in_the_headline(tmp_path, capsys):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from conftest import fp_tol, recording_units
 from entprobe.checkpoints.builtin import tiny_llama_config
 from entprobe.math import paramvec as pv
 from entprobe.pipeline.stages import ghost_projection
@@ -43,6 +44,7 @@ def tied_setup():
     return setup
 
 
+@pytest.mark.numerics
 def test_jvp_matches_backward_with_tied_embeddings():
     """Tied input/output embeddings (SmolLM2 and many small LMs): the output side gives the
     padding row a direction, which the lookup must not use, since backward() gives that row no
@@ -56,8 +58,14 @@ def test_jvp_matches_backward_with_tied_embeddings():
     v = pv.scale_(accumulate(ctx, E, x_loss_of(ctx), "X over E").sum_buf, 1.0 / E.B)
     assert v[0][0].abs().sum() > 0  # the padding row has a direction (from lm_head)
     d = pv.stack_directions([v])
-    b, b_ref = project_jvp(ctx, U, d, "Y", "b_u")[:, 0], project_backward(ctx, U, d, "Y", "b_u")[:, 0]
-    assert (b_ref != 0).sum() >= 2 and rel(b, b_ref) < 1e-5
+    with recording_units() as rec:
+        b, b_ref = project_jvp(ctx, U, d, "Y", "b_u")[:, 0], project_backward(ctx, U, d, "Y", "b_u")[:, 0]
+    # forward and reverse mode round differently in the fp32 softmax of the eager attention: each
+    # unit's fp32 bound over its terms |Y_v,i d_i| (conftest.fp_tol); the padding row's direction
+    # used by the lookup moved b_u by ~50%
+    N = sum(p.numel() for p in ctx.params)
+    tol = torch.tensor([fp_tol(torch.float32, float(m), N) for m in rec.all()[:, 0]], dtype=torch.float64)
+    assert (b_ref != 0).sum() >= 2 and ((b - b_ref).abs() <= tol).all()
 
 
 def _random_directions(params, k: int, seed: int) -> pv.DirectionSet:

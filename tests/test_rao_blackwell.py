@@ -109,7 +109,7 @@ def _gather(tok, P, R, name):
     return x[P.unsqueeze(-1).expand_as(R), R]  # [N, B, G, T]
 
 
-def _simulate(mode: str, estimator: str, f: float, N: int = 3000, B: int = 8, seed: int = 0):
+def _simulate(mode: str, estimator: str, f: float, N: int = 3000, B: int = 8, seed: int = 0, is_mode: str = "cv"):
     """Per draw: prediction's per-unit contributions e [N, B] and the measured per-unit psi [N, B]
     (cv), and the exact targets (first-order and exact change) for the step f Delta theta (f in STEPS)."""
     o, tok, after = _world()
@@ -130,7 +130,7 @@ def _simulate(mode: str, estimator: str, f: float, N: int = 3000, B: int = 8, se
         w = tf.score_token_mean_weights(l0.sum(-1), m.sum(-1), k[..., 0], s[..., 0])  # [N, B, G]
         c = tf.TokenCoeffs(w.unsqueeze(-1) * m, torch.zeros_like(m))
     e = -f * ((c.a * dl).sum((-1, -2)) + (c.e * dH).sum((-1, -2)))  # [N, B]
-    psi = ti.change_psi(l0, l1, H0, H1, m, mode, estimator == "rao_blackwell", "cv", 10.0,
+    psi = ti.change_psi(l0, l1, H0, H1, m, mode, estimator == "rao_blackwell", is_mode, 10.0,
                         None if kappa is None else kappa[..., 0, 0])
     F0, dF, _ = functional(tok, mode)
     F1, _, _ = functional(after[f], mode)
@@ -177,3 +177,19 @@ def test_rao_blackwell_has_less_noise_than_the_score_form():
     e_rb, _, first, _ = _simulate("token_mean", "rao_blackwell", STEPS[0], N=2000)
     e_sc, _, _, _ = _simulate("token_mean", "score", STEPS[0], N=2000)
     assert float(e_rb.mean(-1).std()) < float(e_sc.mean(-1).std()) / 1.5
+
+
+@pytest.mark.parametrize("mode", ["sequence", "token_mean"])
+@pytest.mark.parametrize("is_mode", ["snis", "clip"])
+def test_normalised_per_decision_estimators_are_paired_and_nearly_unbiased(mode, is_mode):
+    """Prefix weights normalised per position (snis; clip truncates them first, at 10: never reached
+    here): |z| < 3 against the exact change at the smaller step (their bias is O(step^2 / G)), and
+    paired to second order like cv (the normalisation's first-order shift cancels: without the
+    leave-one-out beta the ratio would stay flat in the step)."""
+    _, psi, _, exact = _simulate(mode, "rao_blackwell", STEPS[1], is_mode=is_mode)
+    assert abs(_z(psi.mean(-1), exact)) < 3
+    ratios = {}
+    for f in STEPS:
+        e, psi, _, _ = _simulate(mode, "rao_blackwell", f, N=200, is_mode=is_mode)
+        ratios[f] = float(((psi - e).std(-1) / psi.std(-1)).median())
+    assert ratios[STEPS[1]] < ratios[STEPS[0]] / 5 and ratios[STEPS[0]] < 0.3, ratios

@@ -181,11 +181,10 @@ def test_readme_what_if_command_measures_each_setting_paired_with_its_prediction
     res = run(cfg)
     w = res["what_if"]
     assert set(w) == {"lr_x0.5", "lr_x2", "entropy_coef=0.001", "clip_cov=0.0002", "kl_cov=0.0002", "lr_for_target"}
-    for f in (0.5, 2.0):
+    for f in (0.5, 2.0):  # a power of 2: f times the headline is exact in fp64
         r = w[f"lr_x{f:g}"]
-        assert r["deltaH_pred"] == pytest.approx(f * res["deltaH_pred"], rel=1e-12)
-        assert r["SE"] == pytest.approx(f * res["SE_deltaH_pred"], rel=1e-12)
-        assert r["SE_expected"] == pytest.approx(f * res["SE_deltaH_pred_expected"], rel=1e-12)
+        assert (r["deltaH_pred"], r["SE"], r["SE_expected"]) == (
+            f * res["deltaH_pred"], f * res["SE_deltaH_pred"], f * res["SE_deltaH_pred_expected"])
     kl = w["kl_cov=0.0002"]
     assert kl["deltaH_pred"] == res["deltaH_pred"] and kl["note"] == KL_COV_NOTE and "deltaH_true" not in kl
     for key, r in w.items():  # every setting has its value, SE, interval and how it was formed
@@ -199,3 +198,28 @@ def test_readme_what_if_command_measures_each_setting_paired_with_its_prediction
     t = w["lr_for_target"]
     assert t["status"] == "resolved" or t["status"].startswith("not resolved"), t
     assert (tmp_path / "results.json").is_file()
+
+
+def test_with_gradient_clipping_lr_factors_are_scaled_not_restepped(tmp_path, monkeypatch):
+    """``importance.max_grad_norm``: the clipped AdamW step is in closed form and linear in the lr
+    (the clip factor does not depend on it), so ``lr_x<f>`` is f times the plain prediction, not a
+    recomputed update; a new update (the entropy bonus) is clipped by its own gradient's norm."""
+    from conftest import committed_batches, compose_cfg
+    from entprobe.cli.probe_job import run
+    from entprobe.pipeline.stages import what_if
+
+    rebuilt = []
+    real = what_if.build_step_model
+    monkeypatch.setattr(what_if, "build_step_model", lambda *a, **k: rebuilt.append(a[3]) or real(*a, **k))
+    res = run(compose_cfg(tmp_path, *committed_batches("readme"), "batch.B_E=8", "batch.B_U=8", "importance.enabled=false",
+                          "importance.max_grad_norm=0.5", "optimizer.lr=1e-5", "probe.what_if.lr_factors=[0.5,2]",
+                          "probe.what_if.entropy_coef=[0.001]"))
+    assert res["pred/step_model"] == "adamw_closed_form" and res["pred/grad_clip_factor"] < 1.0
+    w = res["what_if"]
+    for f in (0.5, 2.0):
+        r = w[f"lr_x{f:g}"]
+        assert r["how"] == "scaled (linear in lr)"
+        # f times the plain numbers, one fp64 product each (f a power of 2: exact)
+        assert (r["deltaH_pred"], r["SE"], r["SE_expected"]) == (
+            f * res["deltaH_pred"], f * res["SE_deltaH_pred"], f * res["SE_deltaH_pred_expected"])
+    assert len(rebuilt) == 1 and w["entropy_coef=0.001"]["how"] == "recomputed update"  # the bonus's own update

@@ -25,7 +25,7 @@ class WeightingMode(str, Enum):
 
 
 class XEstimator(str, Enum):
-    auto = "auto"  # rao_blackwell where the functional is a sum over tokens (sequence, token_mean), else score
+    auto = "auto"  # rao_blackwell for sums over tokens (sequence, token_mean; not with is_mode=psis), else score
     score = "score"  # (S_w - baseline) grad S over whole responses
     rao_blackwell = "rao_blackwell"  # token entropies H_t and the reward-to-go: same target, less noise
 

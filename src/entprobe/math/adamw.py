@@ -24,10 +24,20 @@ v'). With ``y = -g``, ``dD/dy = -(1 - beta2) g / (sqrt(bc2) sqrt(v'))`` and
 
 (0 where v' = 0: no gradient and no history). A parameter without state (never stepped) has
 m = v = 0 and step 0.
+
+Gradient clipping (``torch.nn.utils.clip_grad_norm_(params, c)`` before the step) scales the whole
+gradient by one factor, ``s = min(1, c / (||g|| + 1e-6))`` with ``||g||`` the 2-norm over every
+parameter (``clip_factor``); s does not depend on the lr, so the clipped update is the closed form
+above at ``s y``, linear in the lr like the unclipped one. Its Jacobian in y is no longer diagonal:
+``d(s y)/dy = s I + y (ds/dy)^T`` with ``ds/dy = kappa y``, ``kappa = -c / (||y|| (||y|| + 1e-6)^2)``
+while clipping binds (``s < 1``; 0 otherwise, ``clip_slope``), a rank-one term. With ``J_0`` the
+diagonal Jacobian at ``s y``, ``J = J_0 (s I + kappa y y^T)`` and the U side of the SE needs
+``J^T x = s J_0 x + kappa (y . J_0 x) y`` (the gradient of ``x . Delta theta`` in y): one dot over
+all parameters (``clipped_vjp``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -87,6 +97,31 @@ def adamw_jacobian(y: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: AdamWHy
             "momentum": (m * dinv).mul_(-scale * h.beta1)}
 
 
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: s = min(1, c / (||g|| + 1e-6))
+
+
+def clip_factor(norm: float, max_norm: float | None) -> float:
+    """``s = min(1, max_norm / (norm + 1e-6))``: what ``clip_grad_norm_(params, max_norm)`` scales
+    every gradient by, ``norm`` the 2-norm of the whole gradient (1 without clipping)."""
+    if not max_norm:
+        return 1.0
+    return min(1.0, max_norm / (norm + CLIP_EPS))
+
+
+def clip_slope(norm: float, max_norm: float | None) -> float:
+    """``kappa`` with ``ds/dy = kappa y``: ``-max_norm / (norm (norm + 1e-6)^2)`` where clipping
+    binds (``max_norm / (norm + 1e-6) < 1``), else 0 (s = 1 there, flat)."""
+    if not max_norm or max_norm / (norm + CLIP_EPS) >= 1.0 or norm == 0.0:
+        return 0.0
+    return -max_norm / (norm * (norm + CLIP_EPS) ** 2)
+
+
+def clipped_vjp(y: torch.Tensor, J0x: torch.Tensor, s: float, kappa: float) -> torch.Tensor:
+    """``J^T x = s J_0 x + kappa (y . J_0 x) y`` on one flat vector (the reference form; the probe
+    forms it tensor by tensor, its dot summed over all of them: pipeline/stages/prediction.py)."""
+    return J0x * s + y * (kappa * float((y.double() * J0x.double()).sum()))
+
+
 def adamw_update_into(y: torch.Tensor, m: torch.Tensor, v: torch.Tensor, theta: torch.Tensor, h: AdamWHyper,
                       out: dict[str, torch.Tensor], scratch: torch.Tensor) -> None:
     """``adamw_update`` written into ``out[part]`` (the parts present), in place, with one scratch
@@ -125,10 +160,14 @@ def adamw_jacobian_times_into(y: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
 class StepModel:
     """The update ``Delta theta(Ybar)`` the optimizer will apply, by part (``names``, a subset of
     ``PARTS``, or ``["update"]`` unsplit), written on demand into caller-owned buffers aligned with
-    the trainable parameters (``write({name: buffer})``), and ``J x`` for the whole update's
-    diagonal Jacobian J in Ybar (``jacobian_times_into(x, out)``; None: unknown, the U side of the
-    SE cannot be formed). Nothing parameter-sized is held between the calls."""
+    the trainable parameters (``write({name: buffer})``), and ``J^T x`` for the whole update's
+    Jacobian J in Ybar, the gradient of ``x . Delta theta(Ybar)`` (``jacobian_times_into(x, out)``:
+    ``J x`` for the elementwise optimizers' diagonal J; with gradient clipping J has a rank-one
+    term and this is its transpose's product; None: unknown, the U side of the SE cannot be
+    formed). Nothing parameter-sized is held between the calls. ``facts``: results that describe
+    the update (``pred/grad_norm``, ``pred/grad_clip_factor`` with clipping)."""
     names: list[str]
     write: Callable[[dict[str, list[torch.Tensor]]], None]
     jacobian_times_into: Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None
     kind: str  # what produced it: adamw_closed_form | sgd_closed_form | preconditioned_sgd | optimizer_step
+    facts: dict = field(default_factory=dict)

@@ -59,6 +59,34 @@ def per_decision_change(x0: torch.Tensor, x1: torch.Tensor, rho: torch.Tensor, m
     return (term * m).sum(-1).mean(-1)
 
 
+def per_decision_change_normalised(x0: torch.Tensor, x1: torch.Tensor, rho: torch.Tensor, m: torch.Tensor,
+                                   b: torch.Tensor, log_clip: float | None = None) -> torch.Tensor:
+    """Per prompt [B]: the per-decision estimator with each position's prefix weights normalised
+    over the prompt's G responses (``snis``; ``clip``: truncated at ``exp(log_clip)`` first),
+    ``nu_{g,t} = W_<t,g / sum_h W_<t,h`` (a response that ended before t keeps its whole weight):
+
+        psi_n = (1/G) sum_g sum_t [ G nu (m x1 - beta) - (m x0 - beta) - m (w_t - 1)(b_t - B_t) ]
+
+    with ``beta_{g,t}`` the mean of ``m x0`` at t over the other responses (so ``sum_g (m x0 - beta)
+    = 0`` at every t, which cancels the normalisation's first-order shift) and ``B_{g,t} =
+    sum_{t' > t} beta_{g,t'}``; to first order this is the unnormalised estimator's expansion, X's
+    own terms. Self-normalising leaves an O(step^2 / G) bias."""
+    m = m.double()
+    rho = rho.double() * m
+    lW = _exclusive_cumsum(rho)
+    lw = rho
+    if log_clip is not None:
+        lW, lw = lW.clamp(max=log_clip), lw.clamp(max=log_clip)
+    G = m.shape[-2]
+    xm0, xm1 = x0.double() * m, x1.double() * m
+    beta = (xm0.sum(-2, keepdim=True) - xm0) / (G - 1)
+    Bsuf = beta.flip(-1).cumsum(-1).flip(-1) - beta  # sum over later positions
+    nu = torch.softmax(lW, -2)  # over the G responses, per position
+    main = (G * nu * (xm1 - beta) - (xm0 - beta)).sum(-1)
+    cv = (m * torch.expm1(lw) * (b.double() - Bsuf)).sum(-1)
+    return (main - cv).mean(-1)
+
+
 def per_decision_ess_frac(rho: torch.Tensor, m: torch.Tensor) -> float:
     """Mean over (prompt, position) of Kish's ESS of the prefix weights ``W_<t`` over the prompt's
     responses generating at t, as a fraction of their number (1: no degeneracy)."""
@@ -107,19 +135,21 @@ def change_psi(lp0: torch.Tensor, lp1: torch.Tensor, H0: torch.Tensor, H1: torch
                smoothed_log_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Per-prompt contributions [..., B] of the measured change of a token functional (inputs
     [..., B, G, T]; leading dimensions: independent batches). ``per_decision``: the estimator that
-    pairs with the Rao-Blackwellised X (``cv``; ``clip``: weights truncated at ``clip_c``), else the
+    pairs with the Rao-Blackwellised X (``cv``; ``snis``: normalised per position; ``clip``: as snis
+    with weights truncated at ``clip_c``), else the
     whole-response one (``cv``, ``snis``, ``clip``, ``psis`` with ``smoothed_log_weights`` [..., B, G]).
     ``kappa``: token_mean's constant in X (default: the batch's own Phi)."""
     m = m.double()
     rho = (lp1.double() - lp0.double()) * m
     if per_decision:
-        if is_mode not in ("cv", "clip"):
-            raise ValueError(f"per-decision weights offer cv and clip, not {is_mode}")
+        if is_mode not in ("cv", "snis", "clip"):
+            raise ValueError(f"per-decision weights offer cv, snis and clip, not {is_mode}")
         log_clip = math.log(clip_c) if is_mode == "clip" else None
+        change = per_decision_change if is_mode == "cv" else per_decision_change_normalised
         b_R, b_C = reward_to_go_baselines(H0, m)
-        psi_N = per_decision_change(H0, H1, rho, m, b_R, log_clip)
+        psi_N = change(H0, H1, rho, m, b_R, log_clip)
         ones = torch.ones_like(m)
-        psi_D = per_decision_change(ones, ones, rho, m, b_C, log_clip) if mode == "token_mean" else None
+        psi_D = change(ones, ones, rho, m, b_C, log_clip) if mode == "token_mean" else None
     else:
         l = rho.sum(-1)  # [..., B, G]
         lw, norm = {"cv": (l, False), "snis": (l, True), "psis": (smoothed_log_weights, True),

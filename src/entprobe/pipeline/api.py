@@ -19,6 +19,16 @@ string is the command line's ``task=<name>`` (its options: ``task_names()``), bu
 writes the command line's outputs there (results.json, report.md, per_unit.json, ...); without
 it they go to a temporary folder that is removed.
 
+No checkpoint folder is read, so nothing of a trainer's own settings is taken: the command line
+reads a TRL checkpoint's ``training_args.bin`` (the loss, the sampling, ``max_grad_norm``); here
+they are yours to pass. HF Trainer and TRL clip the gradient at ``max_grad_norm`` (1.0 by default)
+before every step; without ``importance={"max_grad_norm": 1.0}`` the probe predicts and takes the
+unclipped step, another step wherever the clipping binds (``pred/grad_clip_factor`` in the results
+says how much of the gradient a clipped step keeps)::
+
+    results = entprobe.probe(model, optimizer, tokenizer, task, objective="trl",
+                             **{"objective.loss_type": "grpo", "importance.max_grad_norm": 1.0})
+
 What is left as it was, bit for bit: the parameters, the optimizer's state and param groups, the
 parameters' ``.grad``, torch's RNG (CPU and the model's CUDA device) and each module's train/eval
 mode. The probe runs with the model in eval mode (dropout off: gradients of the deterministic
@@ -258,8 +268,9 @@ def _given_batches(x, cfg: EntprobeConfig) -> tuple[RolloutBatch, RolloutBatch]:
 
 def probe(model: torch.nn.Module, optimizer, tokenizer, task_or_batches, /, **overrides) -> dict:
     """Predict and measure the entropy change of ``optimizer``'s next step on ``model`` (the module
-    docstring has the arguments). Returns the flat results dict the command line writes to
-    results.json. Raises ``ConfigError`` (a key and what to change) on bad overrides, and the
+    docstring has the arguments; a trainer's settings, gradient clipping included, are overrides:
+    ``importance={"max_grad_norm": ...}``, none is read from a checkpoint). Returns the flat results
+    dict the command line writes to results.json. Raises ``ConfigError`` (a key and what to change) on bad overrides, and the
     command line's ``OptimizerStateError`` when the param groups are at lr 0 (a schedule's end) and
     no ``optimizer={"lr": ...}`` says which step to probe."""
     batches = _is_batches(task_or_batches)

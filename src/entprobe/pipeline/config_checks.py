@@ -8,8 +8,7 @@ import math
 from typing import Any
 
 from entprobe.math.token_functionals import TOKEN_MODES
-from entprobe.pipeline.stages.token_measure import PER_DECISION_ESTIMATORS
-from entprobe.pipeline.stages.x_spec import resolve_x_estimator
+from entprobe.pipeline.stages.x_spec import PER_DECISION_IS_MODES as PER_DECISION_ESTIMATORS, resolve_x_estimator
 from entprobe.config import (ConfigError, EntprobeConfig, ModelSource, ProbeMode, WeightingMode, structured,
                              what_if_errors)
 from entprobe.rollouts.objectives import config_errors
@@ -106,7 +105,7 @@ def validate(cfg: Any) -> None:
     _require(not (p.cross_fit and p.weighting_mode == WeightingMode.dr_grpo), "probe.cross_fit",
              "needs a weighting mode whose functional is a mean over responses (sequence or "
              "per_token_avg): dr_grpo's couples the whole group through Lmax, so X cannot use half of it")
-    x_est = resolve_x_estimator(p.weighting_mode, p.x_estimator)  # a ConfigError when it does not apply
+    x_est = resolve_x_estimator(p.weighting_mode, p.x_estimator, i.is_mode)  # a ConfigError when it does not apply
     _require(not (p.cross_fit and (x_est == "rao_blackwell" or p.weighting_mode.value in TOKEN_MODES)),
              "probe.cross_fit", f"splits each group into an X half and a Y half of whole responses; the "
              f"{p.weighting_mode.value} / {x_est} X is built per token: use probe.x_estimator=score with "

@@ -64,7 +64,7 @@ def probe_context(cfg: EntprobeConfig, model: torch.nn.Module, device: torch.dev
     return ProbeContext(run_model or model, names, params, device, autocast_dtype, cfg.sampling.temperature,
                         pcfg.weighting_mode.value, pcfg.mb_size_prompts, buf_dev, dtype,
                         progress=cfg.logging.progress and D.is_main(), nograd_memory_mb=pcfg.nograd_memory_mb,
-                        x=x_spec(pcfg.weighting_mode, pcfg.x_estimator))
+                        x=x_spec(pcfg.weighting_mode, pcfg.x_estimator, cfg.importance.is_mode))
 
 
 def probe_batches(cfg: EntprobeConfig, held: InMemory, E_all: RolloutBatch, U_all: RolloutBatch,

@@ -32,8 +32,10 @@ and recomputed in its place.
 
 Shared only where the rescaling is exact up to rounding: one process (under torchrun each rank
 holds its own shard of the per-prompt values: off), the two-batch mode, and an update in closed
-form or ``preconditioned_sgd`` (the optimizer's own step -- gradient clipping, other optimizers --
-is a difference of two parameter vectors, linear in lr only up to the parameters' rounding).
+form (AdamW, SGD; with gradient clipping too, whose factor ``min(1, c / (||Ybar|| + 1e-6))`` does
+not depend on the lr: math/adamw.py) or ``preconditioned_sgd`` (the optimizer's own step -- other
+optimizers -- is a difference of two parameter vectors, linear in lr only up to the parameters'
+rounding).
 """
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.pipeline.stages.prediction import LINEAR_IN_LR, step_model_kind
 
-FORMAT = 1  # of the files below; part of the key
+FORMAT = 2  # of the files below; part of the key
 SUBDIR = "stage12"
 ENTRY, BUFFERS, VALUES = "entry.json", "buffers.pt", "values.pt"
 _READ = 1 << 24
@@ -102,6 +104,7 @@ class Stage12:
     unit_backward: str | None  # set when per-unit gradients were taken in the X pass
     step_terms: torch.Tensor  # per parameter tensor: Xbar . Delta theta (all parts; the attribution)
     E_token_logp: torch.Tensor | None = None  # [B_E, G, T] this rank's E token log-probs at theta
+    step_facts: dict = dataclasses.field(default_factory=dict)  # the step model's, lr-free (clipping's factor)
 
     def at_lr(self, lr: float) -> "Stage12":
         """The same Stages 1-2 at another lr: the lr-linear values times ``lr / self.lr``."""
@@ -187,10 +190,10 @@ def why_not_shared(cfg, batch_cache: Path | None, geo, icfg) -> str | None:
         return "not a sweep (a multirun shares through its batch cache)"
     if D.world() > 1:
         return f"{D.world()} processes (sharing is single-process only)"
-    kind = step_model_kind(geo.optimizer, icfg.step_mode.value, icfg.max_grad_norm)
+    kind = step_model_kind(geo.optimizer, icfg.step_mode.value)
     if kind not in LINEAR_IN_LR:
-        return (f"the update is the optimizer's own step ({type(geo.optimizer).__name__}"
-                f"{', importance.max_grad_norm' if icfg.max_grad_norm else ''}): linear in lr only up to rounding")
+        return (f"the update is the optimizer's own step ({type(geo.optimizer).__name__}): linear in lr only up "
+                "to rounding")
     if any(float(g["lr"]) != geo.lr for g in geo.optimizer.param_groups):
         return "param groups with different lrs"
     return None

@@ -87,7 +87,7 @@ def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Ge
     a = b = None
     if pcfg.variance_enabled:
         with ctx.phase("variance"):
-            # U-side directions: P Xbar (deltaH1), then J * Xbar (the prediction's delta method)
+            # U-side directions: P Xbar (deltaH1), then J^T Xbar (the prediction's delta method)
             fill_JX = [lambda out: step.jacobian_times_into(Xbar, out)] if step.jacobian_times_into else []
             # with a_u taken in the X pass, the E directions are spent: U's are written over them
             reuse = dirE if fused else None
@@ -113,7 +113,7 @@ def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Ge
     return Stage12(geo.lr, list(ctx.names), Ybar, Xbar, B_E, B_U, accY.S, accY.token_logp, accX.S, accX.entropy,
                    terms, nX, nPY, nh_dot, step.names, step.kind, step_dots, a, b, mode,
                    unit_bwd if (mode in ("stored", "fused") or keep_u) and pcfg.variance_enabled else None,
-                   step_terms, accX.token_logp)
+                   step_terms, accX.token_logp, step.facts)
 
 
 def stage12_of(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry, pcfg, icfg,
@@ -169,7 +169,7 @@ def stage12_results(st: Stage12, ctx: ProbeContext, E: RolloutBatch, U: RolloutB
                     "projection": st.projection})
         if st.unit_backward is not None:  # per-unit gradients were taken (a backward per unit, or batched)
             res["unit_backward"] = st.unit_backward
-    res.update(prediction_results(st.step_names, st.step_kind, st.step_dots, e, u))
+    res.update(prediction_results(st.step_names, st.step_kind, st.step_dots, e, u, st.step_facts))
     return res, e, u
 
 

@@ -36,7 +36,8 @@ from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.pipeline.stages.step_split import plain_adamw
 from entprobe.pipeline.stages.snapshot import restore, take
 from entprobe.pipeline.stages.variance import resolve_projection, resolve_unit_backward
-from entprobe.math.adamw import AdamWHyper, StepModel, adamw_jacobian_times_into, adamw_update_into
+from entprobe.math.adamw import (AdamWHyper, StepModel, adamw_jacobian_times_into, adamw_update_into, clip_factor,
+                                 clip_slope)
 
 
 def _state_of(opt: torch.optim.Optimizer, p: torch.Tensor, dev, dt):
@@ -61,30 +62,34 @@ def _plain_sgd(opt: torch.optim.Optimizer) -> bool:
 
 
 # the step models whose update is exactly lr times a function of Ybar and the state (up to
-# rounding): a job's prediction at another lr is a rescaling (pipeline/lr_share.py)
+# rounding): a job's prediction at another lr is a rescaling (pipeline/lr_share.py). Gradient
+# clipping keeps them so: its factor min(1, c / (||Ybar|| + 1e-6)) does not depend on the lr.
 LINEAR_IN_LR = ("preconditioned_sgd", "adamw_closed_form", "sgd_closed_form")
 
 
-def step_model_kind(optimizer: torch.optim.Optimizer, step_mode: str, max_grad_norm: float | None) -> str:
-    """Which ``StepModel`` ``build_step_model`` makes for this optimizer and settings (its ``kind``)."""
+def step_model_kind(optimizer: torch.optim.Optimizer, step_mode: str) -> str:
+    """Which ``StepModel`` ``build_step_model`` makes for this optimizer and settings (its ``kind``);
+    with or without gradient clipping, which the closed forms fold in."""
     if step_mode == "preconditioned_sgd":
         return "preconditioned_sgd"
-    if not max_grad_norm and plain_adamw(optimizer):
+    if plain_adamw(optimizer):
         return "adamw_closed_form"
-    if not max_grad_norm and _plain_sgd(optimizer):
+    if _plain_sgd(optimizer):
         return "sgd_closed_form"
     return "optimizer_step"
 
 
 def build_step_model(ctx: ProbeContext, optimizer: torch.optim.Optimizer, lr: float, Ybar: pv.Buffer,
                      P: pv.Buffer | None, step_mode: str, max_grad_norm: float | None) -> StepModel:
-    """``Delta theta(Ybar)`` (written on demand, at least fp32) and ``J x``.
+    """``Delta theta(Ybar)`` (written on demand, at least fp32) and ``J^T x``.
 
     ``preconditioned_sgd``: ``lr P Ybar``; plain AdamW / plain SGD: closed form per param group
-    (the groups' own lr, decay, betas, eps and each parameter's step count). Anything else (other
-    optimizers, gradient clipping, which rescales by the global norm): the optimizer's own step
-    from a snapshot with gradient ``-Ybar``, restored bit-exactly; no Jacobian then."""
-    kind = step_model_kind(optimizer, step_mode, max_grad_norm)
+    (the groups' own lr, decay, betas, eps and each parameter's step count), at the clipped
+    gradient ``s Ybar`` with ``max_grad_norm`` (math/adamw.py: ``s = min(1, c / (||Ybar|| +
+    1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` before the real step). Anything else (other
+    optimizers): the optimizer's own step from a snapshot with gradient ``-Ybar`` (clipped by
+    ``clip_grad_norm_``), restored bit-exactly; no Jacobian then."""
+    kind = step_model_kind(optimizer, step_mode)
     if kind == "preconditioned_sgd":
         def scaled_into(xs, out):
             for i, (x, o) in enumerate(zip(xs, out)):
@@ -94,7 +99,7 @@ def build_step_model(ctx: ProbeContext, optimizer: torch.optim.Optimizer, lr: fl
         return StepModel(["gradient"], lambda outs: scaled_into(Ybar, outs["gradient"]), scaled_into,
                          "preconditioned_sgd")
     if kind != "optimizer_step":
-        return _closed_form(ctx, optimizer, Ybar)
+        return _closed_form(ctx, optimizer, Ybar, max_grad_norm)
 
     def step_into(outs):  # the optimizer's own step on a snapshot
         snap = take(ctx.params, optimizer, ctx.buffers_device)
@@ -111,11 +116,25 @@ def build_step_model(ctx: ProbeContext, optimizer: torch.optim.Optimizer, lr: fl
     return StepModel(["update"], step_into, None, "optimizer_step")
 
 
-def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.Buffer) -> StepModel:
+def _clipping(Ybar: pv.Buffer, max_grad_norm: float | None) -> tuple[float, float, dict]:
+    """``(s, kappa, facts)`` of clipping at ``max_grad_norm`` (math/adamw.py): the factor, the slope
+    ``ds/dy = kappa y`` and the results that report them; ``(1, 0, {})`` without clipping. The
+    norm is the whole gradient's, summed over every rank's shards under FSDP2 (``pv.norm``)."""
+    if not max_grad_norm:
+        return 1.0, 0.0, {}
+    norm = pv.norm(Ybar)
+    s = clip_factor(norm, max_grad_norm)
+    return s, clip_slope(norm, max_grad_norm), {"pred/grad_norm": norm, "pred/grad_clip_factor": s}
+
+
+def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.Buffer,
+                 max_grad_norm: float | None) -> StepModel:
     """AdamW / SGD per run of parameters that share a param group and a step count: on one flat
     vector when the run is small (host time per op dominates there; results copied into place),
-    else tensor by tensor straight into the caller's buffers with reused scratch space."""
+    else tensor by tensor straight into the caller's buffers with reused scratch space. With
+    clipping, at ``s Ybar`` (the gradient scaled in a third scratch: Ybar is the caller's)."""
     adam = plain_adamw(optimizer)
+    s, kappa, facts = _clipping(Ybar, max_grad_norm)
     index = {id(p): i for i, p in enumerate(ctx.params)}
     runs: dict[tuple, list[int]] = {}
     for gi, g in enumerate(optimizer.param_groups):
@@ -141,7 +160,7 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
         first = next(iter(outs.values()))
         dev, dt = first[0].device, first[0].dtype
         biggest = max(sum(local(ctx.params[i]).numel() for i in ch) for ch, _ in chunks)
-        scratch = [torch.empty(biggest, device=dev, dtype=dt) for _ in range(2)]
+        scratch = [torch.empty(biggest, device=dev, dtype=dt) for _ in range(2 if s == 1.0 else 3)]
         for ch, h in chunks:
             n = sum(local(ctx.params[i]).numel() for i in ch)
 
@@ -150,13 +169,15 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
                     return ts[0].reshape(-1).to(dev, dt)
                 return torch.cat([t.reshape(-1).to(dev, dt) for t in ts])
             st = [_state_of(optimizer, ctx.params[i], dev, dt) for i in ch] if adam else None
-            ins = {"y": flat([Ybar[i] for i in ch]), "theta": flat([local(ctx.params[i].detach()) for i in ch])}
+            y = flat([Ybar[i] for i in ch])
+            ins = {"y": y if s == 1.0 else torch.mul(y, s, out=scratch[2][:n]),
+                   "theta": flat([local(ctx.params[i].detach()) for i in ch])}
             if adam:
                 ins["m"], ins["v"] = flat([x[0] for x in st]), flat([x[1] for x in st])
             direct = len(ch) == 1
             flat_out = {k: (o[ch[0]].view(-1) if direct else torch.empty(n, device=dev, dtype=dt))
                         for k, o in outs.items()}
-            fn(ch, h, ins, flat_out, [x[:n] for x in scratch])
+            fn(ch, h, ins, flat_out, [x[:n] for x in scratch[:2]])
             if not direct:
                 for k, o in outs.items():
                     for i, t in zip(ch, flat_out[k].split([local(ctx.params[i]).numel() for i in ch])):
@@ -177,14 +198,23 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
             torch.mul(ins["x"], h.lr, out=out["jx"])
 
     def jacobian_times_into(xs: pv.Buffer, out: pv.Buffer) -> None:
+        """``J^T x = s J_0 x + kappa (Ybar . J_0 x) Ybar`` (math/adamw.py; ``J_0 x`` without clipping):
+        ``J_0`` the diagonal Jacobian at ``s Ybar``, the dot over every parameter (and shard)."""
         def fn(ch, h, ins, o, scratch):
             ins["x"] = (xs[ch[0]].reshape(-1) if len(ch) == 1 else torch.cat([xs[i].reshape(-1) for i in ch])
                         ).to(o["jx"].device, o["jx"].dtype)
             jacobian(ch, h, ins, o, scratch)
         run_chunks({"jx": out}, fn)
+        if s == 1.0:
+            return
+        coef = kappa * pv.dot(Ybar, out) if kappa else 0.0
+        for o, y in zip(out, Ybar):
+            o.mul_(s)
+            if coef:
+                o.add_(y.to(o.device, o.dtype), alpha=coef)
 
     return StepModel(names, lambda outs: run_chunks(outs, update), jacobian_times_into,
-                     "adamw_closed_form" if adam else "sgd_closed_form")
+                     "adamw_closed_form" if adam else "sgd_closed_form", facts)
 
 
 def directions(ctx: ProbeContext, first: list, step: StepModel | None, device,
@@ -215,13 +245,13 @@ def mul_into(a: pv.Buffer, P: pv.Buffer | None):
 
 
 def prediction_results(names: list[str], kind: str, step_dots: list[float], e: torch.Tensor | None,
-                       u: torch.Tensor | None) -> dict:
+                       u: torch.Tensor | None, facts: dict | None = None) -> dict:
     """The prediction and its parts, ``-Xbar . Delta theta_part`` (``step_dots`` are the fp64 dots
-    ``Xbar . Delta theta_part`` in the order of the step model's part ``names``; ``kind``: the step
-    model's), with SEs from the per-unit contributions ``e`` [B_E, parts] (same order, already
-    negated) and ``u`` [B_U] (``-Y_v . (J * Xbar)``), when given."""
+    ``Xbar . Delta theta_part`` in the order of the step model's part ``names``; ``kind`` and
+    ``facts``: the step model's), with SEs from the per-unit contributions ``e`` [B_E, parts] (same
+    order, already negated) and ``u`` [B_U] (``-Y_v . (J^T Xbar)``), when given."""
     vals = {k: -x for k, x in zip(names, step_dots)}
-    res: dict = {"deltaH_pred": sum(vals.values()), "pred/step_model": kind}
+    res: dict = {"deltaH_pred": sum(vals.values()), "pred/step_model": kind, **(facts or {})}
     if len(names) > 1:
         res.update({f"deltaH_pred_{k}": v for k, v in vals.items()})
         res["pred/dominant_part"] = max(vals, key=lambda k: abs(vals[k]))
@@ -328,6 +358,6 @@ def predict_on_held_out(ctx: ProbeContext, E: RolloutBatch, step: StepModel, pcf
     step_terms = sum(pv.dot_terms(dirE.column(j), Xbar) for j in range(1 if total else 0, dirE.k))
     del dirE
     e = -D.gather_units(accX.proj)
-    res = {"gt/B_E": B_E, **prediction_results(step.names, step.kind, step_dots, e, None),
+    res = {"gt/B_E": B_E, **prediction_results(step.names, step.kind, step_dots, e, None, step.facts),
            **headline(list(ctx.names), [-float(t) for t in step_terms], pcfg.top_k_params)}
     return HeldOutPrediction(res, Xbar, accX.S, accX.entropy, e, accX.token_logp)

@@ -5,7 +5,7 @@ returns (``deltaH_<est>``, ``SE_deltaH_<est>``, ``H_upd_<est>``, weight diagnost
 per-prompt contributions ``{est: psi [B]}`` for the paired test.
 
 Which estimator: the Rao-Blackwellised X (``sequence``, ``token_mean``) pairs with the per-decision
-estimator (``cv``, and ``clip`` with truncated weights); the score-form X and ``seq_mean_token_mean``
+estimator (``cv``; ``snis`` normalised per position; ``clip``, as snis with truncated weights); the score-form X and ``seq_mean_token_mean``
 pair with the whole-response one (``cv``, ``snis``, ``clip``, ``psis``). ``ESS_frac`` is that of the
 weights the estimator uses (``ESS_frac_per_decision`` or the whole responses' ``ESS_frac_sequence``;
 both are reported).
@@ -21,9 +21,9 @@ from entprobe.math import estimators as est
 from entprobe.math import importance as im
 from entprobe.math import token_functionals as tf
 from entprobe.math import token_importance as ti
-from entprobe.pipeline.stages.x_spec import XSpec
+from entprobe.pipeline.stages.x_spec import PER_DECISION_IS_MODES, XSpec
 
-PER_DECISION_ESTIMATORS = ("cv", "clip")
+PER_DECISION_ESTIMATORS = PER_DECISION_IS_MODES
 
 
 class TokenSide(NamedTuple):

@@ -220,7 +220,7 @@ def run_what_if(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, st, geo, pc
     difference with the prediction). ``st``: Stages 1-2 (Xbar, Ybar, U's token log-probs, E's
     log-probs and entropies); ``base``: the plain prediction's results."""
     wcfg = pcfg.what_if
-    kind = step_model_kind(geo.optimizer, icfg.step_mode.value, icfg.max_grad_norm)
+    kind = step_model_kind(geo.optimizer, icfg.step_mode.value)
     linear = kind in LINEAR_IN_LR
     nan = math.nan
     plain = {"deltaH_pred": base["deltaH_pred"], "SE": base.get("SE_deltaH_pred", nan),

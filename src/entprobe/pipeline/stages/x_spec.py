@@ -34,13 +34,18 @@ class Forward(NamedTuple):
         return Forward(self.S.detach(), self.lp.detach(), None if self.ent is None else self.ent.detach())
 
 
-def resolve_x_estimator(mode: str, choice: str) -> str:
+PER_DECISION_IS_MODES = ("cv", "snis", "clip")  # the measured side of the Rao-Blackwellised X (token_measure.py)
+
+
+def resolve_x_estimator(mode: str, choice: str, is_mode: str | None = None) -> str:
     """``probe.x_estimator`` for ``probe.weighting_mode`` (ConfigError when it does not apply):
-    ``auto`` is ``rao_blackwell`` for the functionals that are sums over tokens (sequence, token_mean),
-    ``score`` otherwise."""
+    ``auto`` is ``rao_blackwell`` for the functionals that are sums over tokens (sequence, token_mean)
+    unless ``importance.is_mode`` asks for whole-response weights (``psis``), ``score`` otherwise."""
     mode, choice = getattr(mode, "value", mode), getattr(choice, "value", choice)
+    is_mode = getattr(is_mode, "value", is_mode)
     if choice == "auto":
-        return "rao_blackwell" if mode in tf.CAUSAL_MODES else "score"
+        whole = is_mode is not None and is_mode not in PER_DECISION_IS_MODES
+        return "rao_blackwell" if mode in tf.CAUSAL_MODES and not whole else "score"
     if choice == "rao_blackwell" and mode not in tf.CAUSAL_MODES:
         raise ConfigError(
             f"probe.x_estimator=rao_blackwell needs a functional that is a sum over tokens (probe.weighting_mode="
@@ -101,10 +106,11 @@ class XSpec:
         return self.unit_losses(fwd, mb).sum()
 
 
-def x_spec(mode, choice, kappa: float = 0.0, scale: float = 1.0) -> XSpec:
-    """The resolved ``XSpec`` of ``probe.weighting_mode`` / ``probe.x_estimator``."""
+def x_spec(mode, choice, is_mode: str | None = None, kappa: float = 0.0, scale: float = 1.0) -> XSpec:
+    """The resolved ``XSpec`` of ``probe.weighting_mode`` / ``probe.x_estimator`` (``importance.is_mode``:
+    what ``auto`` takes into account)."""
     m = getattr(mode, "value", mode)
-    return XSpec(m, resolve_x_estimator(m, choice), kappa, scale)
+    return XSpec(m, resolve_x_estimator(m, choice, is_mode), kappa, scale)
 
 
 def functional_value(spec: XSpec, S: torch.Tensor, ent: torch.Tensor | None, m: torch.Tensor) -> float:
