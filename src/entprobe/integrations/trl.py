@@ -35,30 +35,9 @@ from transformers import TrainerCallback
 from entprobe.config import ConfigError
 from entprobe.math.importance import psis_backend
 from entprobe.integrations.online import SOURCES, OnlineProbe, online_config
-from entprobe.integrations.trl_rollouts import StepBatch, trl_objective
+from entprobe.integrations.trl_rollouts import StepBatch, trl_objective, trl_rollout_batch
 from entprobe.reporting.over_steps import merged_history, write_history
 from entprobe.rollouts.sampling import RolloutBatch
-
-
-def trl_rollout_batch(inputs: dict, G: int, temperature: float) -> RolloutBatch:
-    """A GRPOTrainer generation batch (``prompt_ids`` left-padded, ``completion_ids`` right-padded,
-    their masks, ``advantages``; rows prompt-major, G per prompt as its sampler yields them, before
-    the trainer shuffles them) as a RolloutBatch [B, G, T]. Rewards are not carried (zeros): the
-    probe of E reads responses only."""
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1).cpu()
-    att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1).long().cpu()
-    resp = torch.cat([torch.zeros_like(inputs["prompt_mask"]), inputs["completion_mask"]], 1).long().cpu()
-    N, T = ids.shape
-    if N % G:
-        raise ValueError(f"a generation batch of {N} rows is not G={G} responses per prompt")
-    B = N // G
-    P = inputs["prompt_ids"].shape[1]
-    grouped = ids[:, :P].view(B, G, P)
-    if not bool((grouped == grouped[:, :1]).all()):
-        raise ValueError("the generation batch's rows are not grouped by prompt (G consecutive rows each)")
-    return RolloutBatch(ids.view(B, G, T), att.view(B, G, T), resp.view(B, G, T), torch.zeros(B, G, T),
-                        torch.zeros(B, G), inputs["advantages"].detach().float().cpu().view(B, G),
-                        torch.arange(B), float(temperature))
 
 
 @contextlib.contextmanager

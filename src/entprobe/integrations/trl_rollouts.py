@@ -21,6 +21,27 @@ from entprobe.rollouts.sampling import RolloutBatch
 WRAPPED = ("_generate_and_score_completions", "_calculate_rewards", "_clip_grad_norm")
 
 
+def trl_rollout_batch(inputs: dict, G: int, temperature: float) -> RolloutBatch:
+    """A GRPOTrainer generation batch (``prompt_ids`` left-padded, ``completion_ids`` right-padded,
+    their masks, ``advantages``; rows prompt-major, G per prompt as its sampler yields them, before
+    the trainer shuffles them) as a RolloutBatch [B, G, T]. Rewards are not carried (zeros): the
+    probe of E reads responses only."""
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1).cpu()
+    att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1).long().cpu()
+    resp = torch.cat([torch.zeros_like(inputs["prompt_mask"]), inputs["completion_mask"]], 1).long().cpu()
+    N, T = ids.shape
+    if N % G:
+        raise ValueError(f"a generation batch of {N} rows is not G={G} responses per prompt")
+    B = N // G
+    P = inputs["prompt_ids"].shape[1]
+    grouped = ids[:, :P].view(B, G, P)
+    if not bool((grouped == grouped[:, :1]).all()):
+        raise ValueError("the generation batch's rows are not grouped by prompt (G consecutive rows each)")
+    return RolloutBatch(ids.view(B, G, T), att.view(B, G, T), resp.view(B, G, T), torch.zeros(B, G, T),
+                        torch.zeros(B, G), inputs["advantages"].detach().float().cpu().view(B, G),
+                        torch.arange(B), float(temperature))
+
+
 def trl_objective(trainer) -> dict:
     """The online config's ``objective`` keys of the trainer's loss (``GRPOConfig``): TRL's preset with
     its ``loss_type``, ``scale_rewards``, ``max_completion_length``, ``beta``, ``epsilon``,
@@ -104,9 +125,7 @@ class StepBatch:
 
     def batch(self, G: int, temperature: float) -> RolloutBatch:
         """The step's generation batch as a RolloutBatch [B, G, T] with the trainer's advantages and
-        rewards (``trl.trl_rollout_batch``)."""
-        from entprobe.integrations.trl import trl_rollout_batch
-
+        rewards (``trl_rollout_batch``)."""
         if self.output is None:
             raise RuntimeError("source='rollouts': no generation batch was recorded for this step")
         b = trl_rollout_batch(self.output, G, temperature)
