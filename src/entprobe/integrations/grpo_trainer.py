@@ -163,6 +163,17 @@ def load_task(a: TrainArgs):
     return ArithmeticTask(512, 9, seed=a.seed) if a.task == "arithmetic" else JsonlTask(a.task, a.reward)
 
 
+def logged_entropy(batch) -> float:
+    """The step's logged ``entropy`` as TRL logs it: the mean over the batch's generated tokens of the
+    full-vocabulary entropy of each sampling distribution (``sampler_entropy``; token_mean's
+    functional at theta on this batch); the mean surprisal ``-log p`` of the sampled tokens (the same
+    expectation, noisier) for a batch without it."""
+    L = batch.gen_lengths.sum().clamp(min=1)
+    if batch.sampler_entropy is not None:
+        return float((batch.sampler_entropy.double() * batch.response_mask).sum() / L)
+    return float(-batch.sampler_logprobs.sum() / L)
+
+
 def probe_line(step: int, m: dict) -> str:
     """One printed line per probe: prediction, measurement, their paired difference."""
     g = lambda k: m.get(f"entprobe/{k}", float("nan"))  # noqa: E731
@@ -229,7 +240,7 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
         sched.step()
         entry = {"step": step, "loss": loss.item(), "learning_rate": lr, "reward": batch.rewards.mean().item(),
                  "reward_std": batch.rewards.std().item(),
-                 "entropy": (-batch.sampler_logprobs.sum() / batch.gen_lengths.sum().clamp(min=1)).item(),
+                 "entropy": logged_entropy(batch),
                  "completion_length": batch.gen_lengths.float().mean().item(),
                  "step_time_s": time.perf_counter() - t0}
         if grad_norm is not None:
@@ -250,6 +261,6 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
             log(f"[entprobe] step {step}: loss {entry['loss']:+.4f} reward {entry['reward']:.3f} "
                 f"entropy {entry['entropy']:.3f} -> {written[-1]}")
     if probe is not None:  # the online probe's steps, plotted as entprobe.probe_run plots a run's checkpoints
-        for path in write_history(merged_history(history, probe.history), a.out):  # a resumed run's earlier ones too
+        for path in write_history(merged_history(history, probe.history), a.out, log_history=history):  # a resumed run's too
             log(f"[entprobe] over steps: {path}")
     return written

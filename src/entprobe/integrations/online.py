@@ -60,7 +60,8 @@ from entprobe.pipeline.stages.ground_truth import (eval_at_current, importance_e
                                                    token_side_needed, true_change)
 from entprobe.pipeline.stages.x_spec import functional_value
 from entprobe.pipeline.stages.prediction import HeldOutPrediction, build_step_model, compare_with_prediction, predict_on_held_out
-from entprobe.pipeline.stages.rollout_prediction import rollouts_prediction
+from entprobe.math.forecast import HORIZONS, forecast_results
+from entprobe.pipeline.stages.rollout_prediction import forecast_inputs, rollouts_prediction
 from entprobe.tasks import Task
 
 SOURCES = ("held_out", "rollouts")  # where the prediction's X comes from: a fresh E, or the step's own batch
@@ -78,7 +79,11 @@ LOGGED = ("deltaH_pred", "SE_deltaH_pred", "ci95_pred_low", "ci95_pred_high", "d
           "deltaH_true_minus_pred", "SE_deltaH_true_minus_pred", "z_true_minus_pred", "pred_consistent",
           "deltaH_pred_gradient", "deltaH_pred_momentum", "deltaH_pred_weight_decay", "deltaH1_step",
           "H_orig", "ESS_frac", "lr", "time_s", "step",
-          "SE_deltaH_pred_expected", "deltaH_pred_E")
+          "SE_deltaH_pred_expected", "deltaH_pred_E",
+          *(f"forecast_H_k{k}{s}" for k in HORIZONS for s in ("", "_low", "_high")))
+# the online probe's default functional: token_mean, the mean over generated tokens of the
+# full-vocabulary entropy, which TRL logs as ``entropy`` and verl as ``actor/entropy``
+ONLINE_WEIGHTING = "token_mean"
 # source="rollouts" also reads the trainer's loss (each prompt's Y_n)
 ROLLOUT_KEYS = ONLINE_KEYS + ("objective",)  # step: the probed one (a log entry may come later)
 
@@ -99,6 +104,8 @@ def online_config(overrides: Mapping[str, Any], fixed: Mapping[str, Any] | None 
             raise ConfigError(f"{key}: is your trainer's ({fixed[key]!r} there); the probe samples as it does")
     merged = {**dict(overrides), **dict(fixed or {})}
     merged.setdefault("logging.progress", False)
+    if not any(k == "probe.weighting_mode" for k in values):  # the entropy trainers log (TRL's entropy)
+        merged["probe"] = {**dict(merged.get("probe") or {}), "weighting_mode": ONLINE_WEIGHTING}
     return api_config(merged, False)[0]
 
 
@@ -228,6 +235,8 @@ class OnlineProbe:
                 ro = rollouts_prediction(ctx, cfg, rollouts, update, lambda y: build_step_model(
                     ctx, geo.optimizer, geo.lr, y, geo.P, "optimizer", None), Ybar, self.max_grad_norm, grad_norm)
                 res, Xbar, H = dict(ro.res), ro.Xbar, ro.res["H_orig"]
+                ro.forecast = forecast_inputs(ro, geo.optimizer, ctx.params, Ybar)
+                res.update(forecast_results(ro.forecast))
             pred = predict_on_held_out(ctx, E, update, cfg.probe, with_entropy=False, total_only=True) \
                 if E is not None else None
             del Ybar, update
@@ -308,6 +317,8 @@ class OnlineProbe:
                 if isinstance(v, float) and k.startswith(("deltaH_pred", "SE_deltaH_pred", "ci95_pred", "attr_pred/")):
                     res[k] = v * factor
         pend.res["lr"] *= factor
+        if pend.rollouts is not None:  # the forecast at factor x lr over its horizon (not linear in it: H is not)
+            pend.res.update(forecast_results(pend.rollouts.forecast, factor))
         if pend.pred is not None:
             pend.pred.e = pend.pred.e * factor
 

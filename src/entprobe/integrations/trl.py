@@ -190,10 +190,12 @@ class EntropyProbeCallback(TrainerCallback):
         with what the probes cost (``cost_line``); after a
         resume, with the earlier probes as the log history holds them (``merged_history``). The
         trainer's own methods are put back (``source="rollouts"``)."""
-        self.step_batch.uninstall()
+        if getattr(self, "step_batch", None) is not None:
+            self.step_batch.uninstall()
         if state.is_world_process_zero:
             if self.history and getattr(self, "_t_begin", None) is not None:
                 print(cost_line(self.history, time.perf_counter() - self._t_begin, self.every), flush=True)
             # a resumed run's earlier probes come from the log history its checkpoint carried
-            for path in write_history(merged_history(state.log_history, self.history), args.output_dir):
+            for path in write_history(merged_history(state.log_history, self.history), args.output_dir,
+                                      log_history=state.log_history):
                 print(f"entprobe: over steps {path}", flush=True)

@@ -27,8 +27,9 @@ from entprobe.math import estimators as est
 from entprobe.math import paramvec as pv
 from entprobe.math import token_functionals as tf
 from entprobe.math.adamw import StepModel
+from entprobe.math.forecast import ForecastInputs
 from entprobe.math.rollout_ustat import (CrossPrompt, KernelTerms, clip_coefficient, clip_projection, cross_prompt,
-                                         kernel_terms, standard_errors, zero_terms)
+                                         kernel_terms, standard_errors, unit_mean_rows, zero_terms)
 from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.pipeline.stages.rollout_passes import rollout_passes
 from entprobe.pipeline.stages.x_spec import XSpec
@@ -48,6 +49,7 @@ class RolloutPrediction:
     h_units: torch.Tensor  # [B] per-prompt linearised values of H (mean: H_orig)
     B: int
     Xbar: pv.Buffer  # the batch's mean X (model device)
+    forecast: ForecastInputs | None = None  # set by the caller (forecast_inputs)
 
 
 def functional_units(x: XSpec, S: torch.Tensor, ent: torch.Tensor | None, m: torch.Tensor) -> torch.Tensor:
@@ -138,3 +140,28 @@ def rollouts_prediction(ctx: ProbeContext, cfg: EntprobeConfig, batch: RolloutBa
         raise ValueError("source=rollouts: the batch's advantages hold NaN/Inf")
     ctx.objective = ob.bind(cfg.objective, batch.rewards, batch.gen_lengths, cfg.sampling.max_new_tokens)
     return predict_on_rollouts(ctx, batch, step, step_at, y, max_grad_norm, grad_norm, cfg.probe.unit_grads_budget_mb)
+
+
+def forecast_inputs(ro: RolloutPrediction, optimizer: torch.optim.Optimizer, params, y: pv.Buffer) -> ForecastInputs:
+    """math/forecast.py's inputs from the rollouts' prediction and the optimizer: AdamW's betas and
+    step count (plain SGD: no momentum, no denominator), ``kappa_c = sum y^2 / sum v_hat_1`` with
+    ``v_hat_1 = (beta2 v + (1 - beta2) y^2) / (1 - beta2^(t+1))`` (the second moment after this step),
+    the fresh step's variance ``Var(b_n) / B`` (the gradient part's Y side) and H's."""
+    g = optimizer.param_groups[0]
+    adam = "betas" in g
+    beta1, beta2 = (float(g["betas"][0]), float(g["betas"][1])) if adam else (0.0, 0.0)
+    t, kappa = 0.0, 1.0
+    if adam:
+        states = [optimizer.state.get(p) or {} for p in params]
+        t = max((float(s["step"]) for s in states if "step" in s), default=0.0)
+        v_sum = sum(float(s["exp_avg_sq"].double().sum()) for s in states if "exp_avg_sq" in s)
+        y2 = pv.norm(y) ** 2
+        v_hat = (beta2 * v_sum + (1 - beta2) * y2) / (1 - beta2 ** (t + 1))
+        kappa = y2 / v_hat if v_hat > 0 else 1.0
+    zero = torch.zeros(ro.B, dtype=torch.float64)
+    part = lambda name: ro.parts[name] if name in ro.parts else None  # noqa: E731
+    val = lambda name: (part(name).U, part(name).rows) if part(name) is not None else (0.0, zero)  # noqa: E731
+    (gv, gr), (mv, mr), (wv, wr) = val("gradient"), val("momentum"), val("weight_decay")
+    b = ro.kt.b
+    return ForecastInputs(ro.res["H_orig"], unit_mean_rows(ro.h_units), gv, gr, mv, mr, wv, wr,
+                          est.mean_variance(b), est.mean_variance(ro.h_units), t, beta1, beta2, kappa, ro.B - 1)
