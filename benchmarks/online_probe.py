@@ -247,6 +247,13 @@ def main() -> None:
                      / max(abs(r.get("deltaH_pred_plain", r["deltaH_pred"])), 1e-12) for r in hist)
         print(f"  closed-form update vs the real step: max relative gap {closed:.1e}")
         print(f"  probe time {sum(r['time_s'] for r in hist):.1f} s of {with_probe:.1f} s")
+        probed = {h["step"] for h in hist}
+        unprobed = [c for st, _, c in first["steps"] if st not in probed]
+        if unprobed:  # this run's own unprobed steps as the plain step (--overhead times plain runs too)
+            step_cpu = statistics.median(unprobed)
+            print(f"per probe, by phase (medians over this run's probes; shares of {a.every} of its unprobed "
+                  f"steps' CPU time, {1e3 * step_cpu:.1f} ms each):")
+            print("\n".join(phase_table(hist, a.every * step_cpu)))
         assert all(math.isfinite(r["deltaH_pred"]) for r in hist)
         if a.overhead:
             overhead(out, a, hist[0])

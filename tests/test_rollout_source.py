@@ -199,6 +199,10 @@ def _stage_and_reference(max_norm, budget_mb):
     y = [t * clip_coefficient(gn, max_norm) for t in Ybar]
     step_at = lambda yy: build_step_model(ctx, opt, o.hyper.lr, yy, None, "optimizer", None)  # noqa: E731
     ro = predict_on_rollouts(ctx, batch, step_at(y), step_at, y, max_norm, gn if max_norm else None, budget_mb)
+    zero = int((batch.advantages == 0).all(-1).sum())
+    assert zero >= 1  # prompts of equal rewards (Y_n = 0) take the shortcut: one backward, a shared update
+    second = 0 if budget_mb > 0 else batch.B  # the second pass: each prompt's Y again
+    assert ctx.stats.passes["backward"] == (2 * batch.B - zero + second) * batch.G
     # the reference: the batch's responses in the enumeration, the production weights and math
     index = {tuple(t): i for i, t in enumerate(setup.all_responses())}
     gidx = torch.tensor([[int(batch.prompt_index[n]) * o.K + index[tuple(batch.input_ids[n, g][batch.response_mask[n, g].bool()].tolist())]

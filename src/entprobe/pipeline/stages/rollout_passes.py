@@ -71,13 +71,15 @@ def keeps_y(ctx: ProbeContext, B: int, budget_mb: float) -> bool:
     return B * per <= budget_mb * 2**20
 
 
-def _loo_input(ctx: ProbeContext, y: pv.Buffer, Y: pv.Buffer, c: float, k: float, B: int,
+def _loo_input(ctx: ProbeContext, y: pv.Buffer, Y: pv.Buffer | None, c: float, k: float, B: int,
                max_grad_norm: float | None, out: pv.Buffer) -> pv.Buffer:
     """The step's gradient input without prompt n, written into ``out``: ``Ybar_{-n} =
-    ((B + k_n) Ybar - Y_n) / (B - 1)`` (``Ybar = y / c``; ``rollout_ustat.leave_one_out``), clipped as
-    the trainer clips (``clip_coefficient`` of its norm)."""
-    for o, yt, Yt in zip(out, y, Y):
-        torch.mul(yt, (B + k) / c, out=o).sub_(Yt.to(o.dtype)).div_(B - 1)
+    ((B + k_n) Ybar - Y_n) / (B - 1)`` (``Ybar = y / c``; ``rollout_ustat.leave_one_out``; Y_n None:
+    0), clipped as the trainer clips (``clip_coefficient`` of its norm)."""
+    for i, (o, yt) in enumerate(zip(out, y)):
+        torch.mul(yt, (B + k) / c / (B - 1), out=o)
+        if Y is not None:
+            o.sub_(Y[i].to(o.dtype), alpha=1.0 / (B - 1))
     scale = clip_coefficient(pv.norm(out), max_grad_norm)
     if scale != 1.0:
         pv.scale_(out, scale)
@@ -107,47 +109,66 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
         step.jacobian_times_into([torch.ones_like(t) for t in jdiag], jdiag)
         loo_set = pv.empty_directions(len(moving), jdiag, dev, jdiag[0].dtype)
         y_loo = [torch.empty_like(t) for t in jdiag]
-    keep = keeps_y(ctx, B, budget_mb)
+    # a prompt whose Y weights are all 0 (every advantage 0: a group of equal rewards) has Y_n = 0: no
+    # Y backward, and (uncoupled objectives) the same update without it as every other such prompt
+    zero_y = [not bool(ctx.y_weights(unit, "cpu").any()) for _, unit in batch.microbatches(1)]
+    keep = keeps_y(ctx, B - sum(zero_y), budget_mb)
     Xsum, Ysum = [torch.zeros_like(t) for t in jdiag], [torch.zeros_like(t) for t in jdiag]
-    rows, loo, yy, xjyn, kept, S_all, ent_all = [], [], [], [], [], [], []
+    rows, loo, yy, xjyn, kept = [None] * B, [None] * B, [None] * B, [None] * B, {}
+    S_all, ent_all = [None] * B, [None] * B
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    loo_of = None  # the prompt whose update without it loo_set holds (all zero-Y prompts share it)
+    order = sorted(range(B), key=lambda n: not zero_y[n])  # the zero-Y prompts first
     ctx.zero_grad()
     with ctx.phase("rollouts_units"):
-        for n, unit in ctx.iterate(batch, 1, "rollouts: per prompt"):
+        for n in order:
+            unit = batch.select(n)
             what = f"source=rollouts, prompt {n}"
             with torch.enable_grad():
                 fwd = ctx.forward_S(unit, what, with_entropy=ctx.x.entropy)
-                x_loss, y_loss = ctx.x.loss(fwd, unit), ctx.y_loss(fwd.S, unit)
+                x_loss = ctx.x.loss(fwd, unit)
                 if not x_loss.requires_grad:
                     raise RuntimeError(f"{what}: the probe loss has no gradient path (autograd disabled, or "
                                        "all parameters frozen?)")
-                x_loss.backward(retain_graph=True)
+                x_loss.backward(retain_graph=not zero_y[n])
                 check_grads(ctx, f"{what} (X)")
                 X = _take_grads(ctx)
-                y_loss.backward()
-                check_grads(ctx, f"{what} (Y)")
-                Y = _take_grads(ctx)
-            ctx.stats.count("backward", 2 * unit.G)
-            rows.append(pv.dot_set(X, dset))
-            yy.append(_dot(Y, y))
-            xjyn.append(_dot(X, Y, jdiag))
-            step_at(_loo_input(ctx, y, Y, c, k[n], B, max_grad_norm, y_loo)).write(
-                {p: loo_set.column(j) for j, p in enumerate(moving)})
-            loo.append(pv.dot_set(X, loo_set))
-            for acc, g in ((Xsum, X), (Ysum, Y)):
-                for a_, t in zip(acc, g):
+                Y = None
+                if not zero_y[n]:
+                    ctx.y_loss(fwd.S, unit).backward()
+                    check_grads(ctx, f"{what} (Y)")
+                    Y = _take_grads(ctx)
+            ctx.stats.count("backward", (1 if zero_y[n] else 2) * unit.G)
+            rows[n] = pv.dot_set(X, dset)
+            shared = zero_y[n] and coupling is None
+            if not (shared and loo_of is not None):
+                step_at(_loo_input(ctx, y, Y, c, k[n], B, max_grad_norm, y_loo)).write(
+                    {p: loo_set.column(j) for j, p in enumerate(moving)})
+                loo_of = "zero" if shared else n
+            loo[n] = pv.dot_set(X, loo_set)
+            for a_, t in zip(Xsum, X):
+                a_.add_(t.to(a_.dtype))
+            if Y is None:
+                yy[n] = xjyn[n] = zero
+            else:
+                yy[n] = _dot(Y, y)
+                for a_, t in zip(Ysum, Y):
                     a_.add_(t.to(a_.dtype))
-            if keep:
-                kept.append(Y)
-            S_all.append(fwd.S.detach().cpu())
+                for x_, j_ in zip(X, jdiag):  # X is not needed any more: J X in place, then (J X) . Y
+                    x_.mul_(j_.to(x_.dtype))
+                xjyn[n] = _dot(X, Y)
+                if keep:
+                    kept[n] = Y
+            S_all[n] = fwd.S.detach().cpu()
             if fwd.ent is not None:
-                ent_all.append(fwd.ent.detach().cpu())
-            del X, Y, fwd, x_loss, y_loss
+                ent_all[n] = fwd.ent.detach().cpu()
+            del X, Y, fwd, x_loss
     del loo_set, y_loo
     Xbar = pv.scale_(Xsum, 1.0 / B)
     Ybar = pv.scale_(Ysum, 1.0 / B)
     jx = [j * x for j, x in zip(jdiag, Xbar)]
-    if keep:
-        yjx = torch.stack([_dot(Y, jx) for Y in kept])
+    if keep or all(zero_y):
+        yjx = torch.stack([_dot(kept[n], jx) if n in kept else zero for n in range(B)])
     else:
         with ctx.phase("rollouts_y"):
             acc = accumulate(ctx, batch, y_loss_of(ctx), "source=rollouts, Y . J Xbar",
@@ -161,4 +182,4 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
     step_dots = [float(v) for v in pv.dot_set(Xbar, dset)[1:]]
     residual = sum(float((yt.double() - c * Yt.double()).square().sum()) for yt, Yt in zip(y, Ybar)) ** 0.5
     return RolloutPasses(dots, step_dots, pv.norm(Ybar), float(_dot(Ybar, y)), pv.norm(y), torch.cat(S_all),
-                         torch.cat(ent_all) if ent_all else None, keep, Xbar, residual)
+                         torch.cat(ent_all) if ent_all[0] is not None else None, keep, Xbar, residual)
