@@ -71,6 +71,9 @@ def parse_train_args(argv: list[str] | None = None):
                     "probe's H) the lr is cut to hold (needs --probe-every; docs/guard.md)")
     ap.add_argument("--guard-max-decay", type=float, default=None, help="EntropyGuard: largest entropy decrease "
                     "per step (nats) the lr is cut to hold (needs --probe-every)")
+    ap.add_argument("--guard-horizon", type=int, default=None, help="EntropyGuard: cut the lr when the entropy "
+                    "forecast is resolved below --guard-floor within this many steps (needs --probe-source rollouts; "
+                    "docs/guard.md)")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--device", default=d.device, help="cpu, cuda, cuda:1, ...")
     ap.add_argument("--resume", default=None, help="continue from a checkpoint-<step> folder of this run, or "

@@ -67,6 +67,7 @@ class TrainArgs:
     resume: str | None = None  # a checkpoint-<step> folder of this run, or "last": --out's latest
     guard_floor: float | None = None  # EntropyGuard (integrations/guard.py) on the probe: None, off
     guard_max_decay: float | None = None
+    guard_horizon: int | None = None  # the guard acts on the forecast this many steps ahead (--probe-source rollouts)
 
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
@@ -92,7 +93,11 @@ def check_args(a: TrainArgs) -> None:
     if (a.guard_floor is not None or a.guard_max_decay is not None) and not a.probe_every:
         raise ConfigError("--guard-floor / --guard-max-decay set the lr from the online probe's prediction: "
                           "give --probe-every N too (1: every step)")
-    for opt, name, v in (("--guard-floor", "floor", a.guard_floor), ("--guard-max-decay", "max_decay", a.guard_max_decay)):
+    if a.guard_horizon is not None and (a.guard_floor is None or a.probe_source != "rollouts"):
+        raise ConfigError(f"--guard-horizon={a.guard_horizon}: keeps the entropy forecast above --guard-floor, which the "
+                          "probe makes from the step's own batch: give --guard-floor and --probe-source rollouts")
+    for opt, name, v in (("--guard-floor", "floor", a.guard_floor), ("--guard-max-decay", "max_decay", a.guard_max_decay),
+                         ("--guard-horizon", "horizon", a.guard_horizon)):
         error = param_error(name, v, "leave the option out")  # the guard's own ranges (EntropyGuard would refuse it after the model loads)
         if error:
             raise ConfigError(f"{opt}={v}: {error}")
@@ -207,7 +212,8 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
                          sampling={"max_new_tokens": a.max_new_tokens}, batch={"B_E": max(a.probe_B_E, 2), "G": a.G},
                          **rollout_source(a)) if a.probe_every else None)
     guarded = a.guard_floor is not None or a.guard_max_decay is not None
-    stepper = EntropyGuard(probe, floor=a.guard_floor, max_decay=a.guard_max_decay) if guarded else probe
+    stepper = EntropyGuard(probe, floor=a.guard_floor, max_decay=a.guard_max_decay,
+                           horizon=a.guard_horizon) if guarded else probe
     history, written, start = [], [], 0
     if a.resume:
         folder = resume_folder(a)

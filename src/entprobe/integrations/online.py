@@ -60,7 +60,7 @@ from entprobe.pipeline.stages.ground_truth import (eval_at_current, importance_e
                                                    token_side_needed, true_change)
 from entprobe.pipeline.stages.x_spec import functional_value
 from entprobe.pipeline.stages.prediction import HeldOutPrediction, build_step_model, compare_with_prediction, predict_on_held_out
-from entprobe.math.forecast import HORIZONS, forecast_results
+from entprobe.math.forecast import HORIZONS, forecast, forecast_results
 from entprobe.pipeline.stages.rollout_prediction import forecast_inputs, rollouts_prediction
 from entprobe.tasks import Task
 
@@ -126,12 +126,15 @@ class _Pending:
 class PendingPrediction:
     """A read-only view of the prediction waiting for its step (``OnlineProbe.pending``): the step,
     its predicted entropy change ``deltaH_pred`` and ``SE`` (at ``lr``, the lr the prediction is
-    for), and ``H``, E's entropy at theta in the probe's units (as ``H_orig`` is logged)."""
+    for), and ``H``, E's entropy at theta in the probe's units (as ``H_orig`` is logged); ``forecast``
+    (source="rollouts") the entropy k steps ahead at factor x lr."""
     step: int
     deltaH_pred: float
     SE: float
     H: float
     lr: float
+    # source="rollouts": ``forecast(k, factor)``, math/forecast.py's forecast k steps ahead at factor x lr
+    forecast: Callable[[int, float], dict] | None = None
 
 
 class OnlineProbe:
@@ -302,7 +305,9 @@ class OnlineProbe:
         if pend is None:
             return None
         res = pend.res
-        return PendingPrediction(pend.step, res["deltaH_pred"], res["SE_deltaH_pred"], pend.H, res["lr"])
+        fi = pend.rollouts.forecast if pend.rollouts is not None else None
+        at = (lambda k, factor: forecast(fi, k, factor)) if fi is not None else None
+        return PendingPrediction(pend.step, res["deltaH_pred"], res["SE_deltaH_pred"], pend.H, res["lr"], at)
 
     def rescale_pending(self, factor: float) -> None:
         """Make the waiting prediction that of the step at ``factor`` x its lr (for a caller that

@@ -140,6 +140,9 @@ def plot(rows: Sequence[Mapping], path: str | Path, title: str = "", online: boo
         _note(ax_h, "no entropy measured")
     if logged and not h:
         ax_h.legend(fontsize=8)
+    seen = [v for v in [r["H"] for r in h] + list((logged or {}).values()) if math.isfinite(v)]
+    if seen and any(math.isfinite(r.get(c, math.nan)) for r in ok for c in FORECAST_COLUMNS):
+        ax_h.set_ylim(0, 1.6 * max(seen))  # a forecast's far bound (first order, 10 steps out) off the chart
     ax_h.set_ylabel("entropy H (nats)")
     width = max(1.0, (rows[-1]["step"] - rows[0]["step"]) if rows else 1.0)
     shown = [_errorbars(ax_d, ok, "deltaH_pred", "ci95_pred_low", "ci95_pred_high", "predicted (first order)",
