@@ -132,10 +132,11 @@ def timed_run(out: str, a, probe: bool) -> dict:
     from entprobe.integrations import EntropyProbeCallback
 
     tr = build_trainer(out, a.steps, model=a.model, prompts_per_step=a.prompts_per_step, max_new=a.max_new,
-                       lr=a.lr)
+                       lr=a.lr, question=a.question)
     cb, clock = None, step_clock()
     if probe:
-        pk = {k: v for k, v in (("projection", a.projection), ("weighting_mode", a.weighting_mode)) if v}
+        pk = {k: v for k, v in (("projection", a.projection), ("weighting_mode", a.weighting_mode),
+                                ("x_estimator", a.x_estimator)) if v}
         extra = {"probe": pk} if pk else {}
         if a.source == "rollouts":
             extra.update(source="rollouts", measure=a.measure)
@@ -223,6 +224,9 @@ def main() -> None:
     ap.add_argument("--source", choices=["held_out", "rollouts"], default="held_out")
     ap.add_argument("--measure", action="store_true", help="--source rollouts: also measure on a fresh E of --B-E")
     ap.add_argument("--weighting-mode", default=None, help="probe.weighting_mode (default: the callback's)")
+    ap.add_argument("--x-estimator", default=None, help="probe.x_estimator (default: auto)")
+    ap.add_argument("--question", action="store_true", help="the arithmetic questions of task=arithmetic_question, "
+                    "scored on the last number (SmolLM2 answers some)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as out:
         import datasets, trl  # noqa: F401, E401  (the trainer's own imports, untimed)

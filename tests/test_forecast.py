@@ -103,3 +103,22 @@ def test_kappa_band_and_sgd():
     assert fc.nu(7, 20, 0.999, 1.0) == pytest.approx(1.0, rel=1e-12)
     assert fc.nu(7, 20, 0.999, 0.0) < 1 < fc.nu(7, 20, 0.999, 2.0)
     assert fc.coefficients(10, 0, 0.0, 0.0, 1.0) == (1.0, 9.0, 9.0)
+
+
+def test_calibration_script_runs(tmp_path):
+    """docs/forecast.md's command, shortened (one lr, one seed, 20 steps): it exits 0 and prints, per
+    horizon, the coverage line the table is made of."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    assert "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py" in (root / "docs" / "forecast.md").read_text()
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "benchmarks/forecast_calibration.py", "--lrs", "1e-3", "--seeds", "0",
+                           "--steps", "20"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [x for x in proc.stdout.splitlines() if "coverage" in x]
+    assert len(lines) == 6 and all(f"k {k:2d}:" in "".join(lines) for k in (1, 5, 10))

@@ -129,3 +129,33 @@ def test_trl_callback_reads_the_step_s_batch_and_its_entropy_is_trl_s(tmp_path):
         assert logged[r["step"]]["entprobe/deltaH_pred"] == r["deltaH_pred"]
     assert any(r["rollouts/clip_coef"] < 1 for r in cb.history)
     assert not hasattr(tr, "__dict__") or "_generate_and_score_completions" not in tr.__dict__  # put back
+
+
+def test_docs_snippets_run(tmp_path):
+    """docs/rollouts.md's two ```python blocks, verbatim: the plain loop (3 steps, the built-in model,
+    its DR-GRPO loss, clipped at 1.0) and the TRL callback (4 steps of GRPOTrainer)."""
+    import re
+
+    from entprobe.checkpoints.default_checkpoint import policy_loss, trainer_adamw
+    from entprobe.config import SamplingConfig
+    from entprobe.integrations.grpo_trainer import load_policy, load_task
+    from entprobe.rollouts.sampling import draw_prompt_indices, sample_batch
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "rollouts.md").read_text()
+    loop, trl_cb = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    model, tokenizer = load_policy(TrainArgs(out=""))
+    ns = {"model": model, "tokenizer": tokenizer, "optimizer": trainer_adamw(model, 1e-3, 0.01), "num_steps": 3,
+          "task": load_task(TrainArgs(out="")), "sampling": SamplingConfig(max_new_tokens=4), "torch": torch,
+          "sample_batch": sample_batch, "draw_prompt_indices": draw_prompt_indices, "policy_loss": policy_loss}
+    exec(loop.replace("every=10", "every=1"), ns)
+    assert [r["step"] for r in ns["probe"].history] == [2, 3]
+    assert all(math.isfinite(r["forecast_H_k10"]) for r in ns["probe"].history)
+    pytest.importorskip("trl")
+    from online_probe import trainer_parts
+
+    p = trainer_parts(str(tmp_path), 4, prompts_per_step=4)
+    ns = {"model": p["model"], "reward_fn": p["reward_fn"], "grpo_config": p["grpo_config"],
+          "tokenizer": p["tokenizer"], "dataset": p["dataset"]}
+    exec(trl_cb.replace("every_n_steps=10", "every_n_steps=2"), ns)
+    logged = [h for h in ns["trainer"].state.log_history if "entprobe/deltaH_pred" in h]
+    assert [h["step"] for h in logged] == [2, 4] and all("entprobe/forecast_H_k5" in h for h in logged)

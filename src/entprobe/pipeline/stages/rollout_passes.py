@@ -103,10 +103,15 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
     coupling = ctx.objective.coupling
     k = [0.0] * B if coupling is None else [float(v) for v in coupling]
     moving = [p for p in step.names if p != "weight_decay"]  # the parts that depend on the gradient
-    with ctx.phase("step_parts"):  # row 0: J y; rows 1..: the update's parts
-        dset = directions(ctx, [lambda out: step.jacobian_times_into(y, out)], step, dev)
-        jdiag = [torch.empty_like(t) for t in dset.column(0)]
-        step.jacobian_times_into([torch.ones_like(t) for t in jdiag], jdiag)
+    with ctx.phase("step_parts"):  # the Jacobian's diagonal J 1; row 0: J y; rows 1..: the update's parts
+        jdiag = [torch.ones(local_shape, device=dev, dtype=torch.promote_types(ctx.buffers_dtype, torch.float32))
+                 for local_shape in (p.shape for p in ctx.params)]
+        step.jacobian_times_into([t.clone() for t in jdiag], jdiag)
+
+        def j_times_y(out):
+            for o, j, yt in zip(out, jdiag, y):
+                torch.mul(j, yt.to(o.dtype), out=o)
+        dset = directions(ctx, [j_times_y], step, dev)
         loo_set = pv.empty_directions(len(moving), jdiag, dev, jdiag[0].dtype)
         y_loo = [torch.empty_like(t) for t in jdiag]
     # a prompt whose Y weights are all 0 (every advantage 0: a group of equal rewards) has Y_n = 0: no

@@ -154,7 +154,7 @@ def forecast_inputs(ro: RolloutPrediction, optimizer: torch.optim.Optimizer, par
     if adam:
         states = [optimizer.state.get(p) or {} for p in params]
         t = max((float(s["step"]) for s in states if "step" in s), default=0.0)
-        v_sum = sum(float(s["exp_avg_sq"].double().sum()) for s in states if "exp_avg_sq" in s)
+        v_sum = sum(float(s["exp_avg_sq"].sum(dtype=torch.float64)) for s in states if "exp_avg_sq" in s)
         y2 = pv.norm(y) ** 2
         v_hat = (beta2 * v_sum + (1 - beta2) * y2) / (1 - beta2 ** (t + 1))
         kappa = y2 / v_hat if v_hat > 0 else 1.0
