@@ -330,8 +330,9 @@ class EntropyGuard:
             if fc is not None:  # the forecast the decision acted on (at the scheduler's lr)
                 out.update({"entprobe/guard_forecast_k": float(fc.k), "entprobe/guard_forecast_H": fc.H,
                             "entprobe/guard_forecast_high": fc.high})
-            if self.probe.history and self.probe.history[-1].get("step") == self._decision.step:
-                self.probe.history[-1]["guard_lr_factor"] = self.factor
+            history = getattr(self.probe, "history", None)
+            if history and history[-1].get("step") == self._decision.step:
+                history[-1]["guard_lr_factor"] = self.factor
         self.time_s += time.perf_counter() - t0
         return out
 
