@@ -10,11 +10,13 @@ Jacobian in y (``StepModel.jacobian_times_into``; its diagonal is written once, 
 Pass 1 (phase ``rollouts_units``), per prompt: one forward (token entropies too, for X's per-token form
 and the entropy H at theta), the X backward (graph kept), the Y backward; the gradients are taken from
 ``.grad`` without a copy and dotted on the model's device: the update's parts and ``J y`` in one read
-(``paramvec.dot_set``), ``Y_n . y``, ``X_n . J Y_n``. The X and Y sums are kept (Xbar; Ybar for the
-check that the objective reproduces the trainer's gradient). Each Y_n is also kept when all of them
-fit ``probe.unit_grads_budget_mb``; then ``Y_n . J Xbar`` needs no further pass. Otherwise pass 2
-(phase ``rollouts_y``): the Y pass again with the projection onto ``J Xbar`` (``accumulate``'s
-per-unit projections). Cost: 1 forward + 2 backward per sequence (+ 1 + 1 without the kept Y_n).
+(``paramvec.dot_set``), ``Y_n . y``, ``X_n . J Y_n``, and the update without the prompt
+(``X_n . Delta theta(y_{-n})``). The X sum is kept (Xbar). Each Y_n is kept when all of them fit
+``probe.unit_grads_budget_mb``; then ``Y_n . J Xbar`` and Ybar (for the check that the objective
+reproduces the trainer's gradient) need no further pass. Otherwise pass 2 (phase ``rollouts_y``): the
+Y pass again with the projection onto ``J Xbar`` (``accumulate``'s per-unit projections and sum).
+Cost: 1 forward + 2 backward per sequence (+ 1 + 1 without the kept Y_n); a prompt whose Y weights
+are all 0 takes no Y backward.
 """
 from __future__ import annotations
 
@@ -118,7 +120,7 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
     # Y backward, and (uncoupled objectives) the same update without it as every other such prompt
     zero_y = [not bool(ctx.y_weights(unit, "cpu").any()) for _, unit in batch.microbatches(1)]
     keep = keeps_y(ctx, B - sum(zero_y), budget_mb)
-    Xsum, Ysum = [torch.zeros_like(t) for t in jdiag], [torch.zeros_like(t) for t in jdiag]
+    Xsum = [torch.zeros_like(t) for t in jdiag]
     rows, loo, yy, xjyn, kept = [None] * B, [None] * B, [None] * B, [None] * B, {}
     S_all, ent_all = [None] * B, [None] * B
     zero = torch.zeros((), dtype=torch.float64, device=dev)
@@ -157,8 +159,6 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
                 yy[n] = xjyn[n] = zero
             else:
                 yy[n] = _dot(Y, y)
-                for a_, t in zip(Ysum, Y):
-                    a_.add_(t.to(a_.dtype))
                 for x_, j_ in zip(X, jdiag):  # X is not needed any more: J X in place, then (J X) . Y
                     x_.mul_(j_.to(x_.dtype))
                 xjyn[n] = _dot(X, Y)
@@ -170,21 +170,27 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
             del X, Y, fwd, x_loss
     del loo_set, y_loo
     Xbar = pv.scale_(Xsum, 1.0 / B)
-    Ybar = pv.scale_(Ysum, 1.0 / B)
-    jx = [j * x for j, x in zip(jdiag, Xbar)]
+    jx = [j.mul_(x.to(j.dtype)) for j, x in zip(jdiag, Xbar)]  # J Xbar, in J's buffer (no longer needed)
     if keep or all(zero_y):
         yjx = torch.stack([_dot(kept[n], jx) if n in kept else zero for n in range(B)])
+        Ybar = kept.pop(min(kept)) if kept else [torch.zeros_like(t) for t in jx]  # the sum, in a kept Y_n
+        for Y in kept.values():
+            for a_, t in zip(Ybar, Y):
+                a_.add_(t)
+        kept.clear()
     else:
         with ctx.phase("rollouts_y"):
             acc = accumulate(ctx, batch, y_loss_of(ctx), "source=rollouts, Y . J Xbar",
                              directions=pv.stack_directions([jx], dev), unit_backward="loop")
-        yjx = acc.proj[:, 0].double()
+        yjx, Ybar = acc.proj[:, 0].double(), acc.sum_buf
+    Ybar = pv.scale_(Ybar, 1.0 / B)
     rows = torch.stack(rows).cpu()
     e = rows[:, 1:]
     e_loo = e.clone()
     e_loo[:, [step.names.index(p) for p in moving]] = torch.stack(loo).cpu()
     dots = UnitDots(e, rows[:, 0], torch.stack(yy).cpu(), yjx.cpu(), torch.stack(xjyn).cpu(), e_loo)
     step_dots = [float(v) for v in pv.dot_set(Xbar, dset)[1:]]
-    residual = sum(float((yt.double() - c * Yt.double()).square().sum()) for yt, Yt in zip(y, Ybar)) ** 0.5
+    residual = sum(float(torch.linalg.vector_norm(yt - c * Yt.to(yt.device, yt.dtype), dtype=torch.float64)) ** 2
+                   for yt, Yt in zip(y, Ybar)) ** 0.5
     return RolloutPasses(dots, step_dots, pv.norm(Ybar), float(_dot(Ybar, y)), pv.norm(y), torch.cat(S_all),
                          torch.cat(ent_all) if ent_all[0] is not None else None, keep, Xbar, residual)
