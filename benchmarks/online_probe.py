@@ -136,7 +136,8 @@ def timed_run(out: str, a, probe: bool) -> dict:
     cb, clock = None, step_clock()
     if probe:
         pk = {k: v for k, v in (("projection", a.projection), ("weighting_mode", a.weighting_mode),
-                                ("x_estimator", a.x_estimator)) if v}
+                                ("x_estimator", a.x_estimator), ("unit_grads_budget_mb", a.unit_grads_budget_mb))
+              if v is not None}
         extra = {"probe": pk} if pk else {}
         if a.source == "rollouts":
             extra.update(source="rollouts", measure=a.measure)
@@ -225,6 +226,8 @@ def main() -> None:
     ap.add_argument("--measure", action="store_true", help="--source rollouts: also measure on a fresh E of --B-E")
     ap.add_argument("--weighting-mode", default=None, help="probe.weighting_mode (default: the callback's)")
     ap.add_argument("--x-estimator", default=None, help="probe.x_estimator (default: auto)")
+    ap.add_argument("--unit-grads-budget-mb", type=float, default=None,
+                    help="probe.unit_grads_budget_mb (rollouts: 0 takes Y . J Xbar in a second pass, keeping no Y_n)")
     ap.add_argument("--question", action="store_true", help="the arithmetic questions of task=arithmetic_question, "
                     "scored on the last number (SmolLM2 answers some)")
     a = ap.parse_args()
