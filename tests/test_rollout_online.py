@@ -159,3 +159,28 @@ def test_docs_snippets_run(tmp_path):
     exec(trl_cb.replace("every_n_steps=10", "every_n_steps=2"), ns)
     logged = [h for h in ns["trainer"].state.log_history if "entprobe/deltaH_pred" in h]
     assert [h["step"] for h in logged] == [2, 4] and all("entprobe/forecast_H_k5" in h for h in logged)
+
+
+@pytest.mark.parametrize("loss_type,scale_rewards", [("dapo", "group"), ("grpo", "batch"), ("bnpo", "none")])
+def test_trl_losses_that_couple_the_prompts_are_split_as_the_trainer_computes_them(tmp_path, loss_type, scale_rewards):
+    """TRL's default loss (dapo: a token mean over the whole batch), a batch reward std and bnpo: the
+    gradient the probe rebuilds from the batch, its rewards and the objective's weights is the
+    trainer's to fp32 rounding (2e-7 measured), so the coupled objectives' per-prompt split holds."""
+    pytest.importorskip("trl")
+    from online_probe import trainer_parts
+    from trl import GRPOTrainer
+
+    from entprobe.integrations import EntropyProbeCallback
+
+    p = trainer_parts(str(tmp_path), 3, prompts_per_step=8)
+    p["grpo_config"].loss_type, p["grpo_config"].scale_rewards = loss_type, scale_rewards
+    tr = GRPOTrainer(model=p["model"], reward_funcs=p["reward_fn"], args=p["grpo_config"],
+                     processing_class=p["tokenizer"], train_dataset=p["dataset"])
+    cb = EntropyProbeCallback(tr, every_n_steps=1, source="rollouts")
+    tr.add_callback(cb)
+    tr.train()
+    assert [r["step"] for r in cb.history] == [2, 3]
+    for r in cb.history:
+        assert r["rollouts/grad_residual"] < 1e3 * torch.finfo(torch.float32).eps
+        assert math.isfinite(r["deltaH_pred"]) and r["SE_deltaH_pred"] > 0
+    assert cb.probe._ctx.objective.coupled  # the token mean or the batch std couples the prompts

@@ -1,6 +1,6 @@
 """The prediction from the step's own batch (``source="rollouts"``): a cross-prompt U-statistic of
-X and the update, to first order through the optimizer's Jacobian (pure math on per-prompt scalars;
-no config, no I/O, no distributed calls).
+X and the update without each prompt, its standard errors to first order through the optimizer's
+Jacobian (pure math on per-prompt scalars; no config, no I/O, no distributed calls).
 
 The batch has B prompts (units) n with X_n (E[X_n] = -grad H) and the objective's Y_n
 (``Ybar = mean_n Y_n`` is minus the loss gradient). The optimizer steps on ``y = c(Ybar) Ybar``
@@ -15,9 +15,10 @@ U-statistic's plain product is (docs/math.md). Instead X_n meets the update of t
 ``-[ebar + (abar - dbar) / (B - 1)]``,
 
 with ``K = d Delta theta / d Ybar = c J (I - rho yhat yhat^T)`` when clipping is active (the clipped
-step keeps its norm, ``rho = |Ybar| / (|Ybar| + 1e-6)``: only the direction moves), ``K = J`` otherwise (J the update's diagonal Jacobian in
-y, math/adamw.py), ``Ytilde_n = Y_n - k_n Ybar`` the first-order influence of unit n on Ybar (k_n the
-objective's coupling: a token-mean normaliser or a batch reward std; 0 otherwise), and per unit
+step keeps its norm, ``rho = |Ybar| / (|Ybar| + 1e-6)``: only the direction moves), ``K = J``
+otherwise (J the update's diagonal Jacobian in y, math/adamw.py), ``Ytilde_n = Y_n - k_n Ybar`` the
+first-order influence of unit n on Ybar (k_n the objective's coupling: a token-mean normaliser or a
+batch reward std; 0 otherwise), and per unit
 
     e_n = X_n . Delta theta,  a_n = X_n . K Ybar,  b_n = Ytilde_n . K^T Xbar,  d_n = X_n . K Ytilde_n.
 
@@ -26,8 +27,9 @@ step on B - 1 prompts, and for that of a step on B prompts up to the update's cu
 O(1/B^2). The update without prompt n is taken exactly (its closed form at ``y_{-n}``), not by the
 expansion: AdamW's update is curved enough in Ybar that the expansion's second-order remainder,
 which meets X_n through Y_n, biased the prediction by a quarter of the change on the exact model
-(tests/test_rollout_source.py). The expansion is a U-statistic with kernel ``h(n, m) = -[(e_n - a_n) + X_n . K Ytilde_m]``:
-row means ``r_n`` (``row_means``) give the delete-1 jackknife SE of the *expected* step's change
+(tests/test_rollout_source.py). The expansion is a U-statistic with kernel
+``h(n, m) = -[(e_n - a_n) + X_n . K Ytilde_m]``: its row means ``r_n`` (``cross_prompt``) give the
+delete-1 jackknife SE of the *expected* step's change
 (both sides: the X_n and the step's own sampling, as single_batch mode's). For the step actually
 taken (its Y fixed), the error is the X side's, ``-(Xbar - E X) . Delta theta`` to leading order:
 SE ``sd(t_n) / sqrt(B)`` with ``t_n = -X_n . Delta theta(y_{-n})`` the unit's own term
