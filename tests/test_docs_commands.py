@@ -151,6 +151,8 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --model smollm2 --steps 50 --lr 3e-4 --B 4 --B-E 4 "
     "--max-new 8 --probe-every 5 --guard-every 2 --floor 0.2 --max-decay 0.02 --show 30 "
     "--out docs/img/entropy_guard_smollm2.png": ("slow", ""),
+    # docs/forecast.md (its figures: 9 runs of 60 steps, minutes; a short run of the same script is tested)
+    "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py": ("slow", ""),
     # docs/planning.md (all four run in order by one test)
     ".venv/bin/python -m entprobe.main batch.B_E=8 batch.B_U=8 hydra.run.dir=outputs/pilot":
         ("run", "tests/test_plan.py::test_planning_doc_commands_run_verbatim"),

@@ -62,11 +62,18 @@ def parse_train_args(argv: list[str] | None = None):
     ap.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps and at the end")
     ap.add_argument("--probe-every", type=int, default=d.probe_every,
                     help="online entropy probe every N steps (0: off)")
-    ap.add_argument("--probe-B-E", type=int, default=d.probe_B_E, help="held-out prompts per probe")
+    ap.add_argument("--probe-B-E", type=int, default=d.probe_B_E, help="held-out prompts per probe (with "
+                    "--probe-source rollouts: the fresh prompts the step is measured on; 0: no measurement)")
+    ap.add_argument("--probe-source", default=d.probe_source, choices=("held_out", "rollouts"),
+                    help="held_out: predict on a fresh E of --probe-B-E prompts; rollouts: predict from the step's "
+                    "own batch (no sampling for the prediction; docs/online.md)")
     ap.add_argument("--guard-floor", type=float, default=None, help="EntropyGuard: lowest entropy (nats, the "
                     "probe's H) the lr is cut to hold (needs --probe-every; docs/guard.md)")
     ap.add_argument("--guard-max-decay", type=float, default=None, help="EntropyGuard: largest entropy decrease "
                     "per step (nats) the lr is cut to hold (needs --probe-every)")
+    ap.add_argument("--guard-horizon", type=int, default=None, help="EntropyGuard: cut the lr when the entropy "
+                    "forecast is resolved below --guard-floor within this many steps (needs --probe-source rollouts; "
+                    "docs/guard.md)")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--device", default=d.device, help="cpu, cuda, cuda:1, ...")
     ap.add_argument("--resume", default=None, help="continue from a checkpoint-<step> folder of this run, or "

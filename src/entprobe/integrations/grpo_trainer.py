@@ -61,11 +61,13 @@ class TrainArgs:
     save_every: int = 10
     probe_every: int = 0
     probe_B_E: int = 8
+    probe_source: str = "held_out"  # or "rollouts": the step's own batch (integrations/online.py)
     seed: int = 0
     device: str = "cpu"
     resume: str | None = None  # a checkpoint-<step> folder of this run, or "last": --out's latest
     guard_floor: float | None = None  # EntropyGuard (integrations/guard.py) on the probe: None, off
     guard_max_decay: float | None = None
+    guard_horizon: int | None = None  # the guard acts on the forecast this many steps ahead (--probe-source rollouts)
 
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
@@ -73,7 +75,13 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 def check_args(a: TrainArgs) -> None:
     """Clear errors naming the option before anything is loaded."""
-    for name in ("steps", "B", "G", "max_new_tokens", "save_every", "probe_B_E"):
+    if a.probe_source not in ("held_out", "rollouts"):
+        raise ConfigError(f"--probe-source={a.probe_source!r}: held_out or rollouts")
+    if a.probe_B_E == 0 and a.probe_source == "rollouts":  # rollouts without a measurement
+        pass
+    elif a.probe_B_E < 1:
+        raise ConfigError(f"--probe-B-E={a.probe_B_E}: must be >= 1 (0 with --probe-source rollouts: measure nothing)")
+    for name in ("steps", "B", "G", "max_new_tokens", "save_every"):
         if getattr(a, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}={getattr(a, name)}: must be >= 1")
     if a.G < 2:
@@ -85,7 +93,11 @@ def check_args(a: TrainArgs) -> None:
     if (a.guard_floor is not None or a.guard_max_decay is not None) and not a.probe_every:
         raise ConfigError("--guard-floor / --guard-max-decay set the lr from the online probe's prediction: "
                           "give --probe-every N too (1: every step)")
-    for opt, name, v in (("--guard-floor", "floor", a.guard_floor), ("--guard-max-decay", "max_decay", a.guard_max_decay)):
+    if a.guard_horizon is not None and (a.guard_floor is None or a.probe_source != "rollouts"):
+        raise ConfigError(f"--guard-horizon={a.guard_horizon}: keeps the entropy forecast above --guard-floor, which the "
+                          "probe makes from the step's own batch: give --guard-floor and --probe-source rollouts")
+    for opt, name, v in (("--guard-floor", "floor", a.guard_floor), ("--guard-max-decay", "max_decay", a.guard_max_decay),
+                         ("--guard-horizon", "horizon", a.guard_horizon)):
         error = param_error(name, v, "leave the option out")  # the guard's own ranges (EntropyGuard would refuse it after the model loads)
         if error:
             raise ConfigError(f"{opt}={v}: {error}")
@@ -141,16 +153,39 @@ def load_policy(a: TrainArgs):
     return model.to(torch.device(a.device)).train(), tok
 
 
+def rollout_source(a: TrainArgs) -> dict:
+    """``OnlineProbe``'s keywords for ``--probe-source``: for ``rollouts`` the loss as entprobe's objective
+    (``dr_grpo``: entprobe's own, ``A / (G Lmax)``; ``grpo``: TRL's ``grpo``, ``A / (G L)``, with the
+    batch's advantages) and the clipping."""
+    if a.probe_source != "rollouts":
+        return {}
+    objective = {} if a.loss == "dr_grpo" else {"objective": "trl", "objective.loss_type": "grpo",
+                                                 "objective.scale_rewards": "group"}
+    return {"source": "rollouts", "max_grad_norm": a.max_grad_norm if a.max_grad_norm > 0 else None, **objective}
+
+
 def load_task(a: TrainArgs):
     return ArithmeticTask(512, 9, seed=a.seed) if a.task == "arithmetic" else JsonlTask(a.task, a.reward)
+
+
+def logged_entropy(batch) -> float:
+    """The step's logged ``entropy`` as TRL logs it: the mean over the batch's generated tokens of the
+    full-vocabulary entropy of each sampling distribution (``sampler_entropy``; token_mean's
+    functional at theta on this batch); the mean surprisal ``-log p`` of the sampled tokens (the same
+    expectation, noisier) for a batch without it."""
+    L = batch.gen_lengths.sum().clamp(min=1)
+    if batch.sampler_entropy is not None:
+        return float((batch.sampler_entropy.double() * batch.response_mask).sum() / L)
+    return float(-batch.sampler_logprobs.sum() / L)
 
 
 def probe_line(step: int, m: dict) -> str:
     """One printed line per probe: prediction, measurement, their paired difference."""
     g = lambda k: m.get(f"entprobe/{k}", float("nan"))  # noqa: E731
+    measured = (f"deltaH_true {g('deltaH_true'):+.3e} +- {g('SE_deltaH_true'):.1e}  consistent "
+                f"{_consistent(g('pred_consistent'))}" if "entprobe/pred_consistent" in m else "not measured")
     return (f"[entprobe] step {step}: deltaH_pred {g('deltaH_pred'):+.3e} +- {g('SE_deltaH_pred'):.1e}  "
-            f"deltaH_true {g('deltaH_true'):+.3e} +- {g('SE_deltaH_true'):.1e}  "
-            f"consistent {_consistent(g('pred_consistent'))}  ({g('time_s'):.1f} s)")
+            f"{measured}  ({g('time_s'):.1f} s)")
 
 
 def _consistent(v: float) -> str:
@@ -173,10 +208,12 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
     sched = get_scheduler(a.lr_scheduler, opt, num_warmup_steps=a.warmup_steps, num_training_steps=a.steps)
     sampling = SamplingConfig(max_new_tokens=a.max_new_tokens)
     advantage = "dr_grpo" if a.loss == "dr_grpo" else "grpo"
-    probe = (OnlineProbe(model, opt, tok, task, every=a.probe_every, seed=a.seed, sampling={
-        "max_new_tokens": a.max_new_tokens}, batch={"B_E": a.probe_B_E, "G": a.G}) if a.probe_every else None)
+    probe = (OnlineProbe(model, opt, tok, task if a.probe_B_E else None, every=a.probe_every, seed=a.seed,
+                         sampling={"max_new_tokens": a.max_new_tokens}, batch={"B_E": max(a.probe_B_E, 2), "G": a.G},
+                         **rollout_source(a)) if a.probe_every else None)
     guarded = a.guard_floor is not None or a.guard_max_decay is not None
-    stepper = EntropyGuard(probe, floor=a.guard_floor, max_decay=a.guard_max_decay) if guarded else probe
+    stepper = EntropyGuard(probe, floor=a.guard_floor, max_decay=a.guard_max_decay,
+                           horizon=a.guard_horizon) if guarded else probe
     history, written, start = [], [], 0
     if a.resume:
         folder = resume_folder(a)
@@ -202,13 +239,14 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
                      if a.max_grad_norm > 0 else None)
         lr = sched.get_last_lr()[0]  # the lr of this step (logged as HF Trainer logs it)
         if stepper is not None:
-            stepper.before_step(step)
+            stepper.before_step(step, **({"rollouts": batch, "grad_norm": grad_norm} if a.probe_source == "rollouts"
+                                         else {}))
         opt.step()
         metrics = stepper.after_step() if stepper is not None else None  # (the guard puts back the scheduler's lr)
         sched.step()
         entry = {"step": step, "loss": loss.item(), "learning_rate": lr, "reward": batch.rewards.mean().item(),
                  "reward_std": batch.rewards.std().item(),
-                 "entropy": (-batch.sampler_logprobs.sum() / batch.gen_lengths.sum().clamp(min=1)).item(),
+                 "entropy": logged_entropy(batch),
                  "completion_length": batch.gen_lengths.float().mean().item(),
                  "step_time_s": time.perf_counter() - t0}
         if grad_norm is not None:
@@ -229,6 +267,6 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
             log(f"[entprobe] step {step}: loss {entry['loss']:+.4f} reward {entry['reward']:.3f} "
                 f"entropy {entry['entropy']:.3f} -> {written[-1]}")
     if probe is not None:  # the online probe's steps, plotted as entprobe.probe_run plots a run's checkpoints
-        for path in write_history(merged_history(history, probe.history), a.out):  # a resumed run's earlier ones too
+        for path in write_history(merged_history(history, probe.history), a.out, log_history=history):  # a resumed run's too
             log(f"[entprobe] over steps: {path}")
     return written

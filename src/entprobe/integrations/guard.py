@@ -31,6 +31,13 @@ step at the scheduler's lr (factor 1) and the entropy ``H`` at theta (E's, in th
   below the floor with a resolved rise, which a smaller lr would only slow) the factor recovers
   toward 1 geometrically: ``min(1, f * recovery)`` from below, ``max(1, f / recovery)`` from above.
 
+With ``horizon=K`` (the probe's ``source="rollouts"``, which forecasts the entropy k steps ahead)
+the guard acts on the forecast first (guard_forecast.py): when the population's 95% interval of the
+entropy k <= K steps ahead is below the floor, the lr is cut to the factor that keeps every point
+forecast on or above the floor; otherwise the rule above decides, and does not raise the factor into a
+forecast crossing. Each decision keeps the forecast it acted on (``Decision.forecast``; logged as
+``entprobe/guard_forecast_k``, ``_H``, ``_high``).
+
 The factor holds until the next probe (steps the probe does not predict keep it). It multiplies
 the lr the scheduler wrote into each param group just before ``optimizer.step()`` and the
 scheduler's lr is put back right after, so the scheduler never sees it. The probe's prediction
@@ -51,6 +58,7 @@ import time
 from dataclasses import dataclass
 
 from entprobe.config import ConfigError
+from entprobe.integrations.guard_forecast import forecast_call
 from entprobe.integrations.online import OnlineProbe
 from entprobe.integrations.trl import EntropyProbeCallback
 
@@ -70,6 +78,7 @@ class GuardRule:
     min_factor: float = 0.05
     max_factor: float = 1.0
     recovery: float = 1.5
+    horizon: float | None = None  # steps ahead the forecast must stay above the floor (guard_forecast.py)
 
     def __post_init__(self):
         for name, value in dataclasses.asdict(self).items():
@@ -80,6 +89,8 @@ class GuardRule:
                 object.__setattr__(self, name, float(value))  # a numpy or integer value, as a float
         if self.floor is None and self.max_decay is None and self.target_deltaH is None:
             raise ConfigError("EntropyGuard: give floor, max_decay or target_deltaH (what to hold entropy to)")
+        if self.horizon is not None and self.floor is None:
+            raise ConfigError(f"EntropyGuard: horizon={self.horizon:g} keeps the forecast above the floor: give floor")
 
 
 # each parameter's range (GuardRule): (may be None, test of a finite number, what it must be)
@@ -94,6 +105,8 @@ PARAM_RANGES = {
     "min_factor": (False, lambda v: 0 < v <= 1, "the smallest lr factor: a number in (0, 1]"),
     "max_factor": (False, lambda v: v >= 1, "the largest lr factor: a finite number >= 1"),
     "recovery": (False, lambda v: v > 1, "the factor's geometric return to 1 per probe: a finite number > 1"),
+    "horizon": (True, lambda v: v >= 1 and v == int(v), "the steps ahead the entropy forecast must stay above "
+                "the floor: an integer >= 1 (the probe's source='rollouts' forecasts)"),
 }
 
 
@@ -124,6 +137,7 @@ class Decision:
     SE: float = math.nan
     H: float = math.nan
     edge: float | None = None
+    forecast: object = None  # guard_forecast.ForecastCall the rule acted on (horizon=K)
 
     @property
     def code(self) -> int:
@@ -136,8 +150,9 @@ class Decision:
         floor / max_decay / target_deltaH (those set)."""
         limits = "".join(f", {k} {v:g}" for k, v in (("floor", rule.floor), ("max_decay", rule.max_decay),
                                                      ("target_deltaH", rule.target_deltaH)) if v is not None)
+        fc = f"; {self.forecast.text(rule.floor)}" if self.forecast is not None else ""
         return (f"entprobe guard: step {self.step}: lr x{self.factor:.3g}, {self.action} (predicted "
-                f"{self.deltaH_pred:+.3g} +- {self.SE:.2g} nats at the scheduler's lr, H {self.H:.3g}{limits})")
+                f"{self.deltaH_pred:+.3g} +- {self.SE:.2g} nats at the scheduler's lr, H {self.H:.3g}{limits}{fc})")
 
 
 def band_edge(H: float, floor: float | None, max_decay: float | None) -> float | None:
@@ -164,6 +179,30 @@ def clamp(f: float, lo: float, hi: float) -> float:
 def recovered(prev: float, recovery: float) -> float:
     """One geometric move of the factor toward 1."""
     return min(1.0, prev * recovery) if prev < 1 else max(1.0, prev / recovery)
+
+
+def decide_with_forecast(rule: GuardRule, step: int, p, prev: float) -> Decision:
+    """``decide`` on the pending prediction ``p`` (``OnlineProbe.pending``), and with ``rule.horizon``
+    the forecast's rule first (guard_forecast.py): a resolved crossing of the floor within the horizon
+    cuts to the factor that keeps the forecast on it; otherwise ``decide``'s factor, a rise held where
+    the point forecasts would cross."""
+    if rule.horizon is None or p.forecast is None:
+        return decide(rule, step, p.deltaH_pred, p.SE, p.H, prev)
+    fc = forecast_call(p.forecast, p.H, rule.floor, int(rule.horizon))
+    base = {"step": step, "deltaH_pred": p.deltaH_pred, "SE": p.SE, "H": p.H, "prev": prev, "forecast": fc,
+            "edge": rule.floor - p.H}
+    if fc.resolved:
+        f = clamp(fc.factor if p.H > rule.floor else rule.min_factor, rule.min_factor, rule.max_factor)
+        return Decision(factor=f, action="cut", reason=(
+            f"{fc.text(rule.floor)} within horizon {int(rule.horizon)}: lr x {f:.3g} keeps the point forecasts "
+            f"{'on or above the floor' if f == fc.factor else 'as near the floor as allowed'}"), **base)
+    dec = decide(rule, step, p.deltaH_pred, p.SE, p.H, prev)
+    dec.forecast = fc
+    if dec.factor > prev and fc.factor < dec.factor:  # no recovery into a forecast crossing
+        dec.factor = max(prev, fc.factor)
+        dec.action = "recover" if dec.factor > prev else "hold"
+        dec.reason += f"; held at x{dec.factor:.3g} by the {fc.text(rule.floor)}"
+    return dec
 
 
 def decide(rule: GuardRule, step: int, d: float, se: float, H: float, prev: float) -> Decision:
@@ -208,9 +247,12 @@ class EntropyGuard:
 
     def __init__(self, probe: OnlineProbe, floor: float | None = None, max_decay: float | None = None,
                  target_deltaH: float | None = None, z: float = 1.96, min_factor: float = 0.05,
-                 max_factor: float = 1.0, recovery: float = 1.5):
+                 max_factor: float = 1.0, recovery: float = 1.5, horizon: int | None = None):
         self.probe = probe
-        self.rule = GuardRule(floor, max_decay, target_deltaH, z, min_factor, max_factor, recovery)
+        self.rule = GuardRule(floor, max_decay, target_deltaH, z, min_factor, max_factor, recovery, horizon)
+        if horizon is not None and getattr(probe, "source", "held_out") != "rollouts":
+            raise ConfigError(f"EntropyGuard: horizon={horizon} acts on the entropy forecast, which the online probe "
+                              "makes from the step's own batch: use OnlineProbe(..., source='rollouts')")
         self.factor = 1.0
         self.decisions: list[Decision] = []
         self.lrs: list[tuple[int, list[float]]] = []
@@ -237,16 +279,17 @@ class EntropyGuard:
                               "resume with the guard's own min_factor / max_factor, or from another checkpoint")
         self.factor = float(f)
 
-    def before_step(self, step: int) -> float:
+    def before_step(self, step: int, **rollouts) -> float:
         """Call with the step's gradient in ``.grad``, the scheduler's lr in the param groups: the
         probe predicts (when due), the guard decides, each group's lr is multiplied by the factor.
-        Returns the factor."""
+        ``rollouts``: ``OnlineProbe.before_step``'s (``rollouts=``, ``grad_norm=``) for
+        ``source="rollouts"``. Returns the factor."""
         t0, probe = time.perf_counter(), self.probe
         self.restore_lr()  # a step whose optimizer.step() raised never reached after_step: no factor on a factor
         self._decision = None
-        if probe.before_step(step):
+        if probe.before_step(step, **rollouts):
             p = probe.pending
-            dec = decide(self.rule, step, p.deltaH_pred, p.SE, p.H, self.factor)
+            dec = decide_with_forecast(self.rule, step, p, self.factor)
             self.factor, self._decision = dec.factor, dec
             self.decisions.append(dec)
             probe.rescale_pending(dec.factor)
@@ -283,6 +326,13 @@ class EntropyGuard:
         out["entprobe/guard_lr"] = self.lrs[-1][1][0] if self.lrs else math.nan
         if self._decision is not None:
             out["entprobe/guard_action"] = float(self._decision.code)
+            fc = self._decision.forecast
+            if fc is not None:  # the forecast the decision acted on (at the scheduler's lr)
+                out.update({"entprobe/guard_forecast_k": float(fc.k), "entprobe/guard_forecast_H": fc.H,
+                            "entprobe/guard_forecast_high": fc.high})
+            history = getattr(self.probe, "history", None)
+            if history and history[-1].get("step") == self._decision.step:
+                history[-1]["guard_lr_factor"] = self.factor
         self.time_s += time.perf_counter() - t0
         return out
 
@@ -324,7 +374,7 @@ class EntropyGuardCallback(EntropyProbeCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         step, decided = state.global_step + 1, len(self.guard.decisions)
-        self.guard.before_step(step)
+        self.guard.before_step(step, **self.step_rollouts(step))
         if len(self.guard.decisions) > decided and state.is_world_process_zero:
             print(self.guard.decisions[-1].line(self.guard.rule), flush=True)
 

@@ -25,6 +25,16 @@ device) and the modules' modes (``api.left_as_it_was``), and never steps or writ
 or the optimizer state (the update is computed in closed form; for optimizers without one, on a
 snapshot restored bit-exactly). ``held_out`` may also be a callable ``step -> RolloutBatch`` that
 samples at the current parameters (the TRL callback passes the trainer's own generation).
+
+``source="rollouts"`` (``before_step(step, rollouts=batch)``, ``batch`` the RolloutBatch the gradient in
+``.grad`` was computed on, with the advantages the loss used): the prediction comes from that batch
+itself, no generation: the cross-prompt U-statistic of stages/rollout_prediction.py (each prompt's X
+against the update without that prompt's own part, to first order through the update's Jacobian;
+the objective ``objective.*`` must be the loss's, ``max_grad_norm`` the loop's clipping: checked
+against ``.grad``), estimating the change of the population's entropy, not of the batch's. Then
+``held_out`` (a Task, a callable, or None) only serves the measurement: a fresh E of ``batch.B_E``
+prompts, predicted on and measured after the step as above (``deltaH_pred_E``, ``deltaH_true``
+and their paired difference); None measures nothing (``deltaH1_step`` is still reported).
 """
 from __future__ import annotations
 
@@ -50,7 +60,11 @@ from entprobe.pipeline.stages.ground_truth import (eval_at_current, importance_e
                                                    token_side_needed, true_change)
 from entprobe.pipeline.stages.x_spec import functional_value
 from entprobe.pipeline.stages.prediction import HeldOutPrediction, build_step_model, compare_with_prediction, predict_on_held_out
+from entprobe.math.forecast import HORIZONS, forecast, forecast_results
+from entprobe.pipeline.stages.rollout_prediction import forecast_inputs, rollouts_prediction
 from entprobe.tasks import Task
+
+SOURCES = ("held_out", "rollouts")  # where the prediction's X comes from: a fresh E, or the step's own batch
 
 # what the online probe reads from the config; every other key describes the command line's own
 # step (objective, optimizer file, ...), which the online probe takes from the training loop
@@ -64,22 +78,34 @@ ONLINE_KEYS = ("batch.B_E", "batch.G", "batch.seed_E", "sampling", "probe.mb_siz
 LOGGED = ("deltaH_pred", "SE_deltaH_pred", "ci95_pred_low", "ci95_pred_high", "deltaH_true", "SE_deltaH_true",
           "deltaH_true_minus_pred", "SE_deltaH_true_minus_pred", "z_true_minus_pred", "pred_consistent",
           "deltaH_pred_gradient", "deltaH_pred_momentum", "deltaH_pred_weight_decay", "deltaH1_step",
-          "H_orig", "ESS_frac", "lr", "time_s", "step")  # step: the probed one (a log entry may come later)
+          "H_orig", "ESS_frac", "lr", "time_s", "step",
+          "SE_deltaH_pred_expected", "deltaH_pred_E",
+          *(f"forecast_H_k{k}{s}" for k in HORIZONS for s in ("", "_low", "_high")))
+# the online probe's default functional: token_mean, the mean over generated tokens of the
+# full-vocabulary entropy, which TRL logs as ``entropy`` and verl as ``actor/entropy``
+ONLINE_WEIGHTING = "token_mean"
+# source="rollouts" also reads the trainer's loss (each prompt's Y_n)
+ROLLOUT_KEYS = ONLINE_KEYS + ("objective",)  # step: the probed one (a log entry may come later)
 
 
-def online_config(overrides: Mapping[str, Any], fixed: Mapping[str, Any] | None = None) -> EntprobeConfig:
+def online_config(overrides: Mapping[str, Any], fixed: Mapping[str, Any] | None = None,
+                  source: str = "held_out") -> EntprobeConfig:
     """The typed config of the online probe: ``overrides`` (the command line's keys, as
-    ``entprobe.probe`` takes them) restricted to ``ONLINE_KEYS``, then ``fixed`` (set by an
-    integration from its trainer: its sampling temperature, G, ...; the user cannot override them)."""
+    ``entprobe.probe`` takes them) restricted to ``ONLINE_KEYS`` (``ROLLOUT_KEYS`` for
+    ``source="rollouts"``), then ``fixed`` (set by an integration from its trainer: its sampling
+    temperature, G, loss, ...; the user cannot override them)."""
+    keys = ROLLOUT_KEYS if source == "rollouts" else ONLINE_KEYS
     choices, values = flatten_overrides(overrides)
     for key in [c.split("=")[0] for c in choices] + list(values):
-        if not any(key == k or key.startswith(k + ".") for k in ONLINE_KEYS):
+        if not any(key == k or key.startswith(k + ".") for k in keys):
             raise ConfigError(f"{key}: does not apply to the online probe, which predicts the step your training "
-                              f"loop takes (its gradient, optimizer and lr); it reads {', '.join(ONLINE_KEYS)}")
+                              f"loop takes (its gradient, optimizer and lr); it reads {', '.join(keys)}")
         if fixed and key in fixed:
             raise ConfigError(f"{key}: is your trainer's ({fixed[key]!r} there); the probe samples as it does")
     merged = {**dict(overrides), **dict(fixed or {})}
     merged.setdefault("logging.progress", False)
+    if not any(k == "probe.weighting_mode" for k in values):  # the entropy trainers log (TRL's entropy)
+        merged["probe"] = {**dict(merged.get("probe") or {}), "weighting_mode": ONLINE_WEIGHTING}
     return api_config(merged, False)[0]
 
 
@@ -88,21 +114,27 @@ class _Pending:
     """A prediction waiting for the step it predicts."""
     step: int
     E: RolloutBatch
-    pred: HeldOutPrediction
+    pred: HeldOutPrediction | None  # on E (None: nothing to measure)
     x_dot_theta: float  # Xbar . theta before the step, products and sums in fp64 (deltaH1_step after it)
     res: dict = field(default_factory=dict)
+    H: float = float("nan")  # the entropy at theta in the probe's units (H_orig)
+    Xbar: object = None  # the Xbar of x_dot_theta (E's, or the rollouts')
+    rollouts: object = None  # the rollouts' RolloutPrediction (source="rollouts")
 
 
 @dataclass(frozen=True)
 class PendingPrediction:
     """A read-only view of the prediction waiting for its step (``OnlineProbe.pending``): the step,
     its predicted entropy change ``deltaH_pred`` and ``SE`` (at ``lr``, the lr the prediction is
-    for), and ``H``, E's entropy at theta in the probe's units (as ``H_orig`` is logged)."""
+    for), and ``H``, E's entropy at theta in the probe's units (as ``H_orig`` is logged); ``forecast``
+    (source="rollouts") the entropy k steps ahead at factor x lr."""
     step: int
     deltaH_pred: float
     SE: float
     H: float
     lr: float
+    # source="rollouts": ``forecast(k, factor)``, math/forecast.py's forecast k steps ahead at factor x lr
+    forecast: Callable[[int, float], dict] | None = None
 
 
 class OnlineProbe:
@@ -117,19 +149,28 @@ class OnlineProbe:
     ``skipped`` the ``(step, reason)`` of each due step not probed (a step at lr 0, where a schedule
     ends: warned, and training goes on)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer, tokenizer, held_out: Task | Callable[[int], RolloutBatch],
-                 every: int = 10, fixed: Mapping[str, Any] | None = None, config: EntprobeConfig | None = None,
-                 **overrides):
+    def __init__(self, model: torch.nn.Module, optimizer, tokenizer,
+                 held_out: Task | Callable[[int], RolloutBatch] | None, every: int = 10,
+                 fixed: Mapping[str, Any] | None = None, config: EntprobeConfig | None = None,
+                 source: str = "held_out", max_grad_norm: float | None = None, **overrides):
         if every < 1:
             raise ConfigError(f"every={every}: probe every N >= 1 optimizer steps")
-        if not (isinstance(held_out, Task) or callable(held_out)):
+        if source not in SOURCES:
+            raise ConfigError(f"source={source!r}: one of {', '.join(SOURCES)}")
+        if held_out is None and source != "rollouts":
+            raise TypeError("held_out: a Task, or a callable step -> RolloutBatch (None only with source='rollouts': "
+                            "then nothing is measured)")
+        if not (held_out is None or isinstance(held_out, Task) or callable(held_out)):
             raise TypeError("held_out: a Task, or a callable step -> RolloutBatch sampled at the current parameters")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ConfigError(f"max_grad_norm={max_grad_norm!r}: the clipping norm your loop uses (> 0), or None")
+        self.source, self.max_grad_norm = source, max_grad_norm
         if config is not None and (overrides or fixed):
             raise TypeError("OnlineProbe: pass config (an online_config) or overrides and fixed, not both")
         self.model, self.optimizer, self.tokenizer = model, unwrap_optimizer(optimizer), tokenizer
         _one_lr(self.optimizer, "OnlineProbe")  # refused now, not at the first probe inside training
         self.held_out, self.every = held_out, every
-        self.cfg = config if config is not None else online_config(overrides, fixed)
+        self.cfg = config if config is not None else online_config(overrides, fixed, source)
         self._geo_cfg = dataclasses.replace(self.cfg, optimizer=dataclasses.replace(
             self.cfg.optimizer, preconditioner=Preconditioner.identity))
         self.history: list[dict] = []
@@ -151,12 +192,18 @@ class OnlineProbe:
         return sample_batch(self.model, self.tokenizer, self.held_out, idx, b.G, s, b.seed_E + step,
                             "dr_grpo", b.adv_eps, **prompt_kwargs(self.cfg, "memory"))
 
-    def before_step(self, step: int) -> bool:
-        """Call with the step's gradient in ``.grad``, before ``optimizer.step()``. Returns whether
-        it predicted (``due``)."""
+    def before_step(self, step: int, rollouts: RolloutBatch | None = None, grad_norm: float | None = None) -> bool:
+        """Call with the step's gradient in ``.grad``, before ``optimizer.step()``; with
+        ``source="rollouts"``, ``rollouts`` is the batch that gradient was computed on (its
+        advantages as the loss used them) and ``grad_norm`` the gradient's norm before clipping (what
+        ``clip_grad_norm_`` returned; needed when ``max_grad_norm`` clipped it). Returns whether it
+        predicted (``due``)."""
         self._pending = None
         if not self.due(step):
             return False
+        if self.source == "rollouts" and not isinstance(rollouts, RolloutBatch):
+            raise TypeError(f"before_step({step}): source='rollouts' predicts from the step's own batch: pass "
+                            "rollouts=<the RolloutBatch the gradient in .grad was computed on>")
         cfg, model = self.cfg, self.model
         _one_lr(self.optimizer, f"before_step({step})")  # a schedule may have set the groups apart
         try:  # the command line's check (geometry.live_lr), before E is sampled
@@ -176,9 +223,9 @@ class OnlineProbe:
             ctx = probe_context(cfg, model, Ybar[0].device, _autocast(cfg, Ybar[0].device))
             callers_modes()  # sampled as the loop samples (a trainer's generation reads model.training)
             with ctx.phase("sample_E"):
-                E = self._sample(step)
+                E = self._sample(step) if self.held_out is not None else None
             model.eval()
-            if E.temperature != cfg.sampling.temperature:
+            if E is not None and E.temperature != cfg.sampling.temperature:
                 raise ConfigError(f"held-out E was sampled at temperature {E.temperature}, the probe's log-probs "
                                   f"use sampling.temperature={cfg.sampling.temperature}: make them agree")
             with ctx.phase("geometry"):
@@ -187,11 +234,25 @@ class OnlineProbe:
                 # diagnostics (1.2 s a probe on SmolLM2-135M)
                 geo, _ = live_geometry(self._geo_cfg, self.optimizer, ctx.names, ctx.params, ctx.buffers_device)
                 update = build_step_model(ctx, geo.optimizer, geo.lr, Ybar, geo.P, "optimizer", None)
-            pred = predict_on_held_out(ctx, E, update, cfg.probe, with_entropy=False, total_only=True)
+            if self.source == "rollouts":
+                ro = rollouts_prediction(ctx, cfg, rollouts, update, lambda y: build_step_model(
+                    ctx, geo.optimizer, geo.lr, y, geo.P, "optimizer", None), Ybar, self.max_grad_norm, grad_norm)
+                res, Xbar, H = dict(ro.res), ro.Xbar, ro.res["H_orig"]
+                ro.forecast = forecast_inputs(ro, geo.optimizer, ctx.params, Ybar)
+                res.update(forecast_results(ro.forecast))
+            pred = predict_on_held_out(ctx, E, update, cfg.probe, with_entropy=False, total_only=True) \
+                if E is not None else None
             del Ybar, update
-            x_theta = pv.dot(pred.Xbar, [p.detach() for p in ctx.params], dtype=torch.float64)  # no copy of theta
-        res = {**pred.res, "lr": geo.lr, "step": step, "B_E": E.B, "G": E.G}
-        self._pending = _Pending(step, E, pred, x_theta, res)
+            if self.source != "rollouts":
+                res, Xbar, ro = dict(pred.res), pred.Xbar, None
+                H = functional_value(ctx.x, pred.S, pred.entropy, E.response_mask)
+                res["B_E"], res["G"] = E.B, E.G
+            elif pred is not None:  # the measured side's own prediction on E, paired with it
+                res.update({"deltaH_pred_E": pred.res["deltaH_pred"], "SE_deltaH_pred_E": pred.res["SE_deltaH_pred"],
+                            "measure/B_E": E.B})
+            x_theta = pv.dot(Xbar, [p.detach() for p in ctx.params], dtype=torch.float64)  # no copy of theta
+        res.update({"lr": geo.lr, "step": step})
+        self._pending = _Pending(step, E, pred, x_theta, res, H, Xbar, ro)
         self._ctx, self._t, self._cpu = ctx, _now() - t0, time.process_time() - c0
         return True
 
@@ -202,20 +263,11 @@ class OnlineProbe:
         if pend is None:
             return None
         t0, c0 = _now(), time.process_time()
-        ctx, icfg, E = self._ctx, self.cfg.importance, pend.E
+        ctx, E, res = self._ctx, pend.E, pend.res
         with left_as_it_was(self.model, self.optimizer, None):
-            tokens_needed = token_side_needed(ctx.x)
-            S_upd, ent_upd, lp_upd = eval_at_current(ctx, E, icfg, with_entropy=tokens_needed)
-            with ctx.phase("importance"):
-                tokens = token_side(ctx.x, E, pend.pred.token_logp, lp_upd, pend.pred.entropy, ent_upd) \
-                    if tokens_needed else None
-                est_res, psi = importance_estimates(pend.pred.S, S_upd, E.gen_lengths, E.Lmax, ctx.weighting_mode,
-                                                    icfg.clip_c, warn_psis=False, x=ctx.x, tokens=tokens)
-                x_after = pv.dot(pend.pred.Xbar, [p.detach() for p in ctx.params], dtype=torch.float64)
-        res = pend.res
-        res.update(est_res)
-        res.update(true_change(est_res, psi, icfg.is_mode.value, icfg.ess_threshold))
-        res.update(compare_with_prediction(res, psi[icfg.is_mode.value], pend.pred.e))
+            if E is not None:
+                res.update(self._measure(ctx, pend))
+            x_after = pv.dot(pend.Xbar, [p.detach() for p in ctx.params], dtype=torch.float64)
         # -Xbar . (theta_plus - theta): the real step. Both dots in fp64 (exact products of fp32 or bf16
         # numbers): their difference is the step's dot to ~1e-16 of |Xbar| |theta|, where fp32 dots lost
         # up to 3e-4 (their rounding, ~6e-8 of them, is not small next to the step's dot)
@@ -228,6 +280,23 @@ class OnlineProbe:
         # pred_consistent None (the measurement is unmeasurable: no test was made) is logged as NaN
         return {f"entprobe/{k}": float("nan") if res[k] is None else float(res[k]) for k in LOGGED if k in res}
 
+    def _measure(self, ctx, pend: _Pending) -> dict:
+        """The importance-sampling estimate of the step's change on E and its paired difference with
+        E's own prediction (for ``source="rollouts"``, ``deltaH_pred_E``, not the headline)."""
+        icfg, E = self.cfg.importance, pend.E
+        tokens_needed = token_side_needed(ctx.x)
+        S_upd, ent_upd, lp_upd = eval_at_current(ctx, E, icfg, with_entropy=tokens_needed)
+        with ctx.phase("importance"):
+            tokens = token_side(ctx.x, E, pend.pred.token_logp, lp_upd, pend.pred.entropy, ent_upd) \
+                if tokens_needed else None
+            est_res, psi = importance_estimates(pend.pred.S, S_upd, E.gen_lengths, E.Lmax, ctx.weighting_mode,
+                                                icfg.clip_c, warn_psis=False, x=ctx.x, tokens=tokens)
+        out = dict(est_res)
+        out.update(true_change(est_res, psi, icfg.is_mode.value, icfg.ess_threshold))
+        out.update(compare_with_prediction({**out, "deltaH_pred": pend.pred.res["deltaH_pred"]},
+                                           psi[icfg.is_mode.value], pend.pred.e))
+        return out
+
     @property
     def pending(self) -> PendingPrediction | None:
         """The prediction ``before_step`` made and ``after_step`` has not measured yet (None when
@@ -235,9 +304,10 @@ class OnlineProbe:
         pend = self._pending
         if pend is None:
             return None
-        E, res = pend.E, pend.res
-        H = functional_value(self._ctx.x, pend.pred.S, pend.pred.entropy, E.response_mask)
-        return PendingPrediction(pend.step, res["deltaH_pred"], res["SE_deltaH_pred"], H, res["lr"])
+        res = pend.res
+        fi = pend.rollouts.forecast if pend.rollouts is not None else None
+        at = (lambda k, factor: forecast(fi, k, factor)) if fi is not None else None
+        return PendingPrediction(pend.step, res["deltaH_pred"], res["SE_deltaH_pred"], pend.H, res["lr"], at)
 
     def rescale_pending(self, factor: float) -> None:
         """Make the waiting prediction that of the step at ``factor`` x its lr (for a caller that
@@ -247,12 +317,15 @@ class OnlineProbe:
         pend = self._pending
         if pend is None:
             raise RuntimeError("rescale_pending: no prediction is waiting (call it after a before_step that returned True)")
-        for res in (pend.res, pend.pred.res):
+        for res in (pend.res, pend.pred.res) if pend.pred is not None else (pend.res,):
             for k, v in res.items():
                 if isinstance(v, float) and k.startswith(("deltaH_pred", "SE_deltaH_pred", "ci95_pred", "attr_pred/")):
                     res[k] = v * factor
         pend.res["lr"] *= factor
-        pend.pred.e = pend.pred.e * factor
+        if pend.rollouts is not None:  # the forecast at factor x lr over its horizon (not linear in it: H is not)
+            pend.res.update(forecast_results(pend.rollouts.forecast, factor))
+        if pend.pred is not None:
+            pend.pred.e = pend.pred.e * factor
 
 
 def _one_lr(optimizer: torch.optim.Optimizer, where: str) -> None:

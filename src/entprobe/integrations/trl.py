@@ -34,30 +34,10 @@ from transformers import TrainerCallback
 
 from entprobe.config import ConfigError
 from entprobe.math.importance import psis_backend
-from entprobe.integrations.online import OnlineProbe, online_config
+from entprobe.integrations.online import SOURCES, OnlineProbe, online_config
+from entprobe.integrations.trl_rollouts import StepBatch, trl_objective, trl_rollout_batch
 from entprobe.reporting.over_steps import merged_history, write_history
 from entprobe.rollouts.sampling import RolloutBatch
-
-
-def trl_rollout_batch(inputs: dict, G: int, temperature: float) -> RolloutBatch:
-    """A GRPOTrainer generation batch (``prompt_ids`` left-padded, ``completion_ids`` right-padded,
-    their masks, ``advantages``; rows prompt-major, G per prompt as its sampler yields them, before
-    the trainer shuffles them) as a RolloutBatch [B, G, T]. Rewards are not carried (zeros): the
-    probe of E reads responses only."""
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1).cpu()
-    att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1).long().cpu()
-    resp = torch.cat([torch.zeros_like(inputs["prompt_mask"]), inputs["completion_mask"]], 1).long().cpu()
-    N, T = ids.shape
-    if N % G:
-        raise ValueError(f"a generation batch of {N} rows is not G={G} responses per prompt")
-    B = N // G
-    P = inputs["prompt_ids"].shape[1]
-    grouped = ids[:, :P].view(B, G, P)
-    if not bool((grouped == grouped[:, :1]).all()):
-        raise ValueError("the generation batch's rows are not grouped by prompt (G consecutive rows each)")
-    return RolloutBatch(ids.view(B, G, T), att.view(B, G, T), resp.view(B, G, T), torch.zeros(B, G, T),
-                        torch.zeros(B, G), inputs["advantages"].detach().float().cpu().view(B, G),
-                        torch.arange(B), float(temperature))
 
 
 @contextlib.contextmanager
@@ -110,10 +90,20 @@ def cost_line(history: list[dict], train_s: float, every: int) -> str:
 class EntropyProbeCallback(TrainerCallback):
     """Predict and measure the entropy change of every ``every_n_steps``-th optimizer step of a
     ``GRPOTrainer`` (module docstring). ``overrides``: the online probe's config keys
-    (``integrations.online.ONLINE_KEYS``; G, temperature, top_k and top_p are the trainer's)."""
+    (``integrations.online.ONLINE_KEYS``; G, temperature, top_k and top_p are the trainer's).
+    ``source="rollouts"``: predict from the step's own generation batch (``OnlineProbe``'s
+    ``source``; the loss is the trainer's, ``trl_rollouts.trl_objective``), no generation for the
+    prediction; ``measure=True`` also samples a fresh E of ``batch.B_E`` prompts to measure the step
+    on (the held-out source always does)."""
 
-    def __init__(self, trainer, every_n_steps: int = 10, **overrides):
+    def __init__(self, trainer, every_n_steps: int = 10, source: str = "held_out", measure: bool | None = None,
+                 **overrides):
         args = trainer.args
+        if source not in SOURCES:
+            raise ConfigError(f"source={source!r}: one of {', '.join(SOURCES)}")
+        if source == "held_out" and measure is False:
+            raise ConfigError("measure=False: the held-out source predicts and measures on its E; use "
+                              "source='rollouts' to predict without sampling")
         if not hasattr(trainer, "_generate_and_score_completions"):
             raise TypeError(f"{type(trainer).__name__} is not a TRL GRPOTrainer (no _generate_and_score_completions); "
                             "use entprobe.integrations.OnlineProbe in your own loop")
@@ -127,7 +117,11 @@ class EntropyProbeCallback(TrainerCallback):
         self.trainer, self.every = trainer, every_n_steps
         fixed = {"batch.G": trainer.num_generations, "sampling.temperature": float(args.temperature),
                  "sampling.top_k": int(args.top_k or 0), "sampling.top_p": float(args.top_p)}
-        self.cfg = online_config(overrides, fixed)  # bad keys fail here, before training (not composed again)
+        if source == "rollouts":
+            fixed.update(trl_objective(trainer))
+        self.source, self.measure = source, source == "held_out" or bool(measure)
+        self.cfg = online_config(overrides, fixed, source)  # bad keys fail here, before training (not composed again)
+        self.step_batch = StepBatch()
         psis_backend()  # its one-time import (~1 s) now rather than at the start of training
         self.probe: OnlineProbe | None = None
         self._to_log: dict = {}
@@ -150,20 +144,33 @@ class EntropyProbeCallback(TrainerCallback):
         repeated = [i for i in rows for _ in range(tr.num_generations)]
         getitems = getattr(ds, "__getitems__", None)  # one read of all rows, as torch's DataLoader does
         inputs = getitems(repeated) if getitems else [ds[i] for i in repeated]
-        with bookkeeping_kept(tr), rewards_skipped(tr), torch.no_grad():
+        with bookkeeping_kept(tr), rewards_skipped(tr), self.step_batch.paused(), torch.no_grad():
             out = tr._generate_and_score_completions(inputs)
         return trl_rollout_batch(out, tr.num_generations, self.cfg.sampling.temperature)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._t_begin = time.perf_counter()
         tr = self.trainer
-        self.probe = OnlineProbe(tr.model, tr.optimizer, tr.processing_class, self.sample_held_out, self.every,
-                                 config=self.cfg)
+        held_out = self.sample_held_out if self.measure else None
+        self.probe = OnlineProbe(tr.model, tr.optimizer, tr.processing_class, held_out, self.every,
+                                 config=self.cfg, source=self.source,
+                                 max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None)
+        if self.source == "rollouts":
+            self.step_batch.install(tr)
         cbs = tr.callback_handler.callbacks  # first: the reporting callbacks see what on_log adds
         cbs.insert(0, cbs.pop(cbs.index(self)))
 
+    def step_rollouts(self, step: int) -> dict:
+        """``before_step``'s keywords for ``source="rollouts"``: the step's batch and pre-clip norm."""
+        if self.source != "rollouts" or not self.probe.due(step):
+            return {}
+        sb = self.step_batch
+        return {"rollouts": sb.batch(self.trainer.num_generations, self.cfg.sampling.temperature),
+                "grad_norm": sb.grad_norm}
+
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.probe.before_step(state.global_step + 1)  # the step about to be taken
+        step = state.global_step + 1  # the step about to be taken
+        self.probe.before_step(step, **self.step_rollouts(step))
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         metrics = self.probe.after_step()
@@ -181,10 +188,14 @@ class EntropyProbeCallback(TrainerCallback):
         """``entprobe_over_steps.csv`` and ``.png`` (reporting/over_steps.py) of ``history`` in the
         trainer's ``output_dir``, their paths printed (nothing when no step was probed), and a line
         with what the probes cost (``cost_line``); after a
-        resume, with the earlier probes as the log history holds them (``merged_history``)."""
+        resume, with the earlier probes as the log history holds them (``merged_history``). The
+        trainer's own methods are put back (``source="rollouts"``)."""
+        if getattr(self, "step_batch", None) is not None:
+            self.step_batch.uninstall()
         if state.is_world_process_zero:
             if self.history and getattr(self, "_t_begin", None) is not None:
                 print(cost_line(self.history, time.perf_counter() - self._t_begin, self.every), flush=True)
             # a resumed run's earlier probes come from the log history its checkpoint carried
-            for path in write_history(merged_history(state.log_history, self.history), args.output_dir):
+            for path in write_history(merged_history(state.log_history, self.history), args.output_dir,
+                                      log_history=state.log_history):
                 print(f"entprobe: over steps {path}", flush=True)

@@ -23,19 +23,24 @@ CSV_FILE, PLOT_FILE = "over_steps.csv", "over_steps.png"
 ONLINE_PREFIX = "entprobe_"  # the online probe's files in a trainer's output_dir: entprobe_over_steps.csv / .png
 PRED_COLOR, TRUE_COLOR = "C0", "C1"  # predicted / measured, as in plots.projections
 # the CSV's columns, in order: the row's own, then result keys (``FROM_RESULTS``)
+HORIZONS = (1, 5, 10)  # math/forecast.py's: the online probe's forecasts k steps ahead (source="rollouts")
+FORECAST_COLUMNS = tuple(f"forecast_H_k{k}{s}" for k in HORIZONS for s in ("", "_low", "_high"))
 COLUMNS = ("step", "status", "H", "SE_H", "ci95_H_low", "ci95_H_high",
            "deltaH_pred", "SE_deltaH_pred", "ci95_pred_low", "ci95_pred_high",
            "deltaH_true", "SE_deltaH_true", "ci95_true_low", "ci95_true_high",
-           "deltaH_true_minus_pred", "SE_deltaH_true_minus_pred", "lr", "time_s", "job_dir", "reason")
-FROM_RESULTS = {"H": "H_orig", "SE_H": "SE_H_orig", **{k: k for k in COLUMNS[6:17]}}
+           "deltaH_true_minus_pred", "SE_deltaH_true_minus_pred", "lr", "time_s", "job_dir", "reason",
+           *FORECAST_COLUMNS, "H_logged", *(f"H_logged_k{k}" for k in HORIZONS), "guard_lr_factor")
+FROM_RESULTS = {"H": "H_orig", "SE_H": "SE_H_orig", **{k: k for k in COLUMNS[6:17]},
+                **{k: k for k in FORECAST_COLUMNS}, "guard_lr_factor": "guard_lr_factor"}
 
 
 def over_steps_row(step: int, status: str, results: Mapping | None = None, job_dir: str = "", reason: str = "",
-                   time_s: float = math.nan) -> dict:
+                   time_s: float = math.nan, logged: Mapping[int, float] | None = None) -> dict:
     """One checkpoint's (or online probe's) row: ``status`` ok / skipped / failed, the numbers of its
     ``results`` (NaN where absent), H's 95% interval (``mean -+ t_{B_E-1} SE``, as the verdict's), the
     job's folder, why it was skipped or failed, and the seconds it took (``time_s`` if given, else
-    the results' own)."""
+    the results' own). ``logged``: the trainer's logged entropy by step (online probes): the row's
+    ``H_logged`` (at its step) and ``H_logged_k<k>`` (k steps later: what ``forecast_H_k<k>`` forecast)."""
     r = dict(results or {})
     row = {"step": int(step), "status": status, "job_dir": job_dir, "reason": reason}
     for col, key in FROM_RESULTS.items():
@@ -44,12 +49,17 @@ def over_steps_row(step: int, status: str, results: Mapping | None = None, job_d
     if math.isnan(time_s):
         time_s = _number(r.get("time/total_s", r.get("time_s")))
     row["time_s"] = time_s
+    logged = logged or {}
+    row["H_logged"] = _number(logged.get(int(step)))
+    for k in HORIZONS:
+        row[f"H_logged_k{k}"] = _number(logged.get(int(step) + k))
     return {c: row[c] for c in COLUMNS}
 
 
-def history_rows(history: Sequence[Mapping]) -> list[dict]:
-    """The online probe's ``history`` (its full results, each with its ``step``) as rows, by step."""
-    return [over_steps_row(int(r["step"]), "ok", r) for r in sorted(history, key=lambda r: r["step"])]
+def history_rows(history: Sequence[Mapping], logged: Mapping[int, float] | None = None) -> list[dict]:
+    """The online probe's ``history`` (its full results, each with its ``step``) as rows, by step;
+    ``logged``: the trainer's logged entropy by step (``over_steps_row``)."""
+    return [over_steps_row(int(r["step"]), "ok", r, logged=logged) for r in sorted(history, key=lambda r: r["step"])]
 
 
 def _number(v) -> float:
@@ -100,16 +110,24 @@ def _errorbars(ax, rows: Sequence[Mapping], key: str, lo: str, hi: str, label: s
     return True
 
 
-def plot(rows: Sequence[Mapping], path: str | Path, title: str = "", online: bool = False) -> Path:
+def plot(rows: Sequence[Mapping], path: str | Path, title: str = "", online: bool = False,
+         logged: Mapping[int, float] | None = None, factors: Mapping[int, float] | None = None) -> Path:
     """``over_steps.png``: against the training step, H with its 95% band (top) and the predicted
     (filled, solid) and measured (open, dashed) entropy change of the next step with their 95%
     intervals as bars, a zero line (bottom); nats. Rows that were skipped or failed are marked on the
     step axis. ``online``: the rows are an online probe's (H just before each probed step), not
-    checkpoints'."""
+    checkpoints'. With ``logged`` (the trainer's logged entropy by step) the top panel also draws that
+    realised curve, and each row's forecasts ``forecast_H_k<k>`` at step + k with their 95% intervals
+    (bars); with ``factors`` (EntropyGuard's lr factor by step) a third panel shows the factor."""
     rows = sorted(rows, key=lambda r: r["step"])
     ok = [r for r in rows if r["status"] == "ok"]
-    fig = Figure(figsize=(8, 6.4))
-    ax_h, ax_d = fig.subplots(2, 1, sharex=True)
+    fig = Figure(figsize=(8, 8.6 if factors else 6.4))
+    axes = fig.subplots(3 if factors else 2, 1, sharex=True, height_ratios=[3, 3, 1.4] if factors else None)
+    ax_h, ax_d = axes[0], axes[1]
+    if logged:
+        xs = sorted(logged)
+        ax_h.plot(xs, [logged[x] for x in xs], "-", color="0.55", lw=1.0, label="logged entropy (the trainer's)")
+    _forecasts(ax_h, ok)
     h = [r for r in ok if math.isfinite(r["H"])]
     if h:
         x = [r["step"] for r in h]
@@ -118,8 +136,13 @@ def plot(rows: Sequence[Mapping], path: str | Path, title: str = "", online: boo
         if np.isfinite(lo).any():
             ax_h.fill_between(x, lo, hi, color="gray", alpha=0.25, lw=0, label="95% interval (t, B_E - 1 df)")
         ax_h.legend(fontsize=8)
-    else:
+    elif not logged:
         _note(ax_h, "no entropy measured")
+    if logged and not h:
+        ax_h.legend(fontsize=8)
+    seen = [v for v in [r["H"] for r in h] + list((logged or {}).values()) if math.isfinite(v)]
+    if seen and any(math.isfinite(r.get(c, math.nan)) for r in ok for c in FORECAST_COLUMNS):
+        ax_h.set_ylim(0, 1.6 * max(seen))  # a forecast's far bound (first order, 10 steps out) off the chart
     ax_h.set_ylabel("entropy H (nats)")
     width = max(1.0, (rows[-1]["step"] - rows[0]["step"]) if rows else 1.0)
     shown = [_errorbars(ax_d, ok, "deltaH_pred", "ci95_pred_low", "ci95_pred_high", "predicted (first order)",
@@ -127,22 +150,46 @@ def plot(rows: Sequence[Mapping], path: str | Path, title: str = "", online: boo
              _errorbars(ax_d, ok, "deltaH_true", "ci95_true_low", "ci95_true_high", "measured (one real step)",
                         TRUE_COLOR, TRUE_STYLE, 0.006 * width)]
     ax_d.axhline(0, color="black", lw=0.6)
+    measuring = any(math.isfinite(r["deltaH_true"]) for r in ok)  # (source="rollouts" may measure nothing)
     for r in rows:  # why a step has no point: skipped / failed checkpoint, or its step unmeasurable
-        mark = r["status"] if r["status"] != "ok" else "no measurement" if math.isnan(r["deltaH_true"]) else ""
+        mark = r["status"] if r["status"] != "ok" else "no measurement" if measuring and math.isnan(r["deltaH_true"]) else ""
         if mark:
             ax_d.axvline(r["step"], color="gray", ls=":", lw=0.8)
             ax_d.annotate(mark, (r["step"], 0), xycoords=("data", "axes fraction"), xytext=(2, 3),
                           textcoords="offset points", fontsize=7, color="gray", rotation=90, va="bottom")
     ax_d.set_ylabel(f"entropy change of the {'probed' if online else 'next'} step (nats)")
-    ax_d.set_xlabel("training step (probed online)" if online else "training step (checkpoint)")
+    axes[-1].set_xlabel("training step (probed online)" if online else "training step (checkpoint)")
     if any(shown):
         ax_d.legend(fontsize=8, title="bars: 95% intervals", title_fontsize=8)
     else:
         _note(ax_d, "no checkpoint probed")
-    ax_d.xaxis.get_major_locator().set_params(integer=True)
+    if factors:
+        xs = sorted(factors)
+        axes[2].step(xs, [factors[x] for x in xs], where="post", color="C3", lw=1.2)
+        axes[2].axhline(1.0, color="black", lw=0.6)
+        axes[2].set_ylabel("lr factor\n(EntropyGuard)")
+        axes[2].set_ylim(bottom=0)
+    axes[-1].xaxis.get_major_locator().set_params(integer=True)
     fig.suptitle(title or "entropy over training: H and the predicted / measured change of the next step",
                  fontsize=10)
     return _save(fig, path)
+
+
+FORECAST_COLORS = {1: "C2", 5: "C4", 10: "C5"}
+
+
+def _forecasts(ax, rows: Sequence[Mapping]) -> None:
+    """Each row's ``forecast_H_k<k>`` drawn at step + k with its 95% interval (the logged entropy's)."""
+    for k in HORIZONS:
+        rs = [r for r in rows if math.isfinite(r.get(f"forecast_H_k{k}", math.nan))]
+        if not rs:
+            continue
+        x = np.array([r["step"] + k for r in rs], float)
+        y = np.array([r[f"forecast_H_k{k}"] for r in rs], float)
+        lo = np.array([r[f"forecast_H_k{k}_low"] for r in rs], float)
+        hi = np.array([r[f"forecast_H_k{k}_high"] for r in rs], float)
+        ax.errorbar(x, y, yerr=np.vstack([y - lo, hi - y]), fmt="s", ms=3, lw=0.8, capsize=2, alpha=0.8,
+                    color=FORECAST_COLORS.get(k, "C6"), label=f"forecast {k} step{'s' if k > 1 else ''} ahead (95%)")
 
 
 def _cell(v, fmt: str = "{:+.3g}") -> str:
@@ -188,13 +235,20 @@ def merged_history(log_history: Sequence[Mapping], history: Sequence[Mapping]) -
     return list(probed.values())
 
 
-def write_history(history: Sequence[Mapping], folder: str | Path, title: str = "") -> list[Path]:
+def write_history(history: Sequence[Mapping], folder: str | Path, title: str = "",
+                  log_history: Sequence[Mapping] | None = None) -> list[Path]:
     """The online probe's ``history`` as ``entprobe_over_steps.csv`` and ``.png`` in ``folder`` (the
-    trainer's output folder); their paths, none when nothing was probed."""
+    trainer's output folder); their paths, none when nothing was probed. ``log_history``: the trainer's
+    per-step log (``entropy``, and ``entprobe/guard_lr_factor`` of a guarded run): the realised entropy
+    beside the forecasts, and the lr factor's panel."""
     if not history:
         return []
-    rows, folder = history_rows(history), Path(folder)
+    logged = {int(h["step"]): float(h["entropy"]) for h in log_history or () if "entropy" in h and "step" in h}
+    factors = {int(h["step"]): float(h["entprobe/guard_lr_factor"]) for h in log_history or ()
+               if "entprobe/guard_lr_factor" in h and "step" in h}
+    rows, folder = history_rows(history, logged), Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     return [write_csv(rows, folder / (ONLINE_PREFIX + CSV_FILE)),
             plot(rows, folder / (ONLINE_PREFIX + PLOT_FILE), title=title or "online probe over training: H and "
-                 "the predicted / measured change of the probed step", online=True)]
+                 "the predicted / measured change of the probed step", online=True, logged=logged or None,
+                 factors=factors or None)]

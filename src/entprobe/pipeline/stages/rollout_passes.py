@@ -1,0 +1,196 @@
+"""The passes of the prediction on the step's own batch (``source="rollouts"``;
+math/rollout_ustat.py has the estimator): per prompt n of the batch, X_n and the objective's Y_n,
+and the dots the cross-prompt U-statistic needs, ``UnitDots``:
+
+    e_n = X_n . Delta theta_part (each part of the update),  X_n . J y,  Y_n . y,  X_n . J Y_n,  Y_n . J Xbar
+
+with y the gradient input of the step (minus the trainer's ``.grad``) and J the update's diagonal
+Jacobian in y (``StepModel.jacobian_times_into``; its diagonal is written once, ``J 1``).
+
+Pass 1 (phase ``rollouts_units``), per prompt: one forward (token entropies too, for X's per-token form
+and the entropy H at theta), the X backward (graph kept), the Y backward; the gradients are taken from
+``.grad`` without a copy and dotted on the model's device: the update's parts and ``J y`` in one read
+(``paramvec.dot_set``), ``Y_n . y``, ``X_n . J Y_n``, and the update without the prompt
+(``X_n . Delta theta(y_{-n})``). The X sum is kept (Xbar). Each Y_n is kept when all of them fit
+``probe.unit_grads_budget_mb``; then ``Y_n . J Xbar`` and Ybar (for the check that the objective
+reproduces the trainer's gradient) need no further pass. Otherwise pass 2 (phase ``rollouts_y``): the
+Y pass again with the projection onto ``J Xbar`` (``accumulate``'s per-unit projections and sum).
+Cost: 1 forward + 2 backward per sequence (+ 1 + 1 without the kept Y_n); a prompt whose Y weights
+are all 0 takes no Y backward.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from entprobe.math import paramvec as pv
+from entprobe.math.adamw import StepModel
+from entprobe.math.rollout_ustat import UnitDots, clip_coefficient
+from entprobe.rollouts.sampling import RolloutBatch
+from entprobe.pipeline.stages.accumulate import accumulate, check_grads, prepare_x, y_loss_of
+from entprobe.pipeline.stages.context import ProbeContext
+from entprobe.pipeline.stages.prediction import directions
+
+
+@dataclass
+class RolloutPasses:
+    dots: UnitDots
+    step_dots: list[float]  # Xbar . Delta theta_part, the step model's parts in order
+    ybar_norm: float  # |Ybar| of the objective's units (before any clipping)
+    ybar_dot_y: float  # Ybar . y
+    y_norm: float  # |y|
+    S: torch.Tensor  # [B, G] sequence log-probs at theta (CPU)
+    entropy: torch.Tensor | None  # [B, G, T] token entropies at theta (CPU)
+    kept_y: bool  # Y_n kept (no pass 2)
+    Xbar: pv.Buffer  # mean of the batch's X_n (model device)
+    residual: float  # |y - c Ybar|, the gradient the objective does not account for
+
+
+def _dot(a: pv.Buffer, b: pv.Buffer, c: pv.Buffer | None = None) -> torch.Tensor:
+    """``sum_i a_i (c_i) b_i`` as a 0-dim fp64 tensor on a's device (products in fp32 or wider)."""
+    total = torch.zeros((), dtype=torch.float64, device=a[0].device)
+    for i, (x, y) in enumerate(zip(a, b)):
+        dt = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
+        y = y.to(x.device, dt)
+        if c is not None:
+            y = y * c[i].to(x.device, dt)
+        total += torch.dot(x.reshape(-1).to(dt), y.reshape(-1)).double()
+    return total
+
+
+def _take_grads(ctx: ProbeContext) -> pv.Buffer:
+    """``.grad`` of every trainable parameter (zeros where None), detached; ``.grad`` left None."""
+    out = [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in ctx.params]
+    ctx.zero_grad()
+    return out
+
+
+def keeps_y(ctx: ProbeContext, B: int, budget_mb: float) -> bool:
+    """Whether the B prompts' Y_n (parameter-sized, the gradients' dtype) fit ``budget_mb``."""
+    per = sum(p.numel() * p.element_size() for p in ctx.params)
+    return B * per <= budget_mb * 2**20
+
+
+def _loo_input(ctx: ProbeContext, y: pv.Buffer, Y: pv.Buffer | None, c: float, k: float, B: int,
+               max_grad_norm: float | None, out: pv.Buffer) -> pv.Buffer:
+    """The step's gradient input without prompt n, written into ``out``: ``Ybar_{-n} =
+    ((B + k_n) Ybar - Y_n) / (B - 1)`` (``Ybar = y / c``; ``rollout_ustat.leave_one_out``; Y_n None:
+    0), clipped as the trainer clips (``clip_coefficient`` of its norm)."""
+    for i, (o, yt) in enumerate(zip(out, y)):
+        torch.mul(yt, (B + k) / c / (B - 1), out=o)
+        if Y is not None:
+            o.sub_(Y[i].to(o.dtype), alpha=1.0 / (B - 1))
+    scale = clip_coefficient(pv.norm(out), max_grad_norm)
+    if scale != 1.0:
+        pv.scale_(out, scale)
+    return out
+
+
+def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step_at: Callable[[pv.Buffer], StepModel],
+                   y: pv.Buffer, c: float, max_grad_norm: float | None, budget_mb: float) -> RolloutPasses:
+    """The per-prompt dots of the batch the optimizer is about to step on (module docstring).
+    ``y``: the step's gradient input (minus ``.grad``, on the model's device), ``c`` its clip
+    coefficient (``y = c Ybar``, 1 unclipped), ``max_grad_norm`` the trainer's clipping;
+    ``step_at(y')``: the update's model at another gradient input (the update without prompt n)."""
+    if step.jacobian_times_into is None:
+        raise ValueError(f"source=rollouts needs the update's Jacobian in closed form (AdamW or SGD without "
+                         f"clipping inside the optimizer); the step model here is {step.kind}")
+    if batch.B < 3 or batch.G < 2:
+        raise ValueError(f"source=rollouts: the batch has {batch.B} prompt(s) x {batch.G} response(s); the "
+                         "cross-prompt U-statistic needs >= 3 prompts and >= 2 responses each")
+    dev, B = ctx.device, batch.B
+    prepare_x(ctx, batch)  # token_mean's constants from the batch
+    coupling = ctx.objective.coupling
+    k = [0.0] * B if coupling is None else [float(v) for v in coupling]
+    moving = [p for p in step.names if p != "weight_decay"]  # the parts that depend on the gradient
+    with ctx.phase("step_parts"):  # the Jacobian's diagonal J 1; row 0: J y; rows 1..: the update's parts
+        jdiag = [torch.ones(local_shape, device=dev, dtype=torch.promote_types(ctx.buffers_dtype, torch.float32))
+                 for local_shape in (p.shape for p in ctx.params)]
+        step.jacobian_times_into([t.clone() for t in jdiag], jdiag)
+
+        def j_times_y(out):
+            for o, j, yt in zip(out, jdiag, y):
+                torch.mul(j, yt.to(o.dtype), out=o)
+        dset = directions(ctx, [j_times_y], step, dev)
+        loo_set = pv.empty_directions(len(moving), jdiag, dev, jdiag[0].dtype)
+        y_loo = [torch.empty_like(t) for t in jdiag]
+    # a prompt whose Y weights are all 0 (every advantage 0: a group of equal rewards) has Y_n = 0: no
+    # Y backward, and (uncoupled objectives) the same update without it as every other such prompt
+    zero_y = [not bool(ctx.y_weights(unit, "cpu").any()) for _, unit in batch.microbatches(1)]
+    keep = keeps_y(ctx, B - sum(zero_y), budget_mb)
+    Xsum = [torch.zeros_like(t) for t in jdiag]
+    rows, loo, yy, xjyn, kept = [None] * B, [None] * B, [None] * B, [None] * B, {}
+    S_all, ent_all = [None] * B, [None] * B
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    loo_of = None  # the prompt whose update without it loo_set holds (all zero-Y prompts share it)
+    order = sorted(range(B), key=lambda n: not zero_y[n])  # the zero-Y prompts first
+    ctx.zero_grad()
+    with ctx.phase("rollouts_units"):
+        for n in order:
+            unit = batch.select(n)
+            what = f"source=rollouts, prompt {n}"
+            with torch.enable_grad():
+                fwd = ctx.forward_S(unit, what, with_entropy=ctx.x.entropy)
+                x_loss = ctx.x.loss(fwd, unit)
+                if not x_loss.requires_grad:
+                    raise RuntimeError(f"{what}: the probe loss has no gradient path (autograd disabled, or "
+                                       "all parameters frozen?)")
+                x_loss.backward(retain_graph=not zero_y[n])
+                check_grads(ctx, f"{what} (X)")
+                X = _take_grads(ctx)
+                Y = None
+                if not zero_y[n]:
+                    ctx.y_loss(fwd.S, unit).backward()
+                    check_grads(ctx, f"{what} (Y)")
+                    Y = _take_grads(ctx)
+            ctx.stats.count("backward", (1 if zero_y[n] else 2) * unit.G)
+            rows[n] = pv.dot_set(X, dset)
+            shared = zero_y[n] and coupling is None
+            if not (shared and loo_of is not None):
+                step_at(_loo_input(ctx, y, Y, c, k[n], B, max_grad_norm, y_loo)).write(
+                    {p: loo_set.column(j) for j, p in enumerate(moving)})
+                loo_of = "zero" if shared else n
+            loo[n] = pv.dot_set(X, loo_set)
+            for a_, t in zip(Xsum, X):
+                a_.add_(t.to(a_.dtype))
+            if Y is None:
+                yy[n] = xjyn[n] = zero
+            else:
+                yy[n] = _dot(Y, y)
+                for x_, j_ in zip(X, jdiag):  # X is not needed any more: J X in place, then (J X) . Y
+                    x_.mul_(j_.to(x_.dtype))
+                xjyn[n] = _dot(X, Y)
+                if keep:
+                    kept[n] = Y
+            S_all[n] = fwd.S.detach().cpu()
+            if fwd.ent is not None:
+                ent_all[n] = fwd.ent.detach().cpu()
+            del X, Y, fwd, x_loss
+    del loo_set, y_loo
+    Xbar = pv.scale_(Xsum, 1.0 / B)
+    jx = [j.mul_(x.to(j.dtype)) for j, x in zip(jdiag, Xbar)]  # J Xbar, in J's buffer (no longer needed)
+    if keep or all(zero_y):
+        yjx = torch.stack([_dot(kept[n], jx) if n in kept else zero for n in range(B)])
+        Ybar = kept.pop(min(kept)) if kept else [torch.zeros_like(t) for t in jx]  # the sum, in a kept Y_n
+        for Y in kept.values():
+            for a_, t in zip(Ybar, Y):
+                a_.add_(t)
+        kept.clear()
+    else:
+        with ctx.phase("rollouts_y"):
+            acc = accumulate(ctx, batch, y_loss_of(ctx), "source=rollouts, Y . J Xbar",
+                             directions=pv.stack_directions([jx], dev), unit_backward="loop")
+        yjx, Ybar = acc.proj[:, 0].double(), acc.sum_buf
+    Ybar = pv.scale_(Ybar, 1.0 / B)
+    rows = torch.stack(rows).cpu()
+    e = rows[:, 1:]
+    e_loo = e.clone()
+    e_loo[:, [step.names.index(p) for p in moving]] = torch.stack(loo).cpu()
+    dots = UnitDots(e, rows[:, 0], torch.stack(yy).cpu(), yjx.cpu(), torch.stack(xjyn).cpu(), e_loo)
+    step_dots = [float(v) for v in pv.dot_set(Xbar, dset)[1:]]
+    residual = sum(float(torch.linalg.vector_norm(yt - c * Yt.to(yt.device, yt.dtype), dtype=torch.float64)) ** 2
+                   for yt, Yt in zip(y, Ybar)) ** 0.5
+    return RolloutPasses(dots, step_dots, pv.norm(Ybar), float(_dot(Ybar, y)), pv.norm(y), torch.cat(S_all),
+                         torch.cat(ent_all) if ent_all[0] is not None else None, keep, Xbar, residual)

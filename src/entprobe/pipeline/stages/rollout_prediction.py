@@ -1,0 +1,167 @@
+"""The prediction of the step's entropy change from the step's own batch (``source="rollouts"``): the
+passes (stages/rollout_passes.py), the check that the objective reproduces the trainer's gradient,
+the cross-prompt U-statistic by part of the update (math/rollout_ustat.py), and H at theta with its
+per-prompt influence.
+
+What each number estimates (docs/online.md):
+- ``deltaH_pred`` (``-(1/B) sum_n X_n . Delta theta(y_{-n})``): the change of the population's entropy
+  functional (over the task's prompts, not the batch's) by the step the optimizer takes, to first order;
+- ``SE_deltaH_pred`` / ``ci95_pred_*``: of that change for the step taken (its gradient fixed: the X
+  side), Student-t with B - 1 degrees of freedom;
+- ``SE_deltaH_pred_expected`` / ``ci95_pred_expected_*``: of the expected step's change (a fresh batch's
+  step: both sides, the U-statistic's jackknife);
+- ``deltaH_pred_<part>``: gradient, momentum, weight decay (the cross-prompt correction is the
+  gradient part's: the other parts do not depend on the batch's Y);
+- ``deltaH_pred_plain``: ``-Xbar . Delta theta``, biased by each prompt's own X_n . Y_n;
+- ``H_orig`` +- ``SE_H_orig``: the functional at theta on the batch (token_mean: TRL's ``entropy``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from entprobe.config import ConfigError, EntprobeConfig
+from entprobe.math import estimators as est
+from entprobe.math import paramvec as pv
+from entprobe.math import token_functionals as tf
+from entprobe.math.adamw import StepModel
+from entprobe.math.forecast import ForecastInputs
+from entprobe.math.rollout_ustat import (CrossPrompt, KernelTerms, clip_coefficient, clip_projection, cross_prompt,
+                                         kernel_terms, standard_errors, unit_mean_rows, zero_terms)
+from entprobe.pipeline.stages.context import ProbeContext
+from entprobe.pipeline.stages.rollout_passes import rollout_passes
+from entprobe.pipeline.stages.x_spec import XSpec
+from entprobe.rollouts import objectives as ob
+from entprobe.rollouts.sampling import RolloutBatch
+
+# |y - c Ybar| / |y| above this: the objective's gradient is not the one in .grad (another loss, or
+# a different normalisation); rounding of a fp32 or bf16 backward is far below it
+GRADIENT_MISMATCH = 0.05
+
+
+@dataclass
+class RolloutPrediction:
+    res: dict
+    parts: dict[str, CrossPrompt]  # the U-statistic by part of the update (sum: the whole)
+    kt: KernelTerms  # the gradient part's kernel terms (b: the Y side of a fresh step)
+    h_units: torch.Tensor  # [B] per-prompt linearised values of H (mean: H_orig)
+    B: int
+    Xbar: pv.Buffer  # the batch's mean X (model device)
+    forecast: ForecastInputs | None = None  # set by the caller (forecast_inputs)
+
+
+def functional_units(x: XSpec, S: torch.Tensor, ent: torch.Tensor | None, m: torch.Tensor) -> torch.Tensor:
+    """Per prompt [B] values f_n whose mean is the functional's estimate at theta
+    (``x_spec.functional_value``) and whose spread is its influence: ``token_mean`` (a ratio
+    ``Nbar / Dbar`` of the per-prompt token-entropy sums and lengths): ``H + (N_n - H D_n) / Dbar``;
+    the other token functionals: each prompt's mean of ``functional_values``; the score forms:
+    ``-mean_g S_w``."""
+    m = m.double()
+    if x.mode in tf.TOKEN_MODES or (x.tokens and ent is not None):
+        if x.mode == "token_mean":
+            N = (ent.double() * m).sum(-1).mean(-1)
+            Dn = m.sum(-1).mean(-1)
+            H = N.mean() / Dn.mean()
+            return H + (N - H * Dn) / Dn.mean()
+        return tf.functional_values(ent, m, x.mode).mean(-1)
+    L = m.sum(-1)
+    return -est.weighted_S(S.double(), L, L.amax(-1), x.mode).mean(-1)
+
+
+def clip_of(y_norm: float, max_grad_norm: float | None, grad_norm: float | None) -> float:
+    """The clip coefficient ``c`` of the step (``y = c Ybar``): 1 without clipping; from the norm before
+    clipping (``grad_norm``: what ``clip_grad_norm_`` returns) when given; 1 when ``|y|`` is clearly
+    below ``max_grad_norm`` (a clipped gradient has that norm to 1e-6); else unknown: a ConfigError."""
+    if not max_grad_norm:
+        return 1.0
+    if grad_norm is not None:
+        if not (math.isfinite(grad_norm) and grad_norm >= 0):
+            raise ConfigError(f"grad_norm={grad_norm!r}: the gradient's norm before clipping, a finite number >= 0")
+        return clip_coefficient(float(grad_norm), max_grad_norm)
+    if y_norm < max_grad_norm * (1 - 1e-4):
+        return 1.0
+    raise ConfigError(f"source=rollouts: the gradient's norm {y_norm:.6g} is at max_grad_norm={max_grad_norm:g}: it "
+                      "was clipped, and the prediction needs the norm before clipping: pass grad_norm=<what "
+                      "torch.nn.utils.clip_grad_norm_ returned> to before_step")
+
+
+def predict_on_rollouts(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step_at, y: pv.Buffer,
+                        max_grad_norm: float | None, grad_norm: float | None, budget_mb: float) -> RolloutPrediction:
+    """The cross-prompt prediction of the step about to be taken on ``batch`` (module docstring):
+    ``y`` is minus the gradient in ``.grad`` (after any clipping: ``max_grad_norm``, the trainer's,
+    and ``grad_norm``, the norm before it), ``ctx.objective`` the trainer's loss bound to the batch
+    (its Y_n), ``step_at(y')`` the update's model at another gradient input."""
+    y_norm = pv.norm(y)
+    c = clip_of(y_norm, max_grad_norm, grad_norm)
+    rp = rollout_passes(ctx, batch, step, step_at, y, c, max_grad_norm, budget_mb)
+    residual = rp.residual / rp.y_norm if rp.y_norm > 0 else (0.0 if rp.ybar_norm == 0 else math.inf)
+    if not residual <= GRADIENT_MISMATCH:
+        scale = rp.ybar_dot_y / rp.ybar_norm ** 2 if rp.ybar_norm > 0 else math.nan
+        hint = (f"; it is the objective's times {scale:.3g}: was it clipped (pass max_grad_norm and grad_norm) or "
+                "scaled?" if math.isfinite(scale) and abs(scale * rp.ybar_norm - rp.y_norm) <= GRADIENT_MISMATCH * rp.y_norm
+                else "")
+        raise ConfigError(f"source=rollouts: the gradient in .grad is not the objective {ctx.objective.name}'s on the "
+                          f"batch given (relative difference {residual:.3g}{hint}): the prediction needs each prompt's "
+                          "part of the loss; set the objective to the trainer's loss (objective.preset / loss_type), "
+                          "give the batch the step was computed on, with its advantages")
+    d = rp.dots
+    kt = kernel_terms(d, rp.y_norm, c, clip_projection(rp.ybar_norm, max_grad_norm), ctx.objective.coupling)
+    names = step.names
+    parts = {}
+    for j, name in enumerate(names):  # the linearised Y-dependence is the gradient part's
+        parts[name] = cross_prompt(d.e_loo[:, j], d.e[:, j], kt if name == "gradient" else zero_terms(d.e[:, j]))
+    whole = cross_prompt(d.e_loo.sum(1), d.e.sum(1), kt)
+    se = standard_errors(whole)
+    B = batch.B
+    res = {"source": "rollouts", "deltaH_pred": whole.U, "pred/step_model": step.kind,
+           "deltaH_pred_plain": -sum(rp.step_dots), "rollouts/B": B, "rollouts/G": batch.G,
+           "rollouts/clip_coef": c, "rollouts/grad_residual": residual, "rollouts/kept_y": rp.kept_y,
+           "SE_deltaH_pred": se["SE_step"], "SE_deltaH_pred_expected": se["SE_expected"],
+           "SE_deltaH_pred_plugin": se["SE_plugin"], "B_E": B, "G": batch.G}
+    res["ci95_pred_low"], res["ci95_pred_high"] = est.interval(whole.U, se["SE_step"], B - 1)
+    res["ci95_pred_expected_low"], res["ci95_pred_expected_high"] = est.interval(whole.U, se["SE_expected"], B - 1)
+    if len(names) > 1:
+        res.update({f"deltaH_pred_{k}": p.U for k, p in parts.items()})
+    h = functional_units(ctx.x, rp.S, rp.entropy, batch.response_mask)
+    res["H_orig"], res["SE_H_orig"] = float(h.mean()), math.sqrt(est.mean_variance(h))
+    return RolloutPrediction(res, parts, kt, h, B, rp.Xbar)
+
+
+def rollouts_prediction(ctx: ProbeContext, cfg: EntprobeConfig, batch: RolloutBatch, step: StepModel, step_at,
+                        y: pv.Buffer, max_grad_norm: float | None, grad_norm: float | None) -> RolloutPrediction:
+    """``predict_on_rollouts`` with the objective of ``cfg.objective`` bound to ``batch`` (its
+    advantages as given: the trainer's), checked to be a batch the probe can read."""
+    if batch.temperature != cfg.sampling.temperature:
+        raise ConfigError(f"source=rollouts: the batch was sampled at temperature {batch.temperature}, the probe's "
+                          f"log-probs use sampling.temperature={cfg.sampling.temperature}: make them agree")
+    if not bool(torch.isfinite(batch.advantages).all()):
+        raise ValueError("source=rollouts: the batch's advantages hold NaN/Inf")
+    ctx.objective = ob.bind(cfg.objective, batch.rewards, batch.gen_lengths, cfg.sampling.max_new_tokens)
+    return predict_on_rollouts(ctx, batch, step, step_at, y, max_grad_norm, grad_norm, cfg.probe.unit_grads_budget_mb)
+
+
+def forecast_inputs(ro: RolloutPrediction, optimizer: torch.optim.Optimizer, params, y: pv.Buffer) -> ForecastInputs:
+    """math/forecast.py's inputs from the rollouts' prediction and the optimizer: AdamW's betas and
+    step count (plain SGD: no momentum, no denominator), ``kappa_c = sum y^2 / sum v_hat_1`` with
+    ``v_hat_1 = (beta2 v + (1 - beta2) y^2) / (1 - beta2^(t+1))`` (the second moment after this step),
+    the fresh step's variance ``Var(b_n) / B`` (the gradient part's Y side) and H's."""
+    g = optimizer.param_groups[0]
+    adam = "betas" in g
+    beta1, beta2 = (float(g["betas"][0]), float(g["betas"][1])) if adam else (0.0, 0.0)
+    t, kappa = 0.0, 1.0
+    if adam:
+        states = [optimizer.state.get(p) or {} for p in params]
+        t = max((float(s["step"]) for s in states if "step" in s), default=0.0)
+        v_sum = sum(float(s["exp_avg_sq"].sum(dtype=torch.float64)) for s in states if "exp_avg_sq" in s)
+        y2 = pv.norm(y) ** 2
+        v_hat = (beta2 * v_sum + (1 - beta2) * y2) / (1 - beta2 ** (t + 1))
+        kappa = y2 / v_hat if v_hat > 0 else 1.0
+    zero = torch.zeros(ro.B, dtype=torch.float64)
+    part = lambda name: ro.parts[name] if name in ro.parts else None  # noqa: E731
+    val = lambda name: (part(name).U, part(name).rows) if part(name) is not None else (0.0, zero)  # noqa: E731
+    (gv, gr), (mv, mr), (wv, wr) = val("gradient"), val("momentum"), val("weight_decay")
+    b = ro.kt.b
+    return ForecastInputs(ro.res["H_orig"], unit_mean_rows(ro.h_units), gv, gr, mv, mr, wv, wr,
+                          est.mean_variance(b), est.mean_variance(ro.h_units), t, beta1, beta2, kappa, ro.B - 1)

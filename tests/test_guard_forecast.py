@@ -1,0 +1,80 @@
+"""EntropyGuard on the forecast (``horizon=K``): the rule on forecasts given by hand, the refusals,
+and a guarded run of ``python -m entprobe.train`` whose decisions carry the forecast they acted on,
+logged with them and drawn in the over-steps plot's lr-factor panel."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from entprobe.config import ConfigError
+from entprobe.integrations.guard import GuardRule, decide_with_forecast
+from entprobe.integrations.grpo_trainer import TrainArgs, check_args, train
+from entprobe.reporting import over_steps as OS
+
+
+def pending(H: float, dH: dict[int, float], se: float):
+    """A pending prediction whose forecast k steps ahead at factor f is ``H + f dH[k]`` with the
+    population interval ``+- 2 se`` (not floored: the rule reads dH and the bounds)."""
+    def at(k, f):
+        d = f * dH[k]
+        return {"H": H + d, "dH": d, "pop_low": H + d - 2 * se, "pop_high": H + d + 2 * se}
+    return SimpleNamespace(deltaH_pred=dH[1], SE=se, H=H, forecast=at)
+
+
+def test_a_resolved_crossing_within_the_horizon_cuts_to_keep_the_forecast_on_the_floor():
+    rule = GuardRule(floor=0.5, horizon=5)
+    dH = {1: -0.02, 2: -0.05, 3: -0.2, 4: -0.3, 5: -0.4}  # 1.0 -> 0.6 in 5 steps at full lr
+    dec = decide_with_forecast(rule, 7, pending(0.8, dH, 0.02), 1.0)
+    # H + dH_5 + 2 se = 0.44 < 0.5: resolved at k = 5 (the first k whose bound is below); the factor
+    # keeps H + f dH_k >= 0.5 for every k: f = min((0.5 - 0.8) / dH_k) = 0.3 / 0.4
+    assert dec.action == "cut" and dec.factor == pytest.approx(0.75, rel=1e-12)
+    assert dec.forecast.k == 5 and dec.forecast.resolved and dec.forecast.high == pytest.approx(0.44)
+    assert "forecast 5 step(s) ahead H 0.4" in dec.line(rule) and "within horizon 5" in dec.reason
+    # the same forecast with a horizon of 4 does not cross (0.5 at k = 4 is the floor's own value)
+    assert decide_with_forecast(GuardRule(floor=0.5, horizon=4), 7, pending(0.8, dH, 0.02), 1.0).action != "cut"
+
+
+def test_noise_is_not_acted_on_and_a_rise_into_a_crossing_is_held():
+    rule = GuardRule(floor=0.5, horizon=5, recovery=2.0)
+    dH = {k: -0.1 * k for k in range(1, 6)}  # the point reaches 0.3 at k = 5 ...
+    wide = pending(0.8, dH, 0.2)  # ... but every interval holds the floor
+    dec = decide_with_forecast(rule, 3, wide, 0.4)
+    # the one-step rule would recover 0.4 -> 0.8; the point forecasts allow 0.3 / 0.5 = 0.6 at most
+    assert not dec.forecast.resolved and dec.action == "recover" and dec.factor == pytest.approx(0.6)
+    dec = decide_with_forecast(rule, 3, wide, 0.7)  # already above what the forecast allows: held
+    assert dec.action == "hold" and dec.factor == 0.7
+    rising = pending(0.8, {k: 0.01 * k for k in range(1, 6)}, 0.2)
+    assert decide_with_forecast(rule, 3, rising, 0.4).factor == pytest.approx(0.8)  # nothing falls: recovery
+    below = pending(0.4, {k: -0.01 * k for k in range(1, 6)}, 0.01)  # already under the floor and falling
+    assert decide_with_forecast(rule, 3, below, 1.0).factor == rule.min_factor
+
+
+def test_refusals():
+    with pytest.raises(ConfigError, match="horizon=5 keeps the forecast above the floor: give floor"):
+        GuardRule(max_decay=0.1, horizon=5)
+    with pytest.raises(ConfigError, match="horizon=2.5: must be the steps ahead"):
+        GuardRule(floor=0.1, horizon=2.5)
+    with pytest.raises(ConfigError, match="--guard-horizon=5: .* --probe-source rollouts"):
+        check_args(TrainArgs(out="/nonexistent-run", probe_every=1, guard_floor=0.2, guard_horizon=5))
+
+
+def test_a_guarded_run_logs_each_decision_with_its_forecast(tmp_path):
+    """The built-in model's entropy sits near 0.4 (token_mean): a floor of 0.45 with a horizon of 5
+    is crossed already, resolved, so the guard cuts to min_factor at its first probe and holds it while
+    the forecasts stay below; each decision's forecast is logged and the plot has the factor's panel."""
+    hist = []
+    train(TrainArgs(out=str(tmp_path / "run"), steps=6, save_every=6, probe_every=1, probe_source="rollouts",
+                    probe_B_E=0, guard_floor=0.45, guard_horizon=5), log=lambda line: None, on_step=hist.append)
+    decided = [h for h in hist if "entprobe/guard_action" in h]
+    assert decided and all("entprobe/guard_forecast_H" in h for h in decided)
+    cut = [h for h in decided if h["entprobe/guard_action"] < 0]
+    assert cut, [(h["entprobe/H_orig"], h["entprobe/guard_forecast_high"]) for h in decided]
+    for h in cut:
+        assert h["entprobe/guard_forecast_high"] < 0.45 and h["entprobe/guard_lr_factor"] == pytest.approx(0.05)
+    rows = OS.read_csv(tmp_path / "run" / (OS.ONLINE_PREFIX + OS.CSV_FILE))
+    factors = {r["step"]: r["guard_lr_factor"] for r in rows}
+    assert all(factors[h["step"]] == pytest.approx(h["entprobe/guard_lr_factor"]) for h in decided)
+    assert all(math.isfinite(r["forecast_H_k5"]) and math.isfinite(r["H_logged"]) for r in rows)
+    assert (tmp_path / "run" / (OS.ONLINE_PREFIX + OS.PLOT_FILE)).stat().st_size > 10_000
