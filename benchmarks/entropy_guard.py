@@ -173,6 +173,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         for name in a.runs.split(","):
             runs[name] = run(out, a, None if name in ("unguarded", "lower_lr") else guard, name)
+            r = runs[name]  # as each run ends: a long run's figures are not lost to a later one's failure
+            print(f"[{name}] done in {r['wall']:.0f} s: entropy by step "
+                  + " ".join(f"{h['entropy']:.2f}" for h in r["logs"]), flush=True)
     print(f"{a.steps} steps at lr {a.lr} (constant), B = {a.B} prompts x G = 4, B_E = {a.B_E}; guard {guard}, "
           f"every {a.guard_every}")
     for name, r in runs.items():
@@ -194,8 +197,9 @@ def main() -> None:
               f"{q['sign_resolved']:.1%} of the {q['both_resolved']} where both 95% intervals exclude 0")
         print(f"  coverage: paired 95% interval holds 0 in {q['paired_holds_0']:.1%}; measured inside the "
               f"prediction's 95% interval in {q['true_in_pred_ci']:.1%}")
-    for d in runs.get("guarded", {"decisions": []})["decisions"][:a.show]:
-        print(f"  step {d.step}: {d.action} x{d.factor:.3g}: {d.reason}")
+    for name in ("guarded", "forecast"):
+        for d in runs.get(name, {"decisions": []})["decisions"][:a.show]:
+            print(f"  {name} step {d.step}: {d.action} x{d.factor:.3g}: {d.reason}")
     if a.out:
         plot(runs, a, a.out)
         print(f"figure: {a.out}")
