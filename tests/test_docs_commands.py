@@ -151,6 +151,10 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --model smollm2 --steps 50 --lr 3e-4 --B 4 --B-E 4 "
     "--max-new 8 --probe-every 5 --guard-every 2 --floor 0.2 --max-decay 0.02 --show 30 "
     "--out docs/img/entropy_guard_smollm2.png": ("slow", ""),
+    # docs/uncertainty.md (the Rao-Blackwellised X's gain and the variance left)
+    ".venv/bin/python benchmarks/bench_rao_blackwell.py": ("slow", ""),
+    ".venv/bin/python benchmarks/bench_rao_blackwell.py --model smollm2 --ckpt /tmp/smollm2_adamw --max-new 32 256 "
+    "--reps 0": ("slow", ""),
     # docs/forecast.md (its figures: 9 runs of 60 steps, minutes; a short run of the same script is tested)
     "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py": ("slow", ""),
     # docs/planning.md (all four run in order by one test)
