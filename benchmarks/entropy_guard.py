@@ -105,15 +105,19 @@ def plot(runs: dict, a, path: str) -> None:
         c = colors[name]
         ax[0].plot(steps, [h["entropy"] for h in r["logs"]], color=c, label=f"{name}: token entropy of the step's completions")
         hist = [h for h in r["history"] if math.isfinite(h.get("H_orig", math.nan))]
+        where = "the step's own batch" if name == "forecast" else "held-out E"
         ax[0].plot([h["step"] for h in hist], [h["H_orig"] for h in hist], color=c, ls=":", lw=1.2,
-                   label=f"{name}: probe's H on held-out E (the guard's)")
+                   label=f"{name}: probe's H on {where}")
         rew = [h["reward"] for h in r["logs"]]
         smooth = [statistics.mean(rew[max(0, i - 4):i + 1]) for i in range(len(rew))]
         ax[1].plot(steps, smooth, color=c, label=f"{name}: mean of the last 10 steps {statistics.mean(rew[-10:]):.3f}")
         ax[2].plot(range(1, len(r["lrs"]) + 1), r["lrs"], color=c, label=name, drawstyle="steps-mid")
+    for name in ("guarded", "forecast"):
+        cut_steps = [d.step for d in runs[name]["decisions"] if d.action == "cut"] if name in runs else []
+        if cut_steps:
+            ax[2].scatter(cut_steps, [runs[name]["lrs"][s - 1] for s in cut_steps], marker="v", color=colors[name],
+                          s=18, zorder=3, label=f"{name}: a cut (resolved past the band's edge or the floor)")
     cuts = [d.step for d in runs["guarded"]["decisions"] if d.action == "cut"] if "guarded" in runs else []
-    ax[2].scatter(cuts, [runs["guarded"]["lrs"][s - 1] for s in cuts], marker="v", color="tab:blue", s=18, zorder=3,
-                  label="guarded: a cut (the step's prediction resolved past the band's edge)")
     if cuts:
         first = runs["guarded"]["decisions"][0].step
         for i in (0, 1):
@@ -125,7 +129,7 @@ def plot(runs: dict, a, path: str) -> None:
     ax[0].set_ylabel("entropy (nats/token)")
     ax[0].legend(fontsize=7, loc="upper right")
     ax[1].set_ylabel("reward, exact answers\n(running mean of 5 steps)")
-    ax[1].set_ylim(-0.02, 0.6)
+    ax[1].set_ylim(-0.02, 1.05)
     ax[1].legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0.88))
     ax[2].set_yscale("log")
     ax[2].set_ylabel("lr of the step taken")
@@ -167,6 +171,7 @@ def main() -> None:
                     "dr_grpo; the online probe's default is token_mean)")
     ap.add_argument("--show", type=int, default=0, help="print the guard's first N decisions")
     ap.add_argument("--out", default=None, help="the figure (png); none: not plotted")
+    ap.add_argument("--json", default=None, help="write each run's per-step entropy, reward, lr and decisions here")
     a = ap.parse_args()
     guard = {"floor": a.floor, "max_decay": a.max_decay, "z": a.z, "min_factor": a.min_factor}
     runs = {}
@@ -200,6 +205,16 @@ def main() -> None:
     for name in ("guarded", "forecast"):
         for d in runs.get(name, {"decisions": []})["decisions"][:a.show]:
             print(f"  {name} step {d.step}: {d.action} x{d.factor:.3g}: {d.reason}")
+    if a.json:
+        import json
+
+        keep = ("step", "entropy", "reward")
+        Path(a.json).write_text(json.dumps({name: {
+            "logs": [{k: h[k] for k in keep if k in h} for h in r["logs"]], "lrs": r["lrs"], "wall_s": r["wall"],
+            "probe_s": r["probe_s"], "decisions": [[d.step, d.action, d.factor, d.reason] for d in r["decisions"]],
+            "probes": [{k: v for k, v in h.items() if isinstance(v, (int, float, str, bool))} for h in r["history"]]}
+            for name, r in runs.items()}, default=str))
+        print(f"runs: {a.json}")
     if a.out:
         plot(runs, a, a.out)
         print(f"figure: {a.out}")

