@@ -158,8 +158,14 @@ COVERAGE: dict[str, tuple[str, str]] = {
     ".venv/bin/python benchmarks/bench_rao_blackwell.py": ("slow", ""),
     ".venv/bin/python benchmarks/bench_rao_blackwell.py --model smollm2 --ckpt /tmp/smollm2_adamw --max-new 32 256 "
     "--reps 0": ("slow", ""),
+    "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --model smollm2 --steps 50 --lr 3e-4 --B 4 --B-E 4 "
+    "--max-new 8 --probe-every 10 --guard-every 2 --floor 0.5 --horizon 5 --runs unguarded,forecast,lower_lr "
+    "--lower-lr 3e-5 --weighting-mode token_mean --show 30 --json /tmp/guard_smollm2.json "
+    "--out docs/img/entropy_guard_smollm2_forecast.png": ("slow", ""),
     # docs/forecast.md (its figures: 9 runs of 60 steps, minutes; a short run of the same script is tested)
     "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py": ("slow", ""),
+    "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py --model smollm2 --lrs 3e-5 --seeds 0 --steps 40 "
+    "--B 4 --max-new 8": ("slow", ""),
     # docs/planning.md (all four run in order by one test)
     ".venv/bin/python -m entprobe.main batch.B_E=8 batch.B_U=8 hydra.run.dir=outputs/pilot":
         ("run", "tests/test_plan.py::test_planning_doc_commands_run_verbatim"),
