@@ -164,7 +164,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "--out docs/img/entropy_guard_smollm2_forecast.png": ("slow", ""),
     # docs/forecast.md (its figures: 9 runs of 60 steps, minutes; a short run of the same script is tested)
     "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py": ("slow", ""),
-    "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py --model smollm2 --lrs 3e-5 --seeds 0 --steps 40 "
+    "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py --model smollm2 --lrs 3e-5,1e-5 --seeds 0 --steps 40 "
     "--B 4 --max-new 8": ("slow", ""),
     # docs/planning.md (all four run in order by one test)
     ".venv/bin/python -m entprobe.main batch.B_E=8 batch.B_U=8 hydra.run.dir=outputs/pilot":
