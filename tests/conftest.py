@@ -194,33 +194,45 @@ class UnitRecord:
 
 
 @contextlib.contextmanager
-def recording_units():
-    """Inside the block, a two-batch run with ``probe.projection=backward`` on one process records
-    the magnitudes of its per-unit projections (``UnitRecord.split(B_E)`` after the run): each
-    unit's gradient meets the directions in ``variance.project_backward``'s ``pv.dot_set``, where
-    the recorder sees the same tensors and also sums ``|V_n,i| |d_j,i|`` (in fp64)."""
+def dot_set_spy(module, record):
+    """Inside the block, ``module.pv`` is paramvec with a ``dot_set(a, dset)`` that first calls
+    ``record(a, dset)`` (it sees the same tensors the stage dots) and then returns paramvec's."""
     from entprobe.math import paramvec as pv
-    from entprobe.pipeline.stages import variance
 
-    rec = UnitRecord()
-
-    class Recorder:
+    class Spy:
         def __getattr__(self, name):
             return getattr(pv, name)
 
         @staticmethod
         def dot_set(a, dset):
-            rec.rows.append(torch.tensor([sum(float((x.detach().double().reshape(-1).abs()
-                                                     * dset.block(i)[j].double().abs()).sum()) for i, x in enumerate(a))
-                                          for j in range(dset.k)], dtype=torch.float64))
-            rec.N = sum(x.numel() for x in a)
+            record(a, dset)
             return pv.dot_set(a, dset)
 
-    variance.pv = Recorder()
+    module.pv = Spy()
     try:
-        yield rec
+        yield
     finally:
-        variance.pv = pv
+        module.pv = pv
+
+
+@contextlib.contextmanager
+def recording_units():
+    """Inside the block, a two-batch run with ``probe.projection=backward`` on one process records
+    the magnitudes of its per-unit projections (``UnitRecord.split(B_E)`` after the run): each
+    unit's gradient meets the directions in ``variance.project_backward``'s ``pv.dot_set``, where
+    the recorder sees the same tensors and also sums ``|V_n,i| |d_j,i|`` (in fp64)."""
+    from entprobe.pipeline.stages import variance
+
+    rec = UnitRecord()
+
+    def record(a, dset):
+        rec.rows.append(torch.tensor([sum(float((x.detach().double().reshape(-1).abs()
+                                                 * dset.block(i)[j].double().abs()).sum()) for i, x in enumerate(a))
+                                      for j in range(dset.k)], dtype=torch.float64))
+        rec.N = sum(x.numel() for x in a)
+
+    with dot_set_spy(variance, record):
+        yield rec
 
 
 @pytest.fixture

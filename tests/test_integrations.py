@@ -21,7 +21,7 @@ pytest.importorskip("datasets")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from online_probe import build_trainer  # noqa: E402
 
-from conftest import U32, fp_tol, se_tol  # noqa: E402
+from conftest import U32, dot_set_spy, fp_tol, se_tol  # noqa: E402
 from entprobe.config import ConfigError  # noqa: E402
 from entprobe.integrations import EntropyProbeCallback, OnlineProbe  # noqa: E402
 
@@ -256,33 +256,25 @@ def loop_magnitudes():
     prompt, the prompt's projection the difference of two such dots) record, per prompt and
     direction, ``sum_i |X_n,i d_i|`` (``unit``: the prompt's own gradient, the difference of the
     running sums) and the running sums' ``sum_i |G_n,i d_i| + |G_n-1,i d_i|`` (``running``)."""
-    from entprobe.math import paramvec as pv
     from entprobe.pipeline.stages import accumulate
 
     out = {"unit": [], "running": [], "N": 0}
     prev = [None, None]
 
-    class Recorder:
-        def __getattr__(self, name):
-            return getattr(pv, name)
+    def record(a, dset):
+        g = torch.cat([x.detach().double().reshape(-1) for x in a])
+        d = torch.stack([torch.cat([dset.block(i)[j].double().reshape(-1) for i in range(len(a))])
+                         for j in range(dset.k)]).abs()
+        run = d @ g.abs()
+        last, last_run = (prev[0], prev[1]) if prev[0] is not None else (torch.zeros_like(g), 0.0)
+        out["unit"].append(d @ (g - last).abs())  # one backward's gradient: the running sum's increase
+        out["running"].append(run + last_run)
+        prev[0], prev[1], out["N"] = g, run, g.numel()
 
-        @staticmethod
-        def dot_set(a, dset):
-            g = torch.cat([x.detach().double().reshape(-1) for x in a])
-            d = torch.stack([torch.cat([dset.block(i)[j].double().reshape(-1) for i in range(len(a))])
-                             for j in range(dset.k)]).abs()
-            run = d @ g.abs()
-            last, last_run = (prev[0], prev[1]) if prev[0] is not None else (torch.zeros_like(g), 0.0)
-            out["unit"].append(d @ (g - last).abs())  # one backward's gradient: the running sum's increase
-            out["running"].append(run + last_run)
-            prev[0], prev[1], out["N"] = g, run, g.numel()
-            return pv.dot_set(a, dset)
-
-    accumulate.pv = Recorder()
     try:
-        yield out
+        with dot_set_spy(accumulate, record):
+            yield out
     finally:
-        accumulate.pv = pv
         out["unit"], out["running"] = torch.stack(out["unit"]), torch.stack(out["running"])
 
 

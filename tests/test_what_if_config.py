@@ -4,6 +4,7 @@ only when set, the config is off by default and each bad value is one ConfigErro
 each setting paired with its prediction (a deterministic computation on committed inputs)."""
 from __future__ import annotations
 
+import math
 import shlex
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from entprobe.config import ConfigError, EntprobeConfig, WhatIfConfig, register_configs
-from entprobe.pipeline.config_checks import validate
+from entprobe.pipeline.config_checks import WHAT_IF_MAX, validate
 from entprobe.pipeline.stages.what_if import KL_COV_NOTE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +119,15 @@ def test_bad_what_if_values_are_one_config_error_naming_the_key(what_if, key):
 
 
 def test_what_if_scales_up_to_the_limit_pass():
-    validate(_cfg(lr_factors=[1e6], entropy_coef=[1e6, 0.0]))
+    """The limit itself is accepted, with measure on (the case it guards) and off; the next float
+    above it is refused naming it."""
+    assert WHAT_IF_MAX == 1e6
+    for measure in (False, True):
+        cfg = _cfg(lr_factors=[WHAT_IF_MAX], entropy_coef=[WHAT_IF_MAX, 0.0], measure=measure)
+        assert validate(cfg) is None
+        assert list(cfg.probe.what_if.lr_factors) == [WHAT_IF_MAX]  # validate leaves the values as given
+    with pytest.raises(ConfigError, match=r"^probe.what_if.lr_factors: has 1000000.0000000001; give values <= 1e\+06"):
+        validate(_cfg(lr_factors=[math.nextafter(WHAT_IF_MAX, math.inf)], measure=True))
 
 
 def test_token_selecting_settings_are_refused_under_torchrun_before_the_passes(monkeypatch):
