@@ -105,6 +105,7 @@ class Stage12:
     step_terms: torch.Tensor  # per parameter tensor: Xbar . Delta theta (all parts; the attribution)
     E_token_logp: torch.Tensor | None = None  # [B_E, G, T] this rank's E token log-probs at theta
     step_facts: dict = dataclasses.field(default_factory=dict)  # the step model's, lr-free (clipping's factor)
+    x_constants: tuple[float, float] = (0.0, 1.0)  # X's (kappa, scale) (token_mean's; lr-free): the measured side pairs with them
 
     def at_lr(self, lr: float) -> "Stage12":
         """The same Stages 1-2 at another lr: the lr-linear values times ``lr / self.lr``."""

@@ -17,6 +17,8 @@ changes reported as 0 exactly (not with ``probe.what_if``, whose other settings'
 """
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 from typing import Callable
 
@@ -113,7 +115,7 @@ def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Ge
     return Stage12(geo.lr, list(ctx.names), Ybar, Xbar, B_E, B_U, accY.S, accY.token_logp, accX.S, accX.entropy,
                    terms, nX, nPY, nh_dot, step.names, step.kind, step_dots, a, b, mode,
                    unit_bwd if (mode in ("stored", "fused") or keep_u) and pcfg.variance_enabled else None,
-                   step_terms, accX.token_logp, step.facts)
+                   step_terms, accX.token_logp, step.facts, (ctx.x.kappa, ctx.x.scale))
 
 
 def stage12_of(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometry, pcfg, icfg,
@@ -127,7 +129,7 @@ def stage12_of(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Geometr
         with ctx.phase("stage12_load"):
             stored = share.load(ctx)
         if stored is not None:
-            prepare_x(ctx, E)  # token_mean's constants, which the measured side pairs with (not stored)
+            ctx.x = dataclasses.replace(ctx.x, kappa=stored.x_constants[0], scale=stored.x_constants[1])
             return stored.at_lr(geo.lr), {"reused_stage12": True, "stage12_share": f"reused from lr={stored.lr:g}"}
         st = compute_stage12(ctx, E, U, geo, pcfg, icfg, stop_if_zero)
         if isinstance(st, ZeroUpdate):
