@@ -5,6 +5,9 @@ measured change agrees with the prediction, and the callback's cost.
     OMP_NUM_THREADS=1 python benchmarks/online_probe.py --steps 50 --every 10 --B-E 8 --overhead  # and cost
     OMP_NUM_THREADS=1 python benchmarks/online_probe.py --steps 50 --every 10 --source rollouts --overhead
 
+``--calls`` adds where the CPU time goes, call by call (``call_times``): the probe's backward passes and
+forwards, the trainer's backward passes and its generation.
+
 ``--source rollouts`` predicts from the step's own batch (no generation; ``--measure`` adds a fresh E of
 ``--B-E`` prompts to measure on, which the agreement figures need: without it they are not printed).
 
@@ -26,6 +29,8 @@ runs' probes). Prints them; exits 0 whatever they are.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import math
 import re
 import statistics
@@ -210,6 +215,52 @@ def overhead(out: str, a, first_probe: dict) -> None:
           "over the median probe)")
 
 
+@contextlib.contextmanager
+def call_times():
+    """Process CPU time (``time.process_time``) of the calls a probe's and a step's time go to, summed
+    over the run: inside a probe (``OnlineProbe.before_step``) its backward passes and its forwards
+    (``ProbeContext.forward_S``), and the probe as a whole; outside, the trainer's backward passes and
+    its generation and scoring (``GRPOTrainer._generate_and_score_completions``). Yields the totals
+    ``{name: [seconds, calls]}``; the patched callables are restored on exit."""
+    import torch
+    import trl
+
+    from entprobe.integrations.online import OnlineProbe
+    from entprobe.pipeline.stages.context import ProbeContext
+
+    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    inside = [False]
+
+    def timed(fn, name_of, flag: bool = False):
+        def wrapper(*args, **kwargs):
+            if flag:
+                inside[0] = True
+            t = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                name = name_of()
+                if name:
+                    totals[name][0] += time.process_time() - t
+                    totals[name][1] += 1
+                if flag:
+                    inside[0] = False
+        return wrapper
+
+    patches = [(torch.Tensor, "backward", lambda: "probe: backward" if inside[0] else "trainer: backward", False),
+               (ProbeContext, "forward_S", lambda: "probe: forward" if inside[0] else None, False),
+               (OnlineProbe, "before_step", lambda: "probe: whole", True),
+               (trl.GRPOTrainer, "_generate_and_score_completions", lambda: "trainer: generation + scoring", False)]
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _, _ in patches]
+    for owner, attr, name_of, flag in patches:
+        setattr(owner, attr, timed(getattr(owner, attr), name_of, flag))
+    try:
+        yield totals
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
@@ -230,6 +281,8 @@ def main() -> None:
                     help="probe.unit_grads_budget_mb (rollouts: 0 takes Y . J Xbar in a second pass, keeping no Y_n)")
     ap.add_argument("--question", action="store_true", help="the arithmetic questions of task=arithmetic_question, "
                     "scored on the last number (SmolLM2 answers some)")
+    ap.add_argument("--calls", action="store_true", help="also print the CPU time of the probe's backward passes and "
+                    "forwards and of the trainer's backward passes and generation (call_times)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as out:
         import datasets, trl  # noqa: F401, E401  (the trainer's own imports, untimed)
@@ -241,7 +294,8 @@ def main() -> None:
         psis_backend()
         print(f"one-time, before training: importing entprobe.integrations {t1 - t0:.2f} s, the PSIS dependency "
               f"(arviz-stats, imported when the callback is made) {time.perf_counter() - t1:.2f} s")
-        first = timed_run(out, a, True)
+        with call_times() if a.calls else contextlib.nullcontext() as calls:
+            first = timed_run(out, a, True)
         with_probe, hist = first["wall"], first["history"]
         print(f"{a.model}: {len(hist)} probes over {a.steps} steps (every {a.every}, source {a.source}"
               f"{', measured' if a.measure else ''}, B_E={a.B_E}, G=4, {a.prompts_per_step} prompts a step, "
@@ -261,6 +315,11 @@ def main() -> None:
             print(f"per probe, by phase (medians over this run's probes; shares of {a.every} of its unprobed "
                   f"steps' CPU time, {1e3 * step_cpu:.1f} ms each):")
             print("\n".join(phase_table(hist, a.every * step_cpu)))
+        if calls:
+            print(f"CPU time by call over the run ({a.steps} steps, {len(hist)} probes; process time):")
+            for name, (sec, n) in sorted(calls.items()):
+                per, unit = (sec / len(hist), "probe") if name.startswith("probe") else (sec / a.steps, "step")
+                print(f"  {name:<34} {sec:8.2f} s over {n:3d} calls: {per:7.3f} s a {unit}")
         assert all(math.isfinite(r["deltaH_pred"]) for r in hist)
         if a.overhead:
             overhead(out, a, hist[0])

@@ -21,8 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
      ["floor ", "the job's peak (sampling E and U, then the probe)", "drew the probe's batches again: yes",
       "the job's peak / TRL's"]),
     (["benchmarks/online_probe.py", "--steps", "4", "--every", "2"], ["closed-form update vs the real step"]),
+    # --calls: where the CPU time goes, the probe's passes against the trainer's
+    (["benchmarks/online_probe.py", "--steps", "4", "--every", "2", "--source", "rollouts", "--calls"],
+     ["CPU time by call", "probe: backward", "probe: forward", "trainer: backward", "trainer: generation + scoring"]),
     (["benchmarks/bench_rao_blackwell.py", "--B", "4", "--G", "4", "--reps", "1"], ["ESS/N after the step"]),
-], ids=["bench_variance", "bench_probe", "online_probe", "bench_rao_blackwell"])
+], ids=["bench_variance", "bench_probe", "online_probe", "online_probe_rollouts_calls", "bench_rao_blackwell"])
 def test_benchmark_runs_on_the_builtin_model(args, lines):
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
