@@ -295,7 +295,9 @@ def summarise(rows: list[dict], B_E: int = 8) -> list[dict]:
                 r["ci95_true_minus_pred_low"] <= 0 <= r["ci95_true_minus_pred_high"] for r in hi_ess) / len(hi_ess)
                 if hi_ess else NAN),
             "sign_resolved_n": len(res), "sign_resolved_agree": agree_res, "sign_all_agree": agree_all,
-            # the prediction's own resolution: its 95% interval excludes 0 (by sign), its spread over draws
+            # the prediction's own resolution: the verdict's (|pred| > its SE, else noise_dominated), its 95%
+            # interval excludes 0 (by sign), its spread over draws
+            "pred_resolved": sum(abs(r["deltaH_pred"]) > r["SE_deltaH_pred"] for r in ok),
             "pred_excl0_pos": sum(r["deltaH_pred"] > q * r["SE_deltaH_pred"] for r in ok),
             "pred_excl0_neg": sum(r["deltaH_pred"] < -q * r["SE_deltaH_pred"] for r in ok),
             "sd_pred": statistics.stdev([r["deltaH_pred"] for r in ok]) if len(ok) > 1 else NAN,
@@ -354,21 +356,23 @@ def write_md(summary: list[dict], path: Path, header: str) -> None:
              "SE ratio = median SE_deltaH_true_minus_pred / SE_deltaH_true; "
              "sd z = spread of (measured - predicted) / its SE over draws (1 if calibrated); unmeasurable = draws the "
              "probe declined to measure, by reason (k-hat > 0.7, ESS/N < 0.3; a draw can have both); "
+             "verdict resolves = draws whose prediction exceeds its SE (the verdict is not noise_dominated); "
              "pred 95% excl. 0 = draws whose prediction's 95% t interval excludes 0 (+ / -); sd pred = the "
              "prediction's spread over draws, median SE = its median SE_deltaH_pred.", "",
              "| checkpoint | lr | measurable / draws | holds 0 ± SE | rejections (p) | sign: resolved / all | "
-             "pred 95% excl. 0 (+/-) | sd pred / median SE | "
+             "verdict resolves | pred 95% excl. 0 (+/-) | sd pred / median SE | "
              "mean predicted | mean measured | measured/predicted [95%] | slope [95%] | SE ratio | sd z | "
              "median ESS/N | "
              "unmeasurable (k-hat, ESS) | U zero-var groups |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
         lines.append(
             f"| {s['checkpoint']} | {s['lr']:g} | {s['measurable']} / {s['runs']} | "
             f"{fmt(s['holds0'], 2)} ± {fmt(s['SE_holds0'], 2)} | "
             f"{s['rejections']} ({fmt(s['p_excess_rejections'], 2)}) | "
             f"{s['sign_resolved_agree']}/{s['sign_resolved_n']} / {s['sign_all_agree']}/{s['measurable']} | "
-            f"{s['pred_excl0_pos']}/{s['pred_excl0_neg']} | {fmt(s['sd_pred'], 2)} / {fmt(s['median_se_pred'], 2)} | "
+            f"{s['pred_resolved']}/{s['runs'] - s['errors']} | {s['pred_excl0_pos']}/{s['pred_excl0_neg']} | "
+            f"{fmt(s['sd_pred'], 2)} / {fmt(s['median_se_pred'], 2)} | "
             f"{fmt(s['mean_pred'])} | {fmt(s['mean_true'])} | {fmt(s['ratio'], 4)} [{fmt(s['ratio_lo'], 4)}, "
             f"{fmt(s['ratio_hi'], 4)}] | {fmt(s['slope'], 4)} [{fmt(s['slope_lo'], 4)}, {fmt(s['slope_hi'], 4)}] | "
             f"{fmt(s['median_se_ratio'], 2)} | {fmt(s['sd_z'], 2)} | "

@@ -50,6 +50,9 @@ def test_calibration_small_command_writes_csv_and_table(tmp_path):
         h = float(s["holds0"])
         assert math.isnan(h) if int(s["measurable"]) == 0 else 0.0 <= h <= 1.0
         assert 0.0 <= float(s["median_ESS_frac"]) <= 1.0
+        ok = [r for r in runs if float(r["lr"]) == float(s["lr"]) and r["status"] == "ok"]
+        # the verdict's resolution: draws whose prediction exceeds its SE (not noise_dominated)
+        assert int(s["pred_resolved"]) == sum(abs(float(r["deltaH_pred"])) > float(r["SE_deltaH_pred"]) for r in ok)
     md = (out / "calibration.md").read_text()
     assert "| checkpoint | lr | measurable / draws | holds 0 ± SE |" in md
     assert md.count("\n| builtin |") == 2 and "Where first order stops holding" in md
