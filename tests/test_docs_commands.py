@@ -154,6 +154,12 @@ COVERAGE: dict[str, tuple[str, str]] = {
     # docs/calibration.md (the default on SmolLM2)
     "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/calibration.py --ckpt smollm2=/tmp/smollm2_adamw --lrs 1e-6 "
     "--draws 8 --out /tmp/calib/smollm2_token_mean": ("slow", ""),
+    # docs/calibration.md (a step whose sign B_E = 8 can resolve: SmolLM2 after 3 steps at lr 3e-4)
+    ".venv/bin/python benchmarks/smollm2_checkpoint.py --out /tmp/calib/smollm2_lr3e-4 --steps 3 --lr 3e-4 -- "
+    "task.reward=last_number 'task.system_prompt=\"Answer with just the number.\"'": ("slow", ""),
+    "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/calibration.py --ckpt smollm2_lr3e-4=/tmp/calib/smollm2_lr3e-4 "
+    "--lrs 1e-5 --draws 16 --out /tmp/calib/smollm2_lr3e-4_token_mean -- task.tokenize=entprobe "
+    "task.reward=last_number 'task.system_prompt=\"Answer with just the number.\"'": ("slow", ""),
     # docs/uncertainty.md (the Rao-Blackwellised X's gain and the variance left)
     ".venv/bin/python benchmarks/bench_rao_blackwell.py": ("slow", ""),
     ".venv/bin/python benchmarks/bench_rao_blackwell.py --model smollm2 --ckpt /tmp/smollm2_adamw --max-new 32 256 "
