@@ -78,10 +78,17 @@ from entprobe.runtime.rundir import FAILED, RUNNING, marks_failure  # noqa: E402
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
+def _default_sigint() -> None:
+    """In the child before it execs: SIGINT at its default, whatever pytest inherited (a test run started
+    in the background, ``cmd &`` or nohup, ignores SIGINT, and its children would too)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _script(code: str, *args: str) -> subprocess.CompletedProcess:
-    """``code`` in a fresh Python with entprobe importable (a tiny script, not a probe)."""
+    """``code`` in a fresh Python with entprobe importable (a tiny script, not a probe), started as from
+    an interactive shell (SIGINT not ignored)."""
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": SRC})
+                          env={**os.environ, "PYTHONPATH": SRC}, preexec_fn=_default_sigint)
 
 
 # a run that sends itself a signal: after the signal nothing more of it may run
@@ -155,7 +162,16 @@ def test_only_temp_files_of_dead_or_long_silent_writers_are_removed(tmp_path):
     assert {p.name for p in rundir.remove_stale_temps(tmp_path, "results.json")} == {staging.name}
 
 
-def test_marks_failure_restores_the_signal_handlers_and_marks_once_when_nested(tmp_path):
+@pytest.fixture
+def interactive_sigint():
+    """SIGINT at Python's default handler for the test, as in a foreground run, whatever this pytest
+    process inherited (a background launch ignores SIGINT, which ``signals_raise`` rightly keeps)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def test_marks_failure_restores_the_signal_handlers_and_marks_once_when_nested(tmp_path, interactive_sigint):
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     with marks_failure(tmp_path):
         assert signal.getsignal(signal.SIGTERM) is rundir._raise_for
