@@ -14,6 +14,8 @@ stages/rollout_prediction.py):
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import pytest
@@ -186,7 +188,7 @@ def test_intervals_cover_at_b8(max_norm):
 
 
 # ---------------------------------------------------------------- the stage against the enumeration
-def _stage_and_reference(max_norm, budget_mb):
+def _stage_and_reference(max_norm, budget_mb, fused=True):
     from entprobe.math import paramvec as pv
     from entprobe.math.estimators import x_unit_coeffs, y_loss, y_unit_coeffs
     from entprobe.pipeline.stages.prediction import build_step_model
@@ -204,7 +206,11 @@ def _stage_and_reference(max_norm, budget_mb):
     gn = pv.norm(Ybar)
     y = [t * clip_coefficient(gn, max_norm) for t in Ybar]
     step_at = lambda yy: build_step_model(ctx, opt, o.hyper.lr, yy, None, "optimizer", None)  # noqa: E731
-    ro = predict_on_rollouts(ctx, batch, step_at(y), step_at, y, max_norm, gn if max_norm else None, budget_mb)
+    update = step_at(y)
+    assert update.unit_dots is not None  # AdamW's closed form: one blocked pass a prompt (math/unit_dots.py)
+    if not fused:  # the path of step models without it: the update's parts written out, then dotted
+        update = dataclasses.replace(update, unit_dots=None)
+    ro = predict_on_rollouts(ctx, batch, update, step_at, y, max_norm, gn if max_norm else None, budget_mb)
     zero = int((batch.advantages == 0).all(-1).sum())
     assert zero >= 1  # prompts of equal rewards (Y_n = 0) take the shortcut: one backward, a shared update
     second = 0 if budget_mb > 0 else batch.B  # the second pass: each prompt's Y again
@@ -229,13 +235,14 @@ def _stage_and_reference(max_norm, budget_mb):
 REL_STAGE = 1e-6
 
 
-@pytest.mark.parametrize("max_norm,budget_mb", [(None, 1e4), (None, 0.0), (0.2, 1e4)],
-                         ids=["unclipped", "unclipped_second_pass", "clipped"])
-def test_stage_matches_the_enumeration(max_norm, budget_mb):
+@pytest.mark.parametrize("max_norm,budget_mb,fused", [(None, 1e4, True), (None, 0.0, True), (0.2, 1e4, True),
+                                                       (None, 1e4, False), (0.2, 1e4, False)],
+                         ids=["unclipped", "unclipped_second_pass", "clipped", "unfused", "clipped_unfused"])
+def test_stage_matches_the_enumeration(max_norm, budget_mb, fused):
     """The passes on a real sampled batch (B = 8, G = 4) give the numbers the production math gives on
     the enumerated gradients of the same responses: the prediction, its two SEs and H; with the Y_n
     kept or taken again in a second pass; clipped at 0.2 (the batch's gradient norm is above it)."""
-    ro, cp, se, H = _stage_and_reference(max_norm, budget_mb)
+    ro, cp, se, H = _stage_and_reference(max_norm, budget_mb, fused)
     r = ro.res
     assert r["rollouts/kept_y"] == (budget_mb > 0)
     assert (r["rollouts/clip_coef"] < 1) == (max_norm is not None)

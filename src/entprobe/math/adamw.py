@@ -171,3 +171,6 @@ class StepModel:
     jacobian_times_into: Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None
     kind: str  # what produced it: adamw_closed_form | sgd_closed_form | preconditioned_sgd | optimizer_step
     facts: dict = field(default_factory=dict)
+    # the closed forms without clipping: ``unit_dots(X, Y, alpha, beta, J)``, math/unit_dots.py's values for
+    # one prompt (X . each part at Ybar and at ``alpha Ybar - beta Y``, X . J Ybar, X . J Y) in one blocked pass
+    unit_dots: Callable[..., torch.Tensor] | None = None

@@ -29,7 +29,8 @@ from entprobe.runtime import distributed as D
 from entprobe.math import estimators as est
 from entprobe.math import paramvec as pv
 from entprobe.rollouts.sampling import RolloutBatch
-from entprobe.runtime.sharding import like_param, local
+from entprobe.math import unit_dots as ud
+from entprobe.runtime.sharding import like_param, local, reduce_shards
 from entprobe.pipeline.stages.accumulate import accumulate, global_mean, prepare_x, x_loss_of
 from entprobe.reporting.attribution import headline
 from entprobe.pipeline.stages.context import ProbeContext
@@ -213,8 +214,25 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
             if coef:
                 o.add_(y.to(o.device, o.dtype), alpha=coef)
 
+    def unit_dots(xs: pv.Buffer, Ys: pv.Buffer | None, alpha: float, beta: float, jd: pv.Buffer) -> torch.Tensor:
+        """math/unit_dots.py's values for one prompt, summed over the chunks (and shards)."""
+        total = torch.zeros(len(ud.SLOTS), dtype=torch.float64, device=jd[0].device)
+        for ch, h in chunks:
+            def flat(ts):  # the chunk's tensors of a parameter-aligned list, as one flat tensor
+                return cat([ts[i] for i in ch])
+
+            def cat(ts):  # tensors in the chunk's order, as one flat tensor (a view for one tensor)
+                return ts[0].reshape(-1) if len(ts) == 1 else torch.cat([t.reshape(-1) for t in ts])
+            dev, dt = jd[0].device, jd[0].dtype
+            st = [_state_of(optimizer, ctx.params[i], dev, dt) for i in ch] if adam else None
+            total += ud.unit_dots(
+                flat(xs).to(dev), flat(Ybar).to(dev), flat(Ys).to(dev) if Ys is not None else None, flat(jd), h, adam,
+                alpha, beta, cat([x[0] for x in st]) if adam else None, cat([x[1] for x in st]) if adam else None,
+                flat([local(p.detach()) for p in ctx.params]).to(dev) if h.weight_decay else None)
+        return reduce_shards(total)
+
     return StepModel(names, lambda outs: run_chunks(outs, update), jacobian_times_into,
-                     "adamw_closed_form" if adam else "sgd_closed_form", facts)
+                     "adamw_closed_form" if adam else "sgd_closed_form", facts, unit_dots if s == 1.0 else None)
 
 
 def directions(ctx: ProbeContext, first: list, step: StepModel | None, device,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from entprobe.math import paramvec as pv
+from entprobe.math import unit_dots as ud
 from entprobe.math.adamw import StepModel
 from entprobe.math.rollout_ustat import UnitDots, clip_coefficient
 from entprobe.rollouts.sampling import RolloutBatch
@@ -88,6 +89,22 @@ def _loo_input(ctx: ProbeContext, y: pv.Buffer, Y: pv.Buffer | None, c: float, k
     return out
 
 
+_SLOT = {name: i for i, name in enumerate(ud.SLOTS)}
+
+
+def _loo_coefficients(yY: float, y2: float, Y2: float, c: float, k: float, B: int, has_y: bool,
+                      max_grad_norm: float | None) -> tuple[float, float]:
+    """``(alpha, beta)`` with the step's input without prompt n ``= alpha y - beta Y_n``: ``Ybar_{-n} =
+    ((B + k_n) Ybar - Y_n) / (B - 1)`` (``Ybar = y / c``; ``rollout_ustat.leave_one_out``), times the
+    trainer's clip factor of its norm, ``|a y - b Y|^2 = a^2 |y|^2 - 2 a b y.Y + b^2 |Y|^2`` (``y2 = |y|^2``,
+    ``Y2 = |Y_n|^2``, ``yY = y . Y_n``; needed only with ``max_grad_norm``)."""
+    a, b = (B + k) / c / (B - 1), (1.0 / (B - 1) if has_y else 0.0)
+    scale = 1.0
+    if max_grad_norm:
+        scale = clip_coefficient(max(a * a * y2 - 2 * a * b * yY + b * b * Y2, 0.0) ** 0.5, max_grad_norm)
+    return a * scale, b * scale
+
+
 def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step_at: Callable[[pv.Buffer], StepModel],
                    y: pv.Buffer, c: float, max_grad_norm: float | None, budget_mb: float) -> RolloutPasses:
     """The per-prompt dots of the batch the optimizer is about to step on (module docstring).
@@ -109,13 +126,16 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
         jdiag = [torch.ones(local_shape, device=dev, dtype=torch.promote_types(ctx.buffers_dtype, torch.float32))
                  for local_shape in (p.shape for p in ctx.params)]
         step.jacobian_times_into([t.clone() for t in jdiag], jdiag)
-
-        def j_times_y(out):
-            for o, j, yt in zip(out, jdiag, y):
-                torch.mul(j, yt.to(o.dtype), out=o)
-        dset = directions(ctx, [j_times_y], step, dev)
-        loo_set = pv.empty_directions(len(moving), jdiag, dev, jdiag[0].dtype)
-        y_loo = [torch.empty_like(t) for t in jdiag]
+        fused = step.unit_dots is not None  # one blocked pass a prompt (math/unit_dots.py), no directions held
+        dset = loo_set = y_loo = None
+        if not fused:
+            def j_times_y(out):
+                for o, j, yt in zip(out, jdiag, y):
+                    torch.mul(j, yt.to(o.dtype), out=o)
+            dset = directions(ctx, [j_times_y], step, dev)
+            loo_set = pv.empty_directions(len(moving), jdiag, dev, jdiag[0].dtype)
+            y_loo = [torch.empty_like(t) for t in jdiag]
+    y2 = pv.norm(y) ** 2 if fused and max_grad_norm else 0.0
     # a prompt whose Y weights are all 0 (every advantage 0: a group of equal rewards) has Y_n = 0: no
     # Y backward, and (uncoupled objectives) the same update without it as every other such prompt
     zero_y = [not bool(ctx.y_weights(unit, "cpu").any()) for _, unit in batch.microbatches(1)]
@@ -146,30 +166,42 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
                     check_grads(ctx, f"{what} (Y)")
                     Y = _take_grads(ctx)
             ctx.stats.count("backward", (1 if zero_y[n] else 2) * unit.G)
-            rows[n] = pv.dot_set(X, dset)
-            shared = zero_y[n] and coupling is None
-            if not (shared and loo_of is not None):
-                step_at(_loo_input(ctx, y, Y, c, k[n], B, max_grad_norm, y_loo)).write(
-                    {p: loo_set.column(j) for j, p in enumerate(moving)})
-                loo_of = "zero" if shared else n
-            loo[n] = pv.dot_set(X, loo_set)
+            yy[n] = zero if Y is None else _dot(Y, y)
             for a_, t in zip(Xsum, X):
                 a_.add_(t.to(a_.dtype))
-            if Y is None:
-                yy[n] = xjyn[n] = zero
+            if fused:
+                alpha, beta = _loo_coefficients(float(yy[n]), y2, float(_dot(Y, Y)) if Y is not None and max_grad_norm else 0.0,
+                                                c, k[n], B, Y is not None, max_grad_norm)
+                vals = step.unit_dots(X, Y, alpha, beta, jdiag)
+                rows[n] = vals[[_SLOT["jy"]] + [_SLOT[p] for p in step.names]]
+                loo[n] = vals[[_SLOT[p + "_loo"] for p in moving]]
+                xjyn[n] = vals[_SLOT["jY"]]
             else:
-                yy[n] = _dot(Y, y)
-                for x_, j_ in zip(X, jdiag):  # X is not needed any more: J X in place, then (J X) . Y
-                    x_.mul_(j_.to(x_.dtype))
-                xjyn[n] = _dot(X, Y)
-                if keep:
-                    kept[n] = Y
+                rows[n] = pv.dot_set(X, dset)
+                shared = zero_y[n] and coupling is None
+                if not (shared and loo_of is not None):
+                    step_at(_loo_input(ctx, y, Y, c, k[n], B, max_grad_norm, y_loo)).write(
+                        {p: loo_set.column(j) for j, p in enumerate(moving)})
+                    loo_of = "zero" if shared else n
+                loo[n] = pv.dot_set(X, loo_set)
+                if Y is None:
+                    xjyn[n] = zero
+                else:
+                    for x_, j_ in zip(X, jdiag):  # X is not needed any more: J X in place, then (J X) . Y
+                        x_.mul_(j_.to(x_.dtype))
+                    xjyn[n] = _dot(X, Y)
+            if Y is not None and keep:
+                kept[n] = Y
             S_all[n] = fwd.S.detach().cpu()
             if fwd.ent is not None:
                 ent_all[n] = fwd.ent.detach().cpu()
             del X, Y, fwd, x_loss
     del loo_set, y_loo
     Xbar = pv.scale_(Xsum, 1.0 / B)
+    if fused:  # Xbar . each part, before J's buffer takes J Xbar
+        step_dots = [float(v) for v in step.unit_dots(Xbar, None, 1.0, 0.0, jdiag)[[_SLOT[p] for p in step.names]]]
+    else:
+        step_dots = [float(v) for v in pv.dot_set(Xbar, dset)[1:]]
     jx = [j.mul_(x.to(j.dtype)) for j, x in zip(jdiag, Xbar)]  # J Xbar, in J's buffer (no longer needed)
     if keep or all(zero_y):
         yjx = torch.stack([_dot(kept[n], jx) if n in kept else zero for n in range(B)])
@@ -189,7 +221,6 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
     e_loo = e.clone()
     e_loo[:, [step.names.index(p) for p in moving]] = torch.stack(loo).cpu()
     dots = UnitDots(e, rows[:, 0], torch.stack(yy).cpu(), yjx.cpu(), torch.stack(xjyn).cpu(), e_loo)
-    step_dots = [float(v) for v in pv.dot_set(Xbar, dset)[1:]]
     residual = sum(float(torch.linalg.vector_norm(yt - c * Yt.to(yt.device, yt.dtype), dtype=torch.float64)) ** 2
                    for yt, Yt in zip(y, Ybar)) ** 0.5
     return RolloutPasses(dots, step_dots, pv.norm(Ybar), float(_dot(Ybar, y)), pv.norm(y), torch.cat(S_all),
