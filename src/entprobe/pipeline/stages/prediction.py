@@ -216,19 +216,19 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
 
     def unit_dots(xs: pv.Buffer, Ys: pv.Buffer | None, alpha: float, beta: float, jd: pv.Buffer) -> torch.Tensor:
         """math/unit_dots.py's values for one prompt, summed over the chunks (and shards)."""
-        total = torch.zeros(len(ud.SLOTS), dtype=torch.float64, device=jd[0].device)
-        for ch, h in chunks:
-            def flat(ts):  # the chunk's tensors of a parameter-aligned list, as one flat tensor
-                return cat([ts[i] for i in ch])
+        dev, dt = jd[0].device, jd[0].dtype
+        total = torch.zeros(len(ud.SLOTS), dtype=torch.float64, device=dev)
 
-            def cat(ts):  # tensors in the chunk's order, as one flat tensor (a view for one tensor)
-                return ts[0].reshape(-1) if len(ts) == 1 else torch.cat([t.reshape(-1) for t in ts])
-            dev, dt = jd[0].device, jd[0].dtype
+        def cat(ts):  # tensors of one chunk as one flat tensor on dev (a view for one tensor there)
+            return (ts[0].reshape(-1) if len(ts) == 1 else torch.cat([t.reshape(-1) for t in ts])).to(dev)
+        for ch, h in chunks:
             st = [_state_of(optimizer, ctx.params[i], dev, dt) for i in ch] if adam else None
             total += ud.unit_dots(
-                flat(xs).to(dev), flat(Ybar).to(dev), flat(Ys).to(dev) if Ys is not None else None, flat(jd), h, adam,
-                alpha, beta, cat([x[0] for x in st]) if adam else None, cat([x[1] for x in st]) if adam else None,
-                flat([local(p.detach()) for p in ctx.params]).to(dev) if h.weight_decay else None)
+                cat([xs[i] for i in ch]), cat([Ybar[i] for i in ch]),
+                cat([Ys[i] for i in ch]) if Ys is not None else None,
+                cat([jd[i] for i in ch]), h, adam, alpha, beta,
+                cat([x[0] for x in st]) if adam else None, cat([x[1] for x in st]) if adam else None,
+                cat([local(ctx.params[i].detach()) for i in ch]) if h.weight_decay else None)
         return reduce_shards(total)
 
     return StepModel(names, lambda outs: run_chunks(outs, update), jacobian_times_into,

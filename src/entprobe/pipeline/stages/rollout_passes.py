@@ -9,9 +9,10 @@ Jacobian in y (``StepModel.jacobian_times_into``; its diagonal is written once, 
 
 Pass 1 (phase ``rollouts_units``), per prompt: one forward (token entropies too, for X's per-token form
 and the entropy H at theta), the X backward (graph kept), the Y backward; the gradients are taken from
-``.grad`` without a copy and dotted on the model's device: the update's parts and ``J y`` in one read
-(``paramvec.dot_set``), ``Y_n . y``, ``X_n . J Y_n``, and the update without the prompt
-(``X_n . Delta theta(y_{-n})``). The X sum is kept (Xbar). Each Y_n is kept when all of them fit
+``.grad`` without a copy and dotted on the model's device: ``Y_n . y``, then the update's parts,
+``J y``, the update without the prompt (``X_n . Delta theta(y_{-n})``) and ``X_n . J Y_n``, in one
+blocked pass for the closed forms (``StepModel.unit_dots``, math/unit_dots.py), else against the
+parts written out (``paramvec.dot_set``). The X sum is kept (Xbar). Each Y_n is kept when all of them fit
 ``probe.unit_grads_budget_mb``; then ``Y_n . J Xbar`` and Ybar (for the check that the objective
 reproduces the trainer's gradient) need no further pass. Otherwise pass 2 (phase ``rollouts_y``): the
 Y pass again with the projection onto ``J Xbar`` (``accumulate``'s per-unit projections and sum).
@@ -74,15 +75,21 @@ def keeps_y(ctx: ProbeContext, B: int, budget_mb: float) -> bool:
     return B * per <= budget_mb * 2**20
 
 
+def _loo_weights(c: float, k: float, B: int) -> tuple[float, float]:
+    """``(a, b)`` with the step's gradient input without prompt n ``Ybar_{-n} = a y - b Y_n``:
+    ``((B + k_n) Ybar - Y_n) / (B - 1)`` with ``Ybar = y / c`` (``rollout_ustat.leave_one_out``)."""
+    return (B + k) / c / (B - 1), 1.0 / (B - 1)
+
+
 def _loo_input(ctx: ProbeContext, y: pv.Buffer, Y: pv.Buffer | None, c: float, k: float, B: int,
                max_grad_norm: float | None, out: pv.Buffer) -> pv.Buffer:
-    """The step's gradient input without prompt n, written into ``out``: ``Ybar_{-n} =
-    ((B + k_n) Ybar - Y_n) / (B - 1)`` (``Ybar = y / c``; ``rollout_ustat.leave_one_out``; Y_n None:
-    0), clipped as the trainer clips (``clip_coefficient`` of its norm)."""
+    """The step's gradient input without prompt n (``_loo_weights``; Y_n None: 0), written into ``out``,
+    clipped as the trainer clips (``clip_coefficient`` of its norm)."""
+    a, b = _loo_weights(c, k, B)
     for i, (o, yt) in enumerate(zip(out, y)):
-        torch.mul(yt, (B + k) / c / (B - 1), out=o)
+        torch.mul(yt, a, out=o)
         if Y is not None:
-            o.sub_(Y[i].to(o.dtype), alpha=1.0 / (B - 1))
+            o.sub_(Y[i].to(o.dtype), alpha=b)
     scale = clip_coefficient(pv.norm(out), max_grad_norm)
     if scale != 1.0:
         pv.scale_(out, scale)
@@ -94,11 +101,12 @@ _SLOT = {name: i for i, name in enumerate(ud.SLOTS)}
 
 def _loo_coefficients(yY: float, y2: float, Y2: float, c: float, k: float, B: int, has_y: bool,
                       max_grad_norm: float | None) -> tuple[float, float]:
-    """``(alpha, beta)`` with the step's input without prompt n ``= alpha y - beta Y_n``: ``Ybar_{-n} =
-    ((B + k_n) Ybar - Y_n) / (B - 1)`` (``Ybar = y / c``; ``rollout_ustat.leave_one_out``), times the
-    trainer's clip factor of its norm, ``|a y - b Y|^2 = a^2 |y|^2 - 2 a b y.Y + b^2 |Y|^2`` (``y2 = |y|^2``,
-    ``Y2 = |Y_n|^2``, ``yY = y . Y_n``; needed only with ``max_grad_norm``)."""
-    a, b = (B + k) / c / (B - 1), (1.0 / (B - 1) if has_y else 0.0)
+    """``(alpha, beta)`` with ``_loo_input``'s vector ``= alpha y - beta Y_n``, without writing it: the
+    weights of ``_loo_weights`` (b = 0 without Y_n) times the trainer's clip factor of the norm
+    ``|a y - b Y|^2 = a^2 |y|^2 - 2 a b y.Y + b^2 |Y|^2`` (``y2 = |y|^2``, ``Y2 = |Y_n|^2``, ``yY = y . Y_n``;
+    needed only with ``max_grad_norm``)."""
+    a, b = _loo_weights(c, k, B)
+    b = b if has_y else 0.0
     scale = 1.0
     if max_grad_norm:
         scale = clip_coefficient(max(a * a * y2 - 2 * a * b * yY + b * b * Y2, 0.0) ** 0.5, max_grad_norm)
@@ -170,8 +178,8 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
             for a_, t in zip(Xsum, X):
                 a_.add_(t.to(a_.dtype))
             if fused:
-                alpha, beta = _loo_coefficients(float(yy[n]), y2, float(_dot(Y, Y)) if Y is not None and max_grad_norm else 0.0,
-                                                c, k[n], B, Y is not None, max_grad_norm)
+                Y2 = float(_dot(Y, Y)) if Y is not None and max_grad_norm else 0.0
+                alpha, beta = _loo_coefficients(float(yy[n]), y2, Y2, c, k[n], B, Y is not None, max_grad_norm)
                 vals = step.unit_dots(X, Y, alpha, beta, jdiag)
                 rows[n] = vals[[_SLOT["jy"]] + [_SLOT[p] for p in step.names]]
                 loo[n] = vals[[_SLOT[p + "_loo"] for p in moving]]
