@@ -18,6 +18,7 @@ What each number estimates (docs/online.md):
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,7 @@ class RolloutPrediction:
     B: int
     Xbar: pv.Buffer  # the batch's mean X (model device)
     forecast: ForecastInputs | None = None  # set by the caller (forecast_inputs)
+    H_max: tuple[float, float] = (math.inf, math.inf)  # the population's and the logged H's largest value (entropy_range)
 
 
 def functional_units(x: XSpec, S: torch.Tensor, ent: torch.Tensor | None, m: torch.Tensor) -> torch.Tensor:
@@ -139,17 +141,84 @@ def rollouts_prediction(ctx: ProbeContext, cfg: EntprobeConfig, batch: RolloutBa
     if not bool(torch.isfinite(batch.advantages).all()):
         raise ValueError("source=rollouts: the batch's advantages hold NaN/Inf")
     ctx.objective = ob.bind(cfg.objective, batch.rewards, batch.gen_lengths, cfg.sampling.max_new_tokens)
-    return predict_on_rollouts(ctx, batch, step, step_at, y, max_grad_norm, grad_norm, cfg.probe.unit_grads_budget_mb)
+    ro = predict_on_rollouts(ctx, batch, step, step_at, y, max_grad_norm, grad_norm, cfg.probe.unit_grads_budget_mb)
+    ro.H_max = entropy_range(ctx.x, logit_count(ctx.model), cfg.sampling.max_new_tokens)
+    return ro
 
 
-def forecast_inputs(ro: RolloutPrediction, optimizer: torch.optim.Optimizer, params, y: pv.Buffer) -> ForecastInputs:
-    """math/forecast.py's inputs from the rollouts' prediction and the optimizer: AdamW's betas and
-    step count (plain SGD: no momentum, no denominator), ``kappa_c = sum y^2 / sum v_hat_1`` with
-    ``v_hat_1 = (beta2 v + (1 - beta2) y^2) / (1 - beta2^(t+1))`` (the second moment after this step),
-    the fresh step's variance ``Var(b_n) / B`` (the gradient part's Y side) and H's."""
-    g = optimizer.param_groups[0]
-    adam = "betas" in g
-    beta1, beta2 = (float(g["betas"][0]), float(g["betas"][1])) if adam else (0.0, 0.0)
+def logit_count(model: torch.nn.Module) -> int | None:
+    """V, the number of logits the model's softmax is over (its output embeddings' rows, else
+    ``config.vocab_size``; None when unknown): every token entropy is at most ``ln V``."""
+    model = getattr(model, "module", model)  # DDP
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(out, "weight", None)
+    if weight is not None and weight.dim() == 2:
+        return int(getattr(out, "out_features", None) or weight.shape[0])
+    conf = getattr(model, "config", None)
+    conf = getattr(conf, "get_text_config", lambda: conf)() if conf is not None else None
+    V = getattr(conf, "vocab_size", None)  # (context.model_dims reads it too, but only beside hidden_size)
+    return int(V) if V else None
+
+
+def entropy_range(x: XSpec, V: int | None, max_new_tokens: int | None) -> tuple[float, float]:
+    """``(H_max, H_logged_max)``: the largest value of the probe's entropy functional (``ln V`` per
+    token for the per-token functionals; ``max_new_tokens ln V`` per response for ``sequence``) and
+    of its logged batch value (the same when that is made of token entropies, as ``functional_units``
+    makes it; else inf: the score form's sampled ``-S`` of a token of probability below ``1/V`` is
+    above ``ln V``). inf where V (or, for ``sequence``, max_new_tokens) is unknown."""
+    if not V or V < 1:
+        return math.inf, math.inf
+    per_token = math.log(V)
+    if x.mode == "sequence":
+        top = per_token * max_new_tokens if max_new_tokens else math.inf
+    else:
+        top = per_token
+    tokens = x.mode in tf.TOKEN_MODES or x.tokens
+    return top, top if tokens else math.inf
+
+
+def group_betas(optimizer: torch.optim.Optimizer, params=None) -> list[tuple[int, float, float]]:
+    """``(group index, beta1, beta2)`` of each param group that holds one of ``params`` (all groups when
+    None): AdamW's betas; ``(0, 0)`` for an optimizer without them (plain SGD: no momentum carried,
+    no denominator)."""
+    ids = None if params is None else {id(p) for p in params}
+    out = []
+    for i, g in enumerate(optimizer.param_groups):
+        if ids is not None and not any(id(p) in ids for p in g["params"]):
+            continue
+        if "betas" in g:
+            out.append((i, float(g["betas"][0]), float(g["betas"][1])))
+        else:
+            out.append((i, 0.0, 0.0))
+    return out
+
+
+def betas_error(optimizer: torch.optim.Optimizer, params=None) -> str | None:
+    """Why the k-step forecast cannot be made for this optimizer: its param groups' betas differ (the
+    forecast's horizon coefficients are one momentum's and one second moment's; the step's parts
+    are not split by group); None when they agree."""
+    betas = group_betas(optimizer, params)
+    if len({(b1, b2) for _, b1, b2 in betas}) <= 1:
+        return None
+    listed = ", ".join(f"group {i} ({b1:g}, {b2:g})" for i, b1, b2 in betas)
+    return (f"the optimizer's param groups have different betas ({listed}): the entropy forecast k steps ahead "
+            "is made for one (beta1, beta2); give every param group the same betas")
+
+
+def forecast_inputs(ro: RolloutPrediction, optimizer: torch.optim.Optimizer, params, y: pv.Buffer
+                    ) -> ForecastInputs | None:
+    """math/forecast.py's inputs from the rollouts' prediction and the optimizer: the betas of the
+    param groups that hold ``params`` (``group_betas``: AdamW's, plain SGD none; every group's the
+    same, else no forecast: None, with a warning naming them, ``betas_error``), the step count, ``kappa_c = sum y^2 / sum v_hat_1`` with ``v_hat_1 = (beta2 v + (1 - beta2) y^2) /
+    (1 - beta2^(t+1))`` (the second moment after this step), the fresh step's variance ``Var(b_n) / B``
+    (the gradient part's Y side), H's, and the entropy's range (``ro.H_max``). Each group's own
+    learning rate, eps and weight decay are in the parts already (the step model's, per group)."""
+    error = betas_error(optimizer, params)
+    if error is not None:
+        warnings.warn(f"entprobe: no forecast_H_k*: {error}", stacklevel=2)
+        return None
+    _, beta1, beta2 = group_betas(optimizer, params)[0]
+    adam = "betas" in optimizer.param_groups[0]
     t, kappa = 0.0, 1.0
     if adam:
         states = [optimizer.state.get(p) or {} for p in params]
@@ -164,4 +233,5 @@ def forecast_inputs(ro: RolloutPrediction, optimizer: torch.optim.Optimizer, par
     (gv, gr), (mv, mr), (wv, wr) = val("gradient"), val("momentum"), val("weight_decay")
     b = ro.kt.b
     return ForecastInputs(ro.res["H_orig"], unit_mean_rows(ro.h_units), gv, gr, mv, mr, wv, wr,
-                          est.mean_variance(b), est.mean_variance(ro.h_units), t, beta1, beta2, kappa, ro.B - 1)
+                          est.mean_variance(b), est.mean_variance(ro.h_units), t, beta1, beta2, kappa, ro.B - 1,
+                          *ro.H_max)
