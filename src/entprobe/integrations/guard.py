@@ -33,9 +33,10 @@ step at the scheduler's lr (factor 1) and the entropy ``H`` at theta (E's, in th
 
 With ``horizon=K`` (the probe's ``source="rollouts"``, which forecasts the entropy k steps ahead)
 the guard acts on the forecast first (guard_forecast.py): when the population's 95% interval of the
-entropy k <= K steps ahead is below the floor, the lr is cut to the factor that keeps every point
-forecast on or above the floor; otherwise the rule above decides, and does not raise the factor into a
-forecast crossing. Each decision keeps the forecast it acted on (``Decision.forecast``; logged as
+entropy k <= K steps ahead is below the floor and its change is resolved below 0 (a fall: below the
+floor a rise is never cut, as above), the lr is cut to the factor that keeps every point forecast on
+or above the floor; otherwise the rule above decides, and does not raise the factor into a forecast
+crossing. ``horizon`` is an int from 1 to ``MAX_HORIZON``; it needs every param group's betas equal. Each decision keeps the forecast it acted on (``Decision.forecast``; logged as
 ``entprobe/guard_forecast_k``, ``_H``, ``_high``).
 
 The factor holds until the next probe (steps the probe does not predict keep it). It multiplies
@@ -61,6 +62,7 @@ from entprobe.config import ConfigError
 from entprobe.integrations.guard_forecast import forecast_call
 from entprobe.integrations.online import OnlineProbe
 from entprobe.integrations.trl import EntropyProbeCallback
+from entprobe.pipeline.stages.rollout_prediction import betas_error
 
 STATE_KEY = "entprobe.EntropyGuard"  # the guard's entry in TrainerState.stateful_callbacks
 
@@ -78,19 +80,26 @@ class GuardRule:
     min_factor: float = 0.05
     max_factor: float = 1.0
     recovery: float = 1.5
-    horizon: float | None = None  # steps ahead the forecast must stay above the floor (guard_forecast.py)
+    horizon: int | None = None  # steps ahead the forecast must stay above the floor (guard_forecast.py)
 
     def __post_init__(self):
         for name, value in dataclasses.asdict(self).items():
             error = param_error(name, value)
             if error:
                 raise ConfigError(f"{name}={value!r}: {error}")
-            if value is not None:
-                object.__setattr__(self, name, float(value))  # a numpy or integer value, as a float
+            if value is not None:  # a numpy or integer value, as a float (the horizon as an int)
+                object.__setattr__(self, name, int(value) if name in INTEGER_PARAMS else float(value))
         if self.floor is None and self.max_decay is None and self.target_deltaH is None:
             raise ConfigError("EntropyGuard: give floor, max_decay or target_deltaH (what to hold entropy to)")
         if self.horizon is not None and self.floor is None:
-            raise ConfigError(f"EntropyGuard: horizon={self.horizon:g} keeps the forecast above the floor: give floor")
+            raise ConfigError(f"EntropyGuard: horizon={self.horizon} keeps the forecast above the floor: give floor")
+
+
+# the horizon's largest value: each decision reads the forecast of every k = 1..K (its cost grows with
+# K: ~12 ms at K = 100 on one core), and the forecast is first order at theta from one step's batch,
+# checked to 10 steps ahead (docs/forecast.md): a horizon beyond 100 steps extrapolates a tangent
+MAX_HORIZON = 100
+INTEGER_PARAMS = ("horizon",)
 
 
 # each parameter's range (GuardRule): (may be None, test of a finite number, what it must be)
@@ -105,22 +114,27 @@ PARAM_RANGES = {
     "min_factor": (False, lambda v: 0 < v <= 1, "the smallest lr factor: a number in (0, 1]"),
     "max_factor": (False, lambda v: v >= 1, "the largest lr factor: a finite number >= 1"),
     "recovery": (False, lambda v: v > 1, "the factor's geometric return to 1 per probe: a finite number > 1"),
-    "horizon": (True, lambda v: v >= 1 and v == int(v), "the steps ahead the entropy forecast must stay above "
-                "the floor: an integer >= 1 (the probe's source='rollouts' forecasts)"),
+    "horizon": (True, lambda v: 1 <= v <= MAX_HORIZON, "the steps ahead the entropy forecast must stay above "
+                f"the floor: an integer from 1 to {MAX_HORIZON} (the forecast is first order, checked to 10 steps "
+                "ahead, and each decision computes every step up to it)"),
 }
 
 
 def param_error(name: str, value, leave_out: str = "None to leave it out") -> str | None:
     """What is wrong with ``value`` for the guard's parameter ``name`` (``PARAM_RANGES``): not a
-    number (a string, a bool, ...), not finite, out of range; None when it is fine. ``leave_out``:
-    how the caller leaves an optional parameter out (said with its range)."""
+    number (a string, a bool, ...), not an integer for ``INTEGER_PARAMS`` (``horizon``: 5, not 5.0),
+    not finite, out of range; None when it is fine. ``leave_out``: how the caller leaves an optional
+    parameter out (said with its range)."""
     optional, ok, what = PARAM_RANGES[name]
     what += f" (or {leave_out})" if optional else ""
     if value is None:
         return None if optional else f"must be {what}"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return f"is a {type(value).__name__}, not a number; give {what}"
-    if not (math.isfinite(value) and ok(value)):  # NaN compares False: a guard that never acts
+    if name in INTEGER_PARAMS and not isinstance(value, numbers.Integral):
+        return f"is a {type(value).__name__}, not an integer; give {what}"
+    finite = isinstance(value, numbers.Integral) or math.isfinite(value)  # (10**400 has no float)
+    if not (finite and ok(value)):  # NaN compares False: a guard that never acts
         return f"must be {what}"
     return None
 
@@ -183,22 +197,25 @@ def recovered(prev: float, recovery: float) -> float:
 
 def decide_with_forecast(rule: GuardRule, step: int, p, prev: float) -> Decision:
     """``decide`` on the pending prediction ``p`` (``OnlineProbe.pending``), and with ``rule.horizon``
-    the forecast's rule first (guard_forecast.py): a resolved crossing of the floor within the horizon
+    the forecast's rule first (guard_forecast.py): a resolved fall across the floor within the horizon
     cuts to the factor that keeps the forecast on it; otherwise ``decide``'s factor, a rise held where
-    the point forecasts would cross."""
-    if rule.horizon is None or p.forecast is None:
+    a point forecast falls across the floor."""
+    if rule.horizon is None:
         return decide(rule, step, p.deltaH_pred, p.SE, p.H, prev)
-    fc = forecast_call(p.forecast, p.H, rule.floor, int(rule.horizon))
+    if p.forecast is None:  # the probe made no forecast (forecast_inputs): never the one-step rule in silence
+        raise ConfigError(f"EntropyGuard: horizon={rule.horizon} acts on the entropy forecast and the probe made none "
+                          f"at step {step} (it forecasts with source='rollouts' when every param group has the same betas)")
+    fc = forecast_call(p.forecast, p.H, rule.floor, rule.horizon)
     base = {"step": step, "deltaH_pred": p.deltaH_pred, "SE": p.SE, "H": p.H, "prev": prev, "forecast": fc,
             "edge": rule.floor - p.H}
     if fc.resolved:
         f = clamp(fc.factor if p.H > rule.floor else rule.min_factor, rule.min_factor, rule.max_factor)
         return Decision(factor=f, action="cut", reason=(
-            f"{fc.text(rule.floor)} within horizon {int(rule.horizon)}: lr x {f:.3g} keeps the point forecasts "
+            f"{fc.text(rule.floor)} within horizon {rule.horizon}: lr x {f:.3g} keeps the point forecasts "
             f"{'on or above the floor' if f == fc.factor else 'as near the floor as allowed'}"), **base)
     dec = decide(rule, step, p.deltaH_pred, p.SE, p.H, prev)
     dec.forecast = fc
-    if dec.factor > prev and fc.factor < dec.factor:  # no recovery into a forecast crossing
+    if dec.factor > prev and fc.factor < dec.factor:  # no recovery into a forecast fall across the floor
         dec.factor = max(prev, fc.factor)
         dec.action = "recover" if dec.factor > prev else "hold"
         dec.reason += f"; held at x{dec.factor:.3g} by the {fc.text(rule.floor)}"
@@ -253,6 +270,9 @@ class EntropyGuard:
         if horizon is not None and getattr(probe, "source", "held_out") != "rollouts":
             raise ConfigError(f"EntropyGuard: horizon={horizon} acts on the entropy forecast, which the online probe "
                               "makes from the step's own batch: use OnlineProbe(..., source='rollouts')")
+        betas = betas_error(probe.optimizer) if horizon is not None else None
+        if betas is not None:  # refused now, not at the first probe inside training
+            raise ConfigError(f"EntropyGuard: horizon={horizon}: {betas}")
         self.factor = 1.0
         self.decisions: list[Decision] = []
         self.lrs: list[tuple[int, list[float]]] = []
