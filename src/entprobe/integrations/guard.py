@@ -36,7 +36,8 @@ the guard acts on the forecast first (guard_forecast.py): when the population's 
 entropy k <= K steps ahead is below the floor and its change is resolved below 0 (a fall: below the
 floor a rise is never cut, as above), the lr is cut to the factor that keeps every point forecast on
 or above the floor; otherwise the rule above decides, and does not raise the factor into a forecast
-crossing. ``horizon`` is an int from 1 to ``MAX_HORIZON``; it needs every param group's betas equal. Each decision keeps the forecast it acted on (``Decision.forecast``; logged as
+crossing. ``horizon`` is an int from 1 to ``MAX_HORIZON``; it needs every param group's betas equal.
+Each decision keeps the forecast it acted on (``Decision.forecast``; logged as
 ``entprobe/guard_forecast_k``, ``_H``, ``_high``).
 
 The factor holds until the next probe (steps the probe does not predict keep it). It multiplies
@@ -270,7 +271,9 @@ class EntropyGuard:
         if horizon is not None and getattr(probe, "source", "held_out") != "rollouts":
             raise ConfigError(f"EntropyGuard: horizon={horizon} acts on the entropy forecast, which the online probe "
                               "makes from the step's own batch: use OnlineProbe(..., source='rollouts')")
-        betas = betas_error(probe.optimizer) if horizon is not None else None
+        model = getattr(probe, "model", None)
+        trainable = [p for p in model.parameters() if p.requires_grad] if model is not None else None
+        betas = betas_error(probe.optimizer, trainable) if horizon is not None else None
         if betas is not None:  # refused now, not at the first probe inside training
             raise ConfigError(f"EntropyGuard: horizon={horizon}: {betas}")
         self.factor = 1.0
