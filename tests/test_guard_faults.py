@@ -268,3 +268,53 @@ def test_the_probe_knows_the_vocabulary_from_the_model():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert RP.logit_count(SimpleNamespace(module=model)) == 18  # DDP's wrapper
+
+
+def _probed_forecast(order: tuple[int, int], betas: list[tuple[float, float]]) -> tuple[dict, list[str]]:
+    """One probe (source="rollouts", step 2) on the built-in model with its decay / no-decay groups
+    in ``order`` with ``betas``: the logged forecast keys and the forecast's warnings."""
+    from entprobe.checkpoints.default_checkpoint import policy_loss, trainer_adamw
+    from entprobe.config import SamplingConfig
+    from entprobe.integrations import OnlineProbe
+    from entprobe.integrations.grpo_trainer import TrainArgs, load_policy, load_task
+    from entprobe.rollouts.sampling import draw_prompt_indices, sample_batch
+
+    a = TrainArgs(out="")
+    model, tok = load_policy(a)
+    task = load_task(a)
+    groups = trainer_adamw(model, 1e-3, 0.01).param_groups
+    opt = torch.optim.AdamW([{"params": groups[i]["params"], "weight_decay": groups[i]["weight_decay"],
+                              "betas": betas[i]} for i in order], lr=1e-3, eps=1e-8)
+
+    def step_batch(seed: int):
+        batch = sample_batch(model, tok, task, draw_prompt_indices(len(task.prompts), 8, seed), 4,
+                             SamplingConfig(max_new_tokens=4), seed, "dr_grpo", 1e-6)
+        opt.zero_grad()
+        policy_loss(model, batch, "dr_grpo").backward()
+        return batch
+    step_batch(0)
+    opt.step()
+    probe = OnlineProbe(model, opt, tok, None, every=1, source="rollouts")
+    batch = step_batch(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert probe.before_step(2, rollouts=batch)
+    opt.step()
+    out = probe.after_step()
+    return ({k: v for k, v in out.items() if "forecast" in k},
+            [str(w.message) for w in caught if "forecast" in str(w.message)])
+
+
+def test_a_probe_s_forecast_does_not_depend_on_the_groups_order():
+    """The built-in model's decay / no-decay groups, same betas: the logged forecasts are the same in
+    either order (to the rounding of fp64 sums over its ~20 tensors; they agree to the bit here); with
+    the tester's betas, none is logged and the warning names both groups."""
+    same = [(0.9, 0.999), (0.9, 0.999)]
+    ab, warned = _probed_forecast((0, 1), same)
+    ba, _ = _probed_forecast((1, 0), same)
+    assert not warned and set(ab) == set(ba) and "entprobe/forecast_H_k10_high" in ab
+    assert all(abs(ab[k] - ba[k]) <= 32 * EPS64 * max(1.0, abs(ab[k])) for k in ab)
+    assert all(0.0 <= v <= math.log(18) for k, v in ab.items() if not k.startswith("entprobe/SE_"))
+    none, warned = _probed_forecast((0, 1), [(0.0, 0.5), (0.9, 0.999)])
+    assert none == {} and len(warned) == 1
+    assert "group 0 (0, 0.5), group 1 (0.9, 0.999)" in warned[0]
