@@ -16,6 +16,7 @@ the last step, ``out/checkpoint-<step>/`` is written (``trainer_checkpoint``).
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,13 @@ class TrainArgs:
 
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+# --probe-source rollouts: the fewest prompts a step its prediction takes (rollout_passes refuses fewer: the
+# jackknife of the cross-prompt U-statistic over B prompts leaves one out and needs a pair of the rest)
+ROLLOUTS_MIN_B = 3
+# --guard-horizon's largest value (EntropyGuard's horizon): each guarded probe forecasts k = 1..K steps ahead
+# (on main ~K^3 work: 0.12 s at K = 10, 68 s at 1000, issue 39), so a horizon past any run's use is refused up
+# front, before the model loads; the guard's own range (param_error, above) is checked first
+MAX_HORIZON = 100
 
 
 def check_args(a: TrainArgs) -> None:
@@ -88,8 +96,16 @@ def check_args(a: TrainArgs) -> None:
         raise ConfigError(f"--G={a.G}: group advantages need >= 2 responses per prompt")
     if not 0 <= a.seed < 2**32:
         raise ConfigError(f"--seed={a.seed}: seeds must be in [0, 2^32)")
-    if a.probe_every < 0 or a.lr <= 0 or a.max_grad_norm < 0:
-        raise ConfigError("--probe-every >= 0 (0: off), --lr > 0 and --max-grad-norm >= 0 (0: no clipping)")
+    if a.probe_every < 0:
+        raise ConfigError(f"--probe-every={a.probe_every}: must be >= 0 (N: probe every N steps; 0: no probe)")
+    if not (math.isfinite(a.lr) and a.lr > 0):  # at lr 0 no step changes the policy (nor its entropy)
+        raise ConfigError(f"--lr={a.lr}: the AdamW peak learning rate must be a finite number > 0")
+    if not (math.isfinite(a.max_grad_norm) and a.max_grad_norm >= 0):
+        raise ConfigError(f"--max-grad-norm={a.max_grad_norm}: must be a finite number >= 0 (0: no clipping)")
+    if a.probe_every and a.probe_source == "rollouts" and a.B < ROLLOUTS_MIN_B:
+        raise ConfigError(f"--B={a.B}: --probe-source rollouts needs --B >= {ROLLOUTS_MIN_B} prompts a step (its "
+                          "cross-prompt U-statistic's jackknife SE leaves one prompt out and needs a pair of others); "
+                          f"give --B {ROLLOUTS_MIN_B} or more, or --probe-source held_out")
     if (a.guard_floor is not None or a.guard_max_decay is not None) and not a.probe_every:
         raise ConfigError("--guard-floor / --guard-max-decay set the lr from the online probe's prediction: "
                           "give --probe-every N too (1: every step)")
@@ -101,6 +117,10 @@ def check_args(a: TrainArgs) -> None:
         error = param_error(name, v, "leave the option out")  # the guard's own ranges (EntropyGuard would refuse it after the model loads)
         if error:
             raise ConfigError(f"{opt}={v}: {error}")
+    if a.guard_horizon is not None and a.guard_horizon > MAX_HORIZON:  # before the model loads, not at the first probe
+        raise ConfigError(f"--guard-horizon={a.guard_horizon}: at most {MAX_HORIZON} steps; every guarded probe "
+                          "forecasts each step up to the horizon, so its cost grows with it, and a first-order "
+                          f"forecast that far out is no guide: give --guard-horizon {MAX_HORIZON} or less")
     if a.loss not in LOSSES:
         raise ConfigError(f"--loss={a.loss!r}: one of {', '.join(LOSSES)}")
     if a.model is not None and not (Path(a.model).expanduser() / "config.json").is_file():
