@@ -16,6 +16,7 @@ the last step, ``out/checkpoint-<step>/`` is written (``trainer_checkpoint``).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -159,6 +160,23 @@ def resume_folder(a: TrainArgs) -> Path:
     return folder
 
 
+@contextlib.contextmanager
+def no_progress_bars():
+    """transformers' (and huggingface_hub's) tqdm bars off inside the block, as they were after it:
+    ``save_pretrained``'s "Writing model shards" and ``from_pretrained``'s "Loading weights" bars,
+    which would print between the trainer's lines. Warnings and errors are logged as before (the
+    bars are not the logger)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def load_policy(a: TrainArgs):
     """(model, tokenizer) on ``a.device`` in fp32, train mode: ``--model`` or the built-in default."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -168,8 +186,9 @@ def load_policy(a: TrainArgs):
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
-                                                 attn_implementation="eager")
+    with no_progress_bars():
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
+                                                     attn_implementation="eager")
     return model.to(torch.device(a.device)).train(), tok
 
 
@@ -283,7 +302,8 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
             on_step(entry)
         if step % a.save_every == 0 or step == a.steps:
             state = trainer_state(step, a.steps, a.save_every, a.B * a.G, history)
-            written.append(write_trainer_checkpoint(a.out, step, model, tok, opt, sched, state, vars(a)))
+            with no_progress_bars():  # save_pretrained's "Writing model shards" bar would cut into the trainer's
+                written.append(write_trainer_checkpoint(a.out, step, model, tok, opt, sched, state, vars(a)))
             log(f"[entprobe] step {step}: loss {entry['loss']:+.4f} reward {entry['reward']:.3f} "
                 f"entropy {entry['entropy']:.3f} -> {written[-1]}")
     if probe is not None:  # the online probe's steps, plotted as entprobe.probe_run plots a run's checkpoints
