@@ -37,6 +37,7 @@ from entprobe.tasks.jsonl import JsonlTask
 from entprobe.tasks.lengths import model_context, refuse_long_prompts
 from entprobe.integrations.online import OnlineProbe
 from entprobe.integrations.guard import EntropyGuard, param_error
+from entprobe.integrations.step_lines import probe_line
 from entprobe.reporting.over_steps import merged_history, write_history
 from entprobe.checkpoints.default_checkpoint import policy_loss, trainer_adamw
 
@@ -218,20 +219,6 @@ def logged_entropy(batch) -> float:
     return float(-batch.sampler_logprobs.sum() / L)
 
 
-def probe_line(step: int, m: dict) -> str:
-    """One printed line per probe: prediction, measurement, their paired difference."""
-    g = lambda k: m.get(f"entprobe/{k}", float("nan"))  # noqa: E731
-    measured = (f"deltaH_true {g('deltaH_true'):+.3e} +- {g('SE_deltaH_true'):.1e}  consistent "
-                f"{_consistent(g('pred_consistent'))}" if "entprobe/pred_consistent" in m else "not measured")
-    return (f"[entprobe] step {step}: deltaH_pred {g('deltaH_pred'):+.3e} +- {g('SE_deltaH_pred'):.1e}  "
-            f"{measured}  ({g('time_s'):.1f} s)")
-
-
-def _consistent(v: float) -> str:
-    """The logged ``pred_consistent`` (1.0 / 0.0; NaN when the measurement was unmeasurable)."""
-    return "n/a (unmeasurable)" if v != v else str(bool(v))
-
-
 def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
     """Run the trainer (module docstring); returns the checkpoint folders written. ``on_step``, when
     given, is called with each step's log-history entry (step, loss, reward, entropy, ...)."""
@@ -277,11 +264,16 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
         grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), a.max_grad_norm).item()
                      if a.max_grad_norm > 0 else None)
         lr = sched.get_last_lr()[0]  # the lr of this step (logged as HF Trainer logs it)
+        H_rollouts = None
         if stepper is not None:
             stepper.before_step(step, **({"rollouts": batch, "grad_norm": grad_norm} if a.probe_source == "rollouts"
                                          else {}))
+            if a.probe_source == "rollouts" and probe.pending is not None:  # the step's batch's H (after_step
+                H_rollouts = probe.pending.H                                # logs E's as H_orig once E is measured)
         opt.step()
         metrics = stepper.after_step() if stepper is not None else None  # (the guard puts back the scheduler's lr)
+        if H_rollouts is not None and probe.history:
+            probe.history[-1]["H_rollouts"] = H_rollouts  # the over-steps table's H_rollouts column
         sched.step()
         entry = {"step": step, "loss": loss.item(), "learning_rate": lr, "reward": batch.rewards.mean().item(),
                  "reward_std": batch.rewards.std().item(),
@@ -292,11 +284,12 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
             entry["grad_norm"] = grad_norm
         if metrics:
             entry.update(metrics)
-        if metrics and "entprobe/deltaH_pred" in metrics:
-            log(probe_line(step, metrics))
-        if guarded and stepper.decisions and stepper.decisions[-1].step == step:
-            d = stepper.decisions[-1]
-            log(f"[entprobe] step {step}: guard {d.action}, lr x {d.factor:.3g}: {d.reason}")
+        if H_rollouts is not None:  # (a resumed run's over-steps table reads it back from the log history)
+            entry["entprobe/H_rollouts"] = H_rollouts
+        if metrics and "entprobe/deltaH_pred" in metrics:  # one line a probed step, at the lr it used
+            decided = guarded and stepper.decisions and stepper.decisions[-1].step == step
+            log("[entprobe] " + probe_line(step, metrics, a.probe_source, H_rollouts,
+                                           *((stepper.decisions[-1], stepper.rule) if decided else ())))
         history.append(entry)
         if on_step is not None:
             on_step(entry)
