@@ -265,10 +265,14 @@ def test_trl_callback_applies_the_factor_on_top_of_the_scheduler_and_logs_its_de
     assert [h["entprobe/guard_lr"] for h in logs] == [pytest.approx(u, rel=1e-12) for u in used]
     assert [h["entprobe/lr"] for h in logs[1:]] == [pytest.approx(lr * f, rel=1e-12)
                                                    for lr, f in zip(scheduled[1:], in_force[1:])]
-    # each decision printed as one line (one process: the main one), in order
-    printed = [x for x in capsys.readouterr().out.splitlines() if x.startswith("entprobe guard: ")]
-    assert printed == [d.line(cb.guard.rule) for d in cb.decisions]
-    assert printed[0].startswith("entprobe guard: step 2: lr x0.25, ")
+    # each guarded step printed as one line (one process: the main one), in order, at the lr it used
+    printed = [x for x in capsys.readouterr().out.splitlines() if x.startswith("entprobe: step ")]
+    assert [x.split(": ")[1] for x in printed] == ["step 2", "step 3"]
+    for x, d, h in zip(printed, cb.decisions, logs[1:]):
+        assert x.startswith(f"entprobe: step {d.step}: guard {d.action}: lr x{d.factor:.3g} = {h['entprobe/lr']:.3g} "
+                            f"(was x{d.prev:.3g}, max_decay 0); predicted {h['entprobe/deltaH_pred']:+.3e} ± ")
+        assert f"vs predicted {h['entprobe/deltaH_pred']:+.3e}: " in x and "scheduler's lr" not in x
+    assert ": lr x0.25 = " in printed[0]  # step 2's forced factor
 
 
 def test_benchmark_command_runs_verbatim(tmp_path):

@@ -147,7 +147,8 @@ def test_readme_train_command_runs_verbatim(tmp_path):
                               text=True, timeout=400)
         assert proc.returncode == 0, proc.stderr[-3000:]
         out.append(proc.stdout)
-    assert out[0].count("deltaH_pred") == 2  # one line per probe: steps 3 and 6
+    probes = [x for x in out[0].splitlines() if x.startswith("[entprobe] step ") and ": predicted " in x]
+    assert [x.split(":")[0] for x in probes] == ["[entprobe] step 3", "[entprobe] step 6"]  # one line per probe
     state = json.loads((tmp_path / "runs/grpo/checkpoint-6/trainer_state.json").read_text())
     assert state["global_step"] == 6 and "entprobe/deltaH_true" in state["log_history"][5]
     (run_dir,) = tmp_path.glob("outputs/*/*")

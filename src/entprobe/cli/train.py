@@ -9,7 +9,7 @@ import contextlib
 from entprobe.checkpoints.default_checkpoint import LOSSES, build_default_checkpoint, ensure_default_checkpoint
 from entprobe.checkpoints.trainer_checkpoint import changed_run_args, checkpoint_step
 from entprobe.config import ConfigError
-from entprobe.integrations.grpo_trainer import LR_SCHEDULERS, TrainArgs, check_args, resume_folder
+from entprobe.integrations.grpo_trainer import LR_SCHEDULERS, MAX_HORIZON, ROLLOUTS_MIN_B, TrainArgs, check_args, resume_folder
 from entprobe.integrations.grpo_trainer import train
 from entprobe.cli.user_errors import ArgumentParser, exits_on_user_error
 
@@ -66,14 +66,15 @@ def parse_train_args(argv: list[str] | None = None):
                     "--probe-source rollouts: the fresh prompts the step is measured on; 0: no measurement)")
     ap.add_argument("--probe-source", default=d.probe_source, choices=("held_out", "rollouts"),
                     help="held_out: predict on a fresh E of --probe-B-E prompts; rollouts: predict from the step's "
-                    "own batch (no sampling for the prediction; docs/online.md)")
+                    f"own batch (no sampling for the prediction; needs --B >= {ROLLOUTS_MIN_B}; docs/rollouts.md)")
     ap.add_argument("--guard-floor", type=float, default=None, help="EntropyGuard: lowest entropy (nats, the "
-                    "probe's H) the lr is cut to hold (needs --probe-every; docs/guard.md)")
+                    "H of the batch the probe predicts on: held-out E, or with --probe-source rollouts the step's own) "
+                    "the lr is cut to hold (needs --probe-every; docs/guard.md)")
     ap.add_argument("--guard-max-decay", type=float, default=None, help="EntropyGuard: largest entropy decrease "
                     "per step (nats) the lr is cut to hold (needs --probe-every)")
     ap.add_argument("--guard-horizon", type=int, default=None, help="EntropyGuard: cut the lr when the entropy "
-                    "forecast is resolved below --guard-floor within this many steps (needs --probe-source rollouts; "
-                    "docs/guard.md)")
+                    f"forecast is resolved below --guard-floor within this many steps, 1 to {MAX_HORIZON} (needs --probe-source "
+                    "rollouts; docs/guard.md)")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--device", default=d.device, help="cpu, cuda, cuda:1, ...")
     ap.add_argument("--resume", default=None, help="continue from a checkpoint-<step> folder of this run, or "

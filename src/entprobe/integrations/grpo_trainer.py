@@ -16,6 +16,8 @@ the last step, ``out/checkpoint-<step>/`` is written (``trainer_checkpoint``).
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,7 @@ from entprobe.tasks.jsonl import JsonlTask
 from entprobe.tasks.lengths import model_context, refuse_long_prompts
 from entprobe.integrations.online import OnlineProbe
 from entprobe.integrations.guard import EntropyGuard, param_error
+from entprobe.integrations.step_lines import probe_line
 from entprobe.reporting.over_steps import merged_history, write_history
 from entprobe.checkpoints.default_checkpoint import policy_loss, trainer_adamw
 
@@ -71,6 +74,13 @@ class TrainArgs:
 
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+# --probe-source rollouts: the fewest prompts a step its prediction takes (rollout_passes refuses fewer: the
+# jackknife of the cross-prompt U-statistic over B prompts leaves one out and needs a pair of the rest)
+ROLLOUTS_MIN_B = 3
+# --guard-horizon's largest value (EntropyGuard's horizon): each guarded probe forecasts k = 1..K steps ahead
+# (on main ~K^3 work: 0.12 s at K = 10, 68 s at 1000, issue 39), so a horizon past any run's use is refused up
+# front, before the model loads; the guard's own range (param_error, above) is checked first
+MAX_HORIZON = 100
 
 
 def check_args(a: TrainArgs) -> None:
@@ -88,8 +98,16 @@ def check_args(a: TrainArgs) -> None:
         raise ConfigError(f"--G={a.G}: group advantages need >= 2 responses per prompt")
     if not 0 <= a.seed < 2**32:
         raise ConfigError(f"--seed={a.seed}: seeds must be in [0, 2^32)")
-    if a.probe_every < 0 or a.lr <= 0 or a.max_grad_norm < 0:
-        raise ConfigError("--probe-every >= 0 (0: off), --lr > 0 and --max-grad-norm >= 0 (0: no clipping)")
+    if a.probe_every < 0:
+        raise ConfigError(f"--probe-every={a.probe_every}: must be >= 0 (N: probe every N steps; 0: no probe)")
+    if not (math.isfinite(a.lr) and a.lr > 0):  # at lr 0 no step changes the policy (nor its entropy)
+        raise ConfigError(f"--lr={a.lr}: the AdamW peak learning rate must be a finite number > 0")
+    if not (math.isfinite(a.max_grad_norm) and a.max_grad_norm >= 0):
+        raise ConfigError(f"--max-grad-norm={a.max_grad_norm}: must be a finite number >= 0 (0: no clipping)")
+    if a.probe_every and a.probe_source == "rollouts" and a.B < ROLLOUTS_MIN_B:
+        raise ConfigError(f"--B={a.B}: --probe-source rollouts needs --B >= {ROLLOUTS_MIN_B} prompts a step (its "
+                          "cross-prompt U-statistic's jackknife SE leaves one prompt out and needs a pair of others); "
+                          f"give --B {ROLLOUTS_MIN_B} or more, or --probe-source held_out")
     if (a.guard_floor is not None or a.guard_max_decay is not None) and not a.probe_every:
         raise ConfigError("--guard-floor / --guard-max-decay set the lr from the online probe's prediction: "
                           "give --probe-every N too (1: every step)")
@@ -101,6 +119,10 @@ def check_args(a: TrainArgs) -> None:
         error = param_error(name, v, "leave the option out")  # the guard's own ranges (EntropyGuard would refuse it after the model loads)
         if error:
             raise ConfigError(f"{opt}={v}: {error}")
+    if a.guard_horizon is not None and a.guard_horizon > MAX_HORIZON:  # before the model loads, not at the first probe
+        raise ConfigError(f"--guard-horizon={a.guard_horizon}: at most {MAX_HORIZON} steps; every guarded probe "
+                          "forecasts each step up to the horizon, so its cost grows with it, and a first-order "
+                          f"forecast that far out is no guide: give --guard-horizon {MAX_HORIZON} or less")
     if a.loss not in LOSSES:
         raise ConfigError(f"--loss={a.loss!r}: one of {', '.join(LOSSES)}")
     if a.model is not None and not (Path(a.model).expanduser() / "config.json").is_file():
@@ -139,6 +161,23 @@ def resume_folder(a: TrainArgs) -> Path:
     return folder
 
 
+@contextlib.contextmanager
+def no_progress_bars():
+    """transformers' (and huggingface_hub's) tqdm bars off inside the block, as they were after it:
+    ``save_pretrained``'s "Writing model shards" and ``from_pretrained``'s "Loading weights" bars,
+    which would print between the trainer's lines. Warnings and errors are logged as before (the
+    bars are not the logger)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def load_policy(a: TrainArgs):
     """(model, tokenizer) on ``a.device`` in fp32, train mode: ``--model`` or the built-in default."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -148,8 +187,9 @@ def load_policy(a: TrainArgs):
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
-                                                 attn_implementation="eager")
+    with no_progress_bars():
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
+                                                     attn_implementation="eager")
     return model.to(torch.device(a.device)).train(), tok
 
 
@@ -177,20 +217,6 @@ def logged_entropy(batch) -> float:
     if batch.sampler_entropy is not None:
         return float((batch.sampler_entropy.double() * batch.response_mask).sum() / L)
     return float(-batch.sampler_logprobs.sum() / L)
-
-
-def probe_line(step: int, m: dict) -> str:
-    """One printed line per probe: prediction, measurement, their paired difference."""
-    g = lambda k: m.get(f"entprobe/{k}", float("nan"))  # noqa: E731
-    measured = (f"deltaH_true {g('deltaH_true'):+.3e} +- {g('SE_deltaH_true'):.1e}  consistent "
-                f"{_consistent(g('pred_consistent'))}" if "entprobe/pred_consistent" in m else "not measured")
-    return (f"[entprobe] step {step}: deltaH_pred {g('deltaH_pred'):+.3e} +- {g('SE_deltaH_pred'):.1e}  "
-            f"{measured}  ({g('time_s'):.1f} s)")
-
-
-def _consistent(v: float) -> str:
-    """The logged ``pred_consistent`` (1.0 / 0.0; NaN when the measurement was unmeasurable)."""
-    return "n/a (unmeasurable)" if v != v else str(bool(v))
 
 
 def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
@@ -238,11 +264,16 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
         grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), a.max_grad_norm).item()
                      if a.max_grad_norm > 0 else None)
         lr = sched.get_last_lr()[0]  # the lr of this step (logged as HF Trainer logs it)
+        H_rollouts = None
         if stepper is not None:
             stepper.before_step(step, **({"rollouts": batch, "grad_norm": grad_norm} if a.probe_source == "rollouts"
                                          else {}))
+            if a.probe_source == "rollouts" and probe.pending is not None:  # the step's batch's H (after_step
+                H_rollouts = probe.pending.H                                # logs E's as H_orig once E is measured)
         opt.step()
         metrics = stepper.after_step() if stepper is not None else None  # (the guard puts back the scheduler's lr)
+        if H_rollouts is not None and probe.history:
+            probe.history[-1]["H_rollouts"] = H_rollouts  # the over-steps table's H_rollouts column
         sched.step()
         entry = {"step": step, "loss": loss.item(), "learning_rate": lr, "reward": batch.rewards.mean().item(),
                  "reward_std": batch.rewards.std().item(),
@@ -253,17 +284,19 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
             entry["grad_norm"] = grad_norm
         if metrics:
             entry.update(metrics)
-        if metrics and "entprobe/deltaH_pred" in metrics:
-            log(probe_line(step, metrics))
-        if guarded and stepper.decisions and stepper.decisions[-1].step == step:
-            d = stepper.decisions[-1]
-            log(f"[entprobe] step {step}: guard {d.action}, lr x {d.factor:.3g}: {d.reason}")
+        if H_rollouts is not None:  # (a resumed run's over-steps table reads it back from the log history)
+            entry["entprobe/H_rollouts"] = H_rollouts
+        if metrics and "entprobe/deltaH_pred" in metrics:  # one line a probed step, at the lr it used
+            decided = guarded and stepper.decisions and stepper.decisions[-1].step == step
+            log("[entprobe] " + probe_line(step, metrics, a.probe_source, H_rollouts,
+                                           *((stepper.decisions[-1], stepper.rule) if decided else ())))
         history.append(entry)
         if on_step is not None:
             on_step(entry)
         if step % a.save_every == 0 or step == a.steps:
             state = trainer_state(step, a.steps, a.save_every, a.B * a.G, history)
-            written.append(write_trainer_checkpoint(a.out, step, model, tok, opt, sched, state, vars(a)))
+            with no_progress_bars():  # save_pretrained's "Writing model shards" bar would cut into the trainer's
+                written.append(write_trainer_checkpoint(a.out, step, model, tok, opt, sched, state, vars(a)))
             log(f"[entprobe] step {step}: loss {entry['loss']:+.4f} reward {entry['reward']:.3f} "
                 f"entropy {entry['entropy']:.3f} -> {written[-1]}")
     if probe is not None:  # the online probe's steps, plotted as entprobe.probe_run plots a run's checkpoints

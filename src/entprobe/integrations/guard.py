@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from entprobe.config import ConfigError
 from entprobe.integrations.guard_forecast import forecast_call
 from entprobe.integrations.online import OnlineProbe
+from entprobe.integrations.step_lines import probe_line
 from entprobe.integrations.trl import EntropyProbeCallback
 from entprobe.pipeline.stages.rollout_prediction import betas_error
 
@@ -369,7 +370,8 @@ class EntropyGuardCallback(EntropyProbeCallback):
     The guard's ``state_dict()`` goes into each checkpoint's ``trainer_state.json`` (key
     ``STATE_KEY`` of ``stateful_callbacks``, written at every step's end, before the trainer saves);
     ``trainer.train(resume_from_checkpoint=...)`` starts from the factor saved there. Each decision
-    is printed as one line on the main process (``Decision.line``).
+    is printed as one line on the main process once its step is taken, with the prediction at the lr
+    that step used and the measurement (``step_lines.probe_line``).
     (transformers' ``restore_callback_states_from_checkpoint`` is not needed; with it on, transformers
     warns that it found no callback named ``entprobe.EntropyGuard`` to rebuild: this callback reads it itself.)"""
 
@@ -396,13 +398,16 @@ class EntropyGuardCallback(EntropyProbeCallback):
                       f"{self.guard.factor:.4g} (trainer_state.json)", flush=True)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        step, decided = state.global_step + 1, len(self.guard.decisions)
+        step = state.global_step + 1
         self.guard.before_step(step, **self.step_rollouts(step))
-        if len(self.guard.decisions) > decided and state.is_world_process_zero:
-            print(self.guard.decisions[-1].line(self.guard.rule), flush=True)
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        self._to_log.update(self.guard.after_step())
+        pending, dec = self.probe.pending, self.guard._decision  # the step's, before after_step measures it
+        metrics = self.guard.after_step()
+        self._to_log.update(metrics)
+        if dec is not None and state.is_world_process_zero:  # one line a guarded step, at the lr it used
+            H = pending.H if pending is not None and self.source == "rollouts" else None
+            print("entprobe: " + probe_line(dec.step, metrics, self.source, H, dec, self.guard.rule), flush=True)
 
     def on_step_end(self, args, state, control, **kwargs):
         state.stateful_callbacks[STATE_KEY] = self.guard.state_dict()  # saved with the checkpoint, if one follows

@@ -25,26 +25,41 @@ PRED_COLOR, TRUE_COLOR = "C0", "C1"  # predicted / measured, as in plots.project
 # the CSV's columns, in order: the row's own, then result keys (``FROM_RESULTS``)
 HORIZONS = (1, 5, 10)  # math/forecast.py's: the online probe's forecasts k steps ahead (source="rollouts")
 FORECAST_COLUMNS = tuple(f"forecast_H_k{k}{s}" for k in HORIZONS for s in ("", "_low", "_high"))
-COLUMNS = ("step", "status", "H", "SE_H", "ci95_H_low", "ci95_H_high",
+COLUMNS = ("step", "status", "H", "SE_H", "ci95_H_low", "ci95_H_high", "H_batch", "H_rollouts",
            "deltaH_pred", "SE_deltaH_pred", "ci95_pred_low", "ci95_pred_high",
            "deltaH_true", "SE_deltaH_true", "ci95_true_low", "ci95_true_high",
            "deltaH_true_minus_pred", "SE_deltaH_true_minus_pred", "lr", "time_s", "job_dir", "reason",
            *FORECAST_COLUMNS, "H_logged", *(f"H_logged_k{k}" for k in HORIZONS), "guard_lr_factor")
-FROM_RESULTS = {"H": "H_orig", "SE_H": "SE_H_orig", **{k: k for k in COLUMNS[6:17]},
+FROM_RESULTS = {"H": "H_orig", "SE_H": "SE_H_orig", "H_rollouts": "H_rollouts",
+                **{k: k for k in COLUMNS[COLUMNS.index("deltaH_pred"):COLUMNS.index("lr") + 1]},
                 **{k: k for k in FORECAST_COLUMNS}, "guard_lr_factor": "guard_lr_factor"}
 
 
+def h_batch(results: Mapping, online: bool) -> str:
+    """Whose entropy a row's ``H`` (the results' ``H_orig``) is: ``E``, the held-out responses (a
+    checkpoint's job; an online probe's held-out source, or its ``source="rollouts"`` measured on a
+    fresh E), or ``rollouts``, the probed step's own batch (``source="rollouts"`` measuring nothing:
+    its results have the forecasts, ``forecast_H_k*``, and no ``deltaH_pred_E``)."""
+    rollouts = online and any(k in results for k in ("H_rollouts", f"forecast_H_k{HORIZONS[0]}"))
+    return "rollouts" if rollouts and "deltaH_pred_E" not in results else "E"
+
+
 def over_steps_row(step: int, status: str, results: Mapping | None = None, job_dir: str = "", reason: str = "",
-                   time_s: float = math.nan, logged: Mapping[int, float] | None = None) -> dict:
-    """One checkpoint's (or online probe's) row: ``status`` ok / skipped / failed, the numbers of its
-    ``results`` (NaN where absent), H's 95% interval (``mean -+ t_{B_E-1} SE``, as the verdict's), the
-    job's folder, why it was skipped or failed, and the seconds it took (``time_s`` if given, else
-    the results' own). ``logged``: the trainer's logged entropy by step (online probes): the row's
-    ``H_logged`` (at its step) and ``H_logged_k<k>`` (k steps later: what ``forecast_H_k<k>`` forecast)."""
+                   time_s: float = math.nan, logged: Mapping[int, float] | None = None, online: bool = False) -> dict:
+    """One checkpoint's (or online probe's, ``online``) row: ``status`` ok / skipped / failed, the
+    numbers of its ``results`` (NaN where absent), H's 95% interval (``mean -+ t_{B_E-1} SE``, as the
+    verdict's), whose entropy H is (``H_batch``, ``h_batch``) and the step's own batch's
+    (``H_rollouts``, ``source="rollouts"``: where the forecasts start), the job's folder, why it was
+    skipped or failed, and the seconds it took (``time_s`` if given, else the results' own).
+    ``logged``: the trainer's logged entropy by step (online probes): the row's ``H_logged`` (at its
+    step) and ``H_logged_k<k>`` (k steps later: what ``forecast_H_k<k>`` forecast)."""
     r = dict(results or {})
     row = {"step": int(step), "status": status, "job_dir": job_dir, "reason": reason}
     for col, key in FROM_RESULTS.items():
         row[col] = _number(r.get(key))
+    row["H_batch"] = h_batch(r, online) if results else ""
+    if row["H_batch"] == "rollouts" and math.isnan(row["H_rollouts"]):
+        row["H_rollouts"] = row["H"]
     row["ci95_H_low"], row["ci95_H_high"] = ci95(row["H"], row["SE_H"], _number(r.get("B_E")))
     if math.isnan(time_s):
         time_s = _number(r.get("time/total_s", r.get("time_s")))
@@ -59,7 +74,8 @@ def over_steps_row(step: int, status: str, results: Mapping | None = None, job_d
 def history_rows(history: Sequence[Mapping], logged: Mapping[int, float] | None = None) -> list[dict]:
     """The online probe's ``history`` (its full results, each with its ``step``) as rows, by step;
     ``logged``: the trainer's logged entropy by step (``over_steps_row``)."""
-    return [over_steps_row(int(r["step"]), "ok", r, logged=logged) for r in sorted(history, key=lambda r: r["step"])]
+    return [over_steps_row(int(r["step"]), "ok", r, logged=logged, online=True)
+            for r in sorted(history, key=lambda r: r["step"])]
 
 
 def _number(v) -> float:
@@ -87,7 +103,7 @@ def write_csv(rows: Sequence[Mapping], path: str | Path) -> Path:
 
 def read_csv(path: str | Path) -> list[dict]:
     """A written ``over_steps.csv`` back as rows (numbers as floats, empty as NaN, step as int)."""
-    text_cols = {"status", "job_dir", "reason"}
+    text_cols = {"status", "job_dir", "reason", "H_batch"}
     with open(path, newline="") as f:
         return [{k: v if k in text_cols else int(v) if k == "step" else _number(v or None) for k, v in r.items()}
                 for r in csv.DictReader(f)]
@@ -131,16 +147,22 @@ def plot(rows: Sequence[Mapping], path: str | Path, title: str = "", online: boo
     h = [r for r in ok if math.isfinite(r["H"])]
     if h:
         x = [r["step"] for r in h]
-        ax_h.plot(x, [r["H"] for r in h], "o-", color="black", ms=4, lw=1.2, label="H before the probed step" if online else "H at the checkpoint")
+        ax_h.plot(x, [r["H"] for r in h], "o-", color="black", ms=4, lw=1.2, label=_h_label(h, online))
         lo, hi = np.array([r["ci95_H_low"] for r in h], float), np.array([r["ci95_H_high"] for r in h], float)
         if np.isfinite(lo).any():
             ax_h.fill_between(x, lo, hi, color="gray", alpha=0.25, lw=0, label="95% interval (t, B_E - 1 df)")
         ax_h.legend(fontsize=8)
-    elif not logged:
+    own = [r for r in ok if r.get("H_batch") == "E" and math.isfinite(r.get("H_rollouts", math.nan))]
+    if own:  # source="rollouts" measured on E: the step's own batch's H too, where its forecasts start
+        ax_h.plot([r["step"] for r in own], [r["H_rollouts"] for r in own], "x--", color="0.3", ms=5, lw=0.8,
+                  label="H of the step's rollouts (the forecasts' start)")
+        ax_h.legend(fontsize=8)
+    elif not h and not logged:
         _note(ax_h, "no entropy measured")
     if logged and not h:
         ax_h.legend(fontsize=8)
-    seen = [v for v in [r["H"] for r in h] + list((logged or {}).values()) if math.isfinite(v)]
+    seen = [v for v in [r["H"] for r in h] + [r["H_rollouts"] for r in own] + list((logged or {}).values())
+            if math.isfinite(v)]
     if seen and any(math.isfinite(r.get(c, math.nan)) for r in ok for c in FORECAST_COLUMNS):
         ax_h.set_ylim(0, 1.6 * max(seen))  # a forecast's far bound (first order, 10 steps out) off the chart
     ax_h.set_ylabel("entropy H (nats)")
@@ -178,6 +200,16 @@ def plot(rows: Sequence[Mapping], path: str | Path, title: str = "", online: boo
 FORECAST_COLORS = {1: "C2", 5: "C4", 10: "C5"}
 
 
+def _h_label(rows: Sequence[Mapping], online: bool) -> str:
+    """The H series' legend: whose entropy it is (``H_batch``) and when."""
+    if not online:
+        return "H of E at the checkpoint"
+    batches = {r.get("H_batch") for r in rows}
+    whose = ("the step's rollouts" if batches == {"rollouts"} else "held-out E" if batches == {"E"} else
+             "held-out E (the step's rollouts where not measured)")
+    return f"H of {whose} before the probed step"
+
+
 def _forecasts(ax, rows: Sequence[Mapping]) -> None:
     """Each row's ``forecast_H_k<k>`` drawn at step + k with its 95% interval (the logged entropy's)."""
     for k in HORIZONS:
@@ -206,7 +238,7 @@ def report(rows: Sequence[Mapping], run_dir: str, csv_name: str = CSV_FILE, plot
              "Each checkpoint probed as `python -m entprobe.main` would (its own report linked). Entropy and "
              "its changes in nats; ± is 1 SE; the figure's bars and band are 95% intervals "
              "(docs/over_steps.md).", "",
-             "| step | status | H | deltaH_pred | deltaH_true | true - pred | lr | time (s) | report |",
+             "| step | status | H of E | deltaH_pred | deltaH_true | true - pred | lr | time (s) | report |",
              "|---:|---|---|---|---|---|---|---:|---|"]
     for r in rows:
         link = f"[{r['job_dir']}/report.md]({r['job_dir']}/report.md)" if r["job_dir"] and r["status"] == "ok" else ""

@@ -3,7 +3,7 @@ passes (stages/rollout_passes.py), the check that the objective reproduces the t
 the cross-prompt U-statistic by part of the update (math/rollout_ustat.py), and H at theta with its
 per-prompt influence.
 
-What each number estimates (docs/online.md):
+What each number estimates (docs/rollouts.md):
 - ``deltaH_pred`` (``-(1/B) sum_n X_n . Delta theta(y_{-n})``): the change of the population's entropy
   functional (over the task's prompts, not the batch's) by the step the optimizer takes, to first order;
 - ``SE_deltaH_pred`` / ``ci95_pred_*``: of that change for the step taken (its gradient fixed: the X
