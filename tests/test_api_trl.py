@@ -1,4 +1,4 @@
-"""The Python API and the command line on a TRL checkpoint (the README's run, tests/trl_readme_run.py:
+"""The Python API and the command line on a TRL checkpoint (docs/trl.md's run, tests/trl_readme_run.py:
 one GRPOTrainer step of the built-in model, TRL's defaults, so ``max_grad_norm=1.0``).
 
 The command line takes the run's settings from the checkpoint's ``training_args.bin``: its loss
@@ -30,7 +30,7 @@ from entprobe.checkpoints.trainer_args import checkpoint_settings  # noqa: E402
 from entprobe.cli.probe_job import run, to_typed  # noqa: E402
 from entprobe.rollouts.saved_batches import load_batches  # noqa: E402
 
-# the README's probe command (tests/test_trl_inputs.py runs it verbatim), as overrides
+# docs/trl.md's probe command (tests/test_trl_inputs.py runs it verbatim), as overrides
 README_COMMAND = ("model=hf", "model.path=outputs/grpo/checkpoint-500", "task=jsonl", "task.path=data/train.jsonl",
                   "task.reward_funcs=[my_rewards:accuracy,my_rewards:brevity]", "batch.B_U=2")
 QUIET = {"logging": {"progress": False, "verdict": False, "report": False}}
@@ -43,13 +43,13 @@ COMPARED = ("deltaH_pred", "deltaH_pred_gradient", "deltaH_pred_momentum", "SE_d
 
 @pytest.fixture(scope="module")
 def trl_checkpoint(tmp_path_factory) -> Path:
-    """The folder the README's run leaves (my_rewards.py, data/, outputs/grpo/checkpoint-500)."""
+    """The folder docs/trl.md's run leaves (my_rewards.py, data/, outputs/grpo/checkpoint-500)."""
     from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
 
     here, folder = Path(__file__).parent, tmp_path_factory.mktemp("trl_run")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true",
            "PYTHONPATH": os.pathsep.join([str(here.parent / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(here / "trl_readme_run.py"), str(here.parent / "README.md"),
+    proc = subprocess.run([sys.executable, str(here / "trl_readme_run.py"), str(here.parent / "docs" / "trl.md"),
                            str(ensure_default_checkpoint())], cwd=folder, env=env, capture_output=True,
                           text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
