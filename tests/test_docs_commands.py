@@ -36,11 +36,12 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CKPT = "model=hf model.path=/ckpt/checkpoint-500"
 
 COVERAGE: dict[str, tuple[str, str]] = {
-    # README.md
+    # README.md "Two commands"
     "./scripts/setup.sh && .venv/bin/python -m entprobe.main":
         ("run", "tests/test_cli.py::test_readme_main_command_verdict_report_and_wandb"),
     "./scripts/setup.sh && .venv/bin/python -m pytest":
         ("run", ".ci/run::./scripts/setup.sh && .venv/bin/python -m pytest"),
+    # docs/probing.md (your checkpoint, LoRA, configuration)
     f"python -m entprobe.main {CKPT} optimizer.state_path=/ckpt/checkpoint-500 task=jsonl "
     "task.path=data/math.jsonl task.reward=boxed batch.B_E=16 batch.B_U=16 batch.G=8 "
     "sampling.max_new_tokens=512 model.dtype=bfloat16": ("compose", "your checkpoint and data"),
@@ -48,7 +49,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "python -m entprobe.main model=hf model.path=/ckpt/lora/checkpoint-500 model.base_path=/models/base "
     "task=jsonl task.path=data/math.jsonl task.reward=boxed":
         ("compose", "your LoRA checkpoint and base model; tests/test_peft.py probes a TRL + peft one"),
-    # README.md and docs/checkpoints.md
+    # docs/probing.md and docs/checkpoints.md
     "python -m entprobe.main model=hf model.path=/ckpt/global_step_100/actor/huggingface "
     "optimizer.state_path=/ckpt/global_step_100/actor":
         ("compose", "your verl checkpoint; tests/test_trainer_states.py probes a 4-rank one"),
@@ -58,23 +59,23 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "python -m entprobe.main model=hf model.path=/ckpt/fp32 optimizer.state_path=/ckpt":
         ("compose", "your DeepSpeed checkpoint; tests/test_trainer_states.py reads ZeRO-1/2/3 ones"),
     "python -m entprobe.main --help": ("run", "tests/test_help.py::test_help_lists_groups_and_documents_every_key"),
-    # README.md: what-if predictions (docs/what_if.md)
+    # docs/what_if.md
     "python -m entprobe.main model=hf model.path=tests/data/default_model batch.load=tests/data/batches/readme "
     "optimizer.lr=1e-5 'probe.what_if.lr_factors=[0.5,2]' probe.what_if.target_deltaH=0.001 "
     "'probe.what_if.entropy_coef=[0.001]' 'probe.what_if.clip_cov=[0.0002]' 'probe.what_if.kl_cov=[0.0002]' "
     "probe.what_if.measure=true":
         ("run", "tests/test_what_if_config.py::test_readme_what_if_command_measures_each_setting_paired_with_its_prediction"),
-    # README.md and docs/objectives.md
+    # docs/probing.md and docs/objectives.md
     "python -m entprobe.main objective=trl objective.loss_type=dr_grpo":
         ("run", "tests/test_objectives.py::test_documented_trl_command_runs_verbatim"),
-    # README.md: Train a probed run from zero (both run in order by one test)
+    # README.md "1. Probe your checkpoint" and docs/training.md (all three run in order by one test)
     "python -m entprobe.train --out runs/grpo --steps 6 --B 8 --save-every 3 --probe-every 3":
         ("run", "tests/test_train.py::test_readme_train_command_runs_verbatim"),
     "python -m entprobe.main model=hf model.path=runs/grpo/checkpoint-6 optimizer.state_path=runs/grpo/checkpoint-6":
         ("run", "tests/test_train.py::test_readme_train_command_runs_verbatim"),
     "python -m entprobe.probe_run runs/grpo --out runs/grpo-over-steps":
         ("run", "tests/test_train.py::test_readme_train_command_runs_verbatim"),
-    # README.md "Probe your TRL run"
+    # docs/trl.md "Probe your TRL run"
     "python -m entprobe.main model=hf model.path=outputs/grpo/checkpoint-500 task=jsonl "
     "task.path=data/train.jsonl 'task.reward_funcs=[my_rewards:accuracy,my_rewards:brevity]' batch.B_U=2":
         ("run", "tests/test_trl_inputs.py::test_readme_probe_your_trl_run_commands_run_verbatim"),

@@ -197,10 +197,10 @@ def test_callback_refuses_what_it_cannot_probe(tmp_path):
 
 
 def readme_snippets() -> list[str]:
-    """The ```python blocks of README.md's "Probe inside your training loop" section, in order."""
+    """The ```python blocks of docs/online.md's "Probe inside your training loop" section, in order."""
     import re
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "online.md").read_text()
     section = text[text.index("## Probe inside your training loop"):]
     section = section[:section.index("\n## ", 3)]
     return re.findall(r"^```python\n(.*?)^```", section, re.S | re.M)

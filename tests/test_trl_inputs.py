@@ -166,7 +166,7 @@ README_TRL_COMMAND = (
 
 
 def test_readme_probe_your_trl_run_commands_run_verbatim(tmp_path):
-    """README "Probe your TRL run": its Python snippet trains one GRPOTrainer step of the built-in
+    """docs/trl.md "Probe your TRL run": its Python snippet trains one GRPOTrainer step of the built-in
     model (tests/trl_readme_run.py: my_rewards.py and the run as shown, on the CPU), then its
     command probes that checkpoint, verbatim, from the folder that holds my_rewards.py."""
     import os
@@ -179,7 +179,7 @@ def test_readme_probe_your_trl_run_commands_run_verbatim(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
     here = Path(__file__).parent
-    proc = subprocess.run([sys.executable, str(here / "trl_readme_run.py"), str(here.parent / "README.md"),
+    proc = subprocess.run([sys.executable, str(here / "trl_readme_run.py"), str(here.parent / "docs" / "trl.md"),
                            str(ensure_default_checkpoint())], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,8 +1,9 @@
-"""Run the README's "Probe your TRL run" Python snippet on the built-in model: ``my_rewards.py``
+"""Run docs/trl.md's "Probe your TRL run" Python snippet on the built-in model: ``my_rewards.py``
 written from it into the working folder, the GRPOTrainer run executed as shown for one optimizer
-step, its checkpoint saved where the README's probe command reads it.
+step, its checkpoint saved where that page's probe command reads it. (The file's name is from when
+the section was in README.md.)
 
-    python tests/trl_readme_run.py README.md BUILTIN_CHECKPOINT   (in the folder the command runs in)
+    python tests/trl_readme_run.py docs/trl.md BUILTIN_CHECKPOINT   (in the folder the command runs in)
 
 Run in its own process: TRL and accelerate set process-wide state.
 """
@@ -13,12 +14,12 @@ import shutil
 import sys
 from pathlib import Path
 
-CHECKPOINT = "outputs/grpo/checkpoint-500"  # the folder the README's command names
+CHECKPOINT = "outputs/grpo/checkpoint-500"  # the folder the doc's command names
 
 
-def snippet(readme: Path) -> tuple[str, str]:
+def snippet(doc: Path) -> tuple[str, str]:
     """(reward module, run) of the section's Python block."""
-    section = readme.read_text().split("## Probe your TRL run", 1)[1]
+    section = doc.read_text().split("## Probe your TRL run", 1)[1]
     block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     rewards, run = block.split("# the run:", 1)
     return rewards, run
@@ -33,7 +34,7 @@ def on_cpu_one_step(config_cls):
     return make
 
 
-def main(readme: str, builtin: str) -> None:
+def main(doc: str, builtin: str) -> None:
     import json
 
     from datasets import load_dataset
@@ -42,7 +43,7 @@ def main(readme: str, builtin: str) -> None:
 
     from entprobe.tasks.arithmetic import ArithmeticTask
 
-    rewards, run = snippet(Path(readme))
+    rewards, run = snippet(Path(doc))
     Path("my_rewards.py").write_text(rewards)
     Path("data").mkdir(exist_ok=True)
     Path("data/train.jsonl").write_text("".join(json.dumps({"prompt": p.text, "answer": p.answer}) + "\n"
