@@ -9,7 +9,8 @@ import contextlib
 from entprobe.checkpoints.default_checkpoint import LOSSES, build_default_checkpoint, ensure_default_checkpoint
 from entprobe.checkpoints.trainer_checkpoint import changed_run_args, checkpoint_step
 from entprobe.config import ConfigError
-from entprobe.integrations.grpo_trainer import LR_SCHEDULERS, MAX_HORIZON, ROLLOUTS_MIN_B, TrainArgs, check_args, resume_folder
+from entprobe.integrations.guard import MAX_HORIZON
+from entprobe.integrations.grpo_trainer import LR_SCHEDULERS, ROLLOUTS_MIN_B, TrainArgs, check_args, resume_folder
 from entprobe.integrations.grpo_trainer import train
 from entprobe.cli.user_errors import ArgumentParser, exits_on_user_error
 
