@@ -14,7 +14,8 @@ import torch
 import entprobe.integrations.grpo_trainer as GT
 from entprobe.cli.train import main
 from entprobe.config import ConfigError
-from entprobe.integrations.grpo_trainer import MAX_HORIZON, ROLLOUTS_MIN_B, TrainArgs, check_args, train
+from entprobe.integrations.grpo_trainer import ROLLOUTS_MIN_B, TrainArgs, check_args, train
+from entprobe.integrations.guard import MAX_HORIZON
 from entprobe.integrations.step_lines import probe_line
 from entprobe.reporting import over_steps as OS
 
