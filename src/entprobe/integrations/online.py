@@ -39,6 +39,7 @@ and their paired difference); None measures nothing (``deltaH1_step`` is still r
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -51,7 +52,7 @@ from entprobe.math import paramvec as pv
 from entprobe.pipeline.api import api_config, flatten_overrides, left_as_it_was
 from entprobe.config import ConfigError, EntprobeConfig, Preconditioner
 from entprobe.pipeline.in_memory import probe_context
-from entprobe.pipeline.geometry import live_geometry, live_lr, unwrap_optimizer
+from entprobe.pipeline.geometry import check_trains, live_geometry, live_lr, unwrap_optimizer
 from entprobe.math.importance import psis_backend
 from entprobe.checkpoints.optim_state import OptimizerStateError
 from entprobe.tasks.prompt_ids import prompt_kwargs
@@ -59,7 +60,9 @@ from entprobe.rollouts.sampling import RolloutBatch, draw_prompt_indices, sample
 from entprobe.pipeline.stages.ground_truth import (eval_at_current, importance_estimates, token_side,
                                                    token_side_needed, true_change)
 from entprobe.pipeline.stages.x_spec import functional_value
-from entprobe.pipeline.stages.prediction import HeldOutPrediction, build_step_model, compare_with_prediction, predict_on_held_out
+from entprobe.pipeline.stages.prediction import (HeldOutPrediction, build_step_model, compare_with_prediction,
+                                                 predict_on_held_out, step_model_kind, update_dots)
+from entprobe.math.adamw import step_check_tolerance
 from entprobe.math.forecast import HORIZONS, forecast, forecast_results
 from entprobe.pipeline.stages.rollout_prediction import forecast_inputs, rollouts_prediction
 from entprobe.tasks import Task
@@ -78,7 +81,7 @@ ONLINE_KEYS = ("batch.B_E", "batch.G", "batch.seed_E", "sampling", "probe.mb_siz
 LOGGED = ("deltaH_pred", "SE_deltaH_pred", "ci95_pred_low", "ci95_pred_high", "deltaH_true", "SE_deltaH_true",
           "deltaH_true_minus_pred", "SE_deltaH_true_minus_pred", "z_true_minus_pred", "pred_consistent",
           "deltaH_pred_gradient", "deltaH_pred_momentum", "deltaH_pred_weight_decay", "deltaH1_step",
-          "H_orig", "ESS_frac", "lr", "time_s", "step",
+          "H_orig", "ESS_frac", "lr", "time_s", "step", "step_mismatch",
           "SE_deltaH_pred_expected", "deltaH_pred_E",
           *(f"forecast_H_k{k}{s}" for k in HORIZONS for s in ("", "_low", "_high")))
 # the online probe's default functional: token_mean, the mean over generated tokens of the
@@ -120,6 +123,12 @@ class _Pending:
     H: float = float("nan")  # the entropy at theta in the probe's units (H_orig)
     Xbar: object = None  # the Xbar of x_dot_theta (E's, or the rollouts')
     rollouts: object = None  # the rollouts' RolloutPrediction (source="rollouts")
+    # the check of the step taken: Xbar . Delta theta of the step predicted (fp64), sum |Xbar| sum_part
+    # |Delta theta_part|, sum |Xbar| |theta| and the unit roundoff (math/adamw.step_check_tolerance)
+    step_dot: float = 0.0
+    step_mag: float = 0.0
+    x_theta_abs: float = 0.0
+    u: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -153,8 +162,7 @@ class OnlineProbe:
                  held_out: Task | Callable[[int], RolloutBatch] | None, every: int = 10,
                  fixed: Mapping[str, Any] | None = None, config: EntprobeConfig | None = None,
                  source: str = "held_out", max_grad_norm: float | None = None, **overrides):
-        if every < 1:
-            raise ConfigError(f"every={every}: probe every N >= 1 optimizer steps")
+        check_every(every, "every")
         if source not in SOURCES:
             raise ConfigError(f"source={source!r}: one of {', '.join(SOURCES)}")
         if held_out is None and source != "rollouts":
@@ -169,6 +177,14 @@ class OnlineProbe:
             raise TypeError("OnlineProbe: pass config (an online_config) or overrides and fixed, not both")
         self.model, self.optimizer, self.tokenizer = model, unwrap_optimizer(optimizer), tokenizer
         _one_lr(self.optimizer, "OnlineProbe")  # refused now, not at the first probe inside training
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        check_trains(self.optimizer, [n for n, _ in trainable], [p for _, p in trainable], model)
+        kind = step_model_kind(self.optimizer, "optimizer")
+        if source == "rollouts" and kind == "optimizer_step":
+            raise ConfigError(f"source='rollouts': the optimizer ({type(self.optimizer).__name__}) has no closed form "
+                              "here (torch's AdamW/Adam with its own step, or SGD without momentum), and the "
+                              "prediction needs its Jacobian: use one of those, or source='held_out' (which steps "
+                              "any optimizer on a snapshot)")
         self.held_out, self.every = held_out, every
         self.cfg = config if config is not None else online_config(overrides, fixed, source)
         self._geo_cfg = dataclasses.replace(self.cfg, optimizer=dataclasses.replace(
@@ -176,13 +192,13 @@ class OnlineProbe:
         self.history: list[dict] = []
         self.skipped: list[tuple[int, str]] = []
         self._pending: _Pending | None = None
+        self._warned_mismatch = False
         psis_backend()  # its one-time import (~1 s) here, not inside the training loop's first probe
 
     def due(self, step: int) -> bool:
-        """Whether ``before_step(step)`` probes: every ``every`` steps, once AdamW has state (its first
-        step gives the preconditioner's second moment)."""
-        return step % self.every == 0 and any(self.optimizer.state.get(p) for g in self.optimizer.param_groups
-                                               for p in g["params"])
+        """Whether ``before_step(step)`` probes: every ``every`` steps, from the first (AdamW's first
+        step too: its closed form starts from m = v = 0, ``-lr g / (|g| + eps)``; SGD keeps no state)."""
+        return step % self.every == 0
 
     def _sample(self, step: int) -> RolloutBatch:
         if callable(self.held_out) and not isinstance(self.held_out, Task):
@@ -204,6 +220,8 @@ class OnlineProbe:
         if self.source == "rollouts" and not isinstance(rollouts, RolloutBatch):
             raise TypeError(f"before_step({step}): source='rollouts' predicts from the step's own batch: pass "
                             "rollouts=<the RolloutBatch the gradient in .grad was computed on>")
+        if self.source == "rollouts":
+            check_rollouts(rollouts, f"before_step({step})")
         cfg, model = self.cfg, self.model
         _one_lr(self.optimizer, f"before_step({step})")  # a schedule may have set the groups apart
         try:  # the command line's check (geometry.live_lr), before E is sampled
@@ -242,7 +260,7 @@ class OnlineProbe:
                 res.update(forecast_results(ro.forecast))
             pred = predict_on_held_out(ctx, E, update, cfg.probe, with_entropy=False, total_only=True) \
                 if E is not None else None
-            del Ybar, update
+            del Ybar
             if self.source != "rollouts":
                 res, Xbar, ro = dict(pred.res), pred.Xbar, None
                 H = functional_value(ctx.x, pred.S, pred.entropy, E.response_mask)
@@ -251,8 +269,15 @@ class OnlineProbe:
                 res.update({"deltaH_pred_E": pred.res["deltaH_pred"], "SE_deltaH_pred_E": pred.res["SE_deltaH_pred"],
                             "measure/B_E": E.B})
             x_theta = pv.dot(Xbar, [p.detach() for p in ctx.params], dtype=torch.float64)  # no copy of theta
+            with ctx.phase("step_check"):  # the predicted step's Xbar . Delta theta, to check the step taken
+                step_dot, step_mag = update_dots(ctx, update, Xbar)
+                x_theta_abs = sum(float(torch.dot(x.reshape(-1).double().abs(), p.detach().reshape(-1).double().abs()))
+                                  for x, p in zip(Xbar, ctx.params))
+            del update
         res.update({"lr": geo.lr, "step": step})
-        self._pending = _Pending(step, E, pred, x_theta, res, H, Xbar, ro)
+        u = max(torch.finfo(t).eps / 2 for t in {p.dtype for p in ctx.params} | {
+            torch.promote_types(ctx.buffers_dtype, torch.float32)})
+        self._pending = _Pending(step, E, pred, x_theta, res, H, Xbar, ro, step_dot, step_mag, x_theta_abs, u)
         self._ctx, self._t, self._cpu = ctx, _now() - t0, time.process_time() - c0
         return True
 
@@ -272,6 +297,7 @@ class OnlineProbe:
         # numbers): their difference is the step's dot to ~1e-16 of |Xbar| |theta|, where fp32 dots lost
         # up to 3e-4 (their rounding, ~6e-8 of them, is not small next to the step's dot)
         res["deltaH1_step"] = -(x_after - pend.x_dot_theta)
+        res.update(self._check_step(pend, res["deltaH1_step"]))
         res["time_s"] = self._t + _now() - t0
         res["cpu_time_s"] = self._cpu + time.process_time() - c0
         res.update({f"time/{k}_s": v for k, v in ctx.stats.seconds.items()})
@@ -279,6 +305,35 @@ class OnlineProbe:
         self.history.append(res)
         # pred_consistent None (the measurement is unmeasurable: no test was made) is logged as NaN
         return {f"entprobe/{k}": float("nan") if res[k] is None else float(res[k]) for k in LOGGED if k in res}
+
+    def _check_step(self, pend: _Pending, taken: float) -> dict:
+        """The step taken against the one predicted, on the prediction's own Xbar: ``deltaH1_step``
+        against ``-Xbar . Delta theta`` of the closed form (or the snapshot step) at the gradient and
+        state ``before_step`` read, within the rounding bound of ``step_check_tolerance`` (plus the
+        fp64 sums'). Another step (an optimizer whose step is not the closed form, parameters or
+        .grad changed after ``before_step``) is flagged ``step_mismatch`` (warned once), and
+        ``pred_consistent`` is None: the prediction was of another step. Along Xbar is where it
+        matters: a step that agrees there has the predicted first-order change."""
+        predicted = -pend.step_dot
+        n = sum(p.numel() for p in self._ctx.params)
+        tol = step_check_tolerance(pend.u, pend.x_theta_abs, pend.step_mag) + \
+            n * torch.finfo(torch.float64).eps * (2 * pend.x_theta_abs + pend.step_mag)
+        diff = taken - predicted
+        out = {"step_check/predicted": predicted, "step_check/diff": diff, "step_check/tol": tol,
+               "step_mismatch": not abs(diff) <= tol}
+        if not out["step_mismatch"]:
+            return out
+        rel = abs(diff) / abs(predicted) if predicted else math.inf
+        reason = (f"the step taken is not the one predicted: -Xbar . (theta_plus - theta) = {taken:.6g} against "
+                  f"{predicted:.6g} for the update before_step computed (relative difference {rel:.3g}, rounding "
+                  f"allows {tol:.3g})")
+        out.update({"step_mismatch_rel": rel, "pred_consistent": None, "pred_consistent_reason": reason})
+        if not self._warned_mismatch:
+            self._warned_mismatch = True
+            warnings.warn(f"entprobe: step {pend.step}: {reason}; the prediction was of another step, so "
+                          "pred_consistent is None. Does the optimizer's step differ from torch's AdamW/SGD, or did "
+                          "the parameters or .grad change between before_step and optimizer.step()?", stacklevel=3)
+        return out
 
     def _measure(self, ctx, pend: _Pending) -> dict:
         """The importance-sampling estimate of the step's change on E and its paired difference with
@@ -322,10 +377,31 @@ class OnlineProbe:
                 if isinstance(v, float) and k.startswith(("deltaH_pred", "SE_deltaH_pred", "ci95_pred", "attr_pred/")):
                     res[k] = v * factor
         pend.res["lr"] *= factor
+        pend.step_dot *= factor  # the step checked is the one at factor x lr
+        pend.step_mag *= abs(factor)
         if pend.rollouts is not None:  # the forecast at factor x lr over its horizon (not linear in it: H is not)
             pend.res.update(forecast_results(pend.rollouts.forecast, factor))
         if pend.pred is not None:
             pend.pred.e = pend.pred.e * factor
+
+
+def check_every(every, name: str) -> None:
+    """A ConfigError naming ``name`` unless ``every`` is an int >= 1 (a bool is not one)."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError(f"{name}={every!r}: probe every N optimizer steps, N an int >= 1")
+
+
+def check_rollouts(batch: RolloutBatch, where: str) -> None:
+    """A ValueError, before any pass, when the batch is unusable (``RolloutBatch.problem``: shapes
+    other than [B, G, T] / [B, G] (advantages, rewards) / [B], masks, non-finite advantages, ...)
+    or has fewer than 3 prompts or 2 responses each (the cross-prompt U-statistic pairs each prompt
+    with the update of the other B - 1, and its SE needs two of those)."""
+    wrong = batch.problem()
+    if wrong:
+        raise ValueError(f"{where}: rollouts: {wrong}; pass the RolloutBatch the gradient in .grad was computed on")
+    if batch.B < 3 or batch.G < 2:
+        raise ValueError(f"{where}: rollouts has {batch.B} prompt(s) x {batch.G} response(s); source='rollouts' "
+                         "needs >= 3 prompts and >= 2 responses each (the cross-prompt U-statistic)")
 
 
 def _one_lr(optimizer: torch.optim.Optimizer, where: str) -> None:
