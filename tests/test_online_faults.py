@@ -43,17 +43,18 @@ def _gradient(model, opt, ids):
 
 
 def _probe_steps(parts, model, opt, steps, between=None, **kw) -> OnlineProbe:
-    """``steps`` optimizer steps, each probed (every=1, B_E=2); ``between(step)`` runs after
-    ``before_step`` and before ``optimizer.step()``."""
+    """``steps`` optimizer steps, each probed (every=1, B_E=2) but Adam's first (no state yet);
+    ``between(step)`` runs after ``before_step`` and before ``optimizer.step()``."""
     _, tok, task, ids = parts
     probe = OnlineProbe(model, opt, tok, task, every=1, batch={"B_E": 2, "G": 2}, **kw)
     for step in range(1, steps + 1):
         _gradient(model, opt, ids)
-        assert probe.before_step(step), step
+        probed = not (isinstance(opt, torch.optim.Adam) and step == 1)
+        assert probe.before_step(step) == probed, step
         if between is not None:
             between(step)
         opt.step()
-        assert probe.after_step() is not None
+        assert (probe.after_step() is not None) == probed
     return probe
 
 
@@ -77,13 +78,16 @@ def test_sgd_is_probed_from_its_first_step(parts, model, momentum):
 
 
 @pytest.mark.parametrize("lr", [1e-2, 1e-3, 1e-7])
-def test_adamw_from_its_first_step_passes_the_step_check(parts, model, lr):
-    """AdamW's first step (no state: m = v = 0, t = 1, the closed form's ``-lr g / (|g| + eps)``) and
-    the next are probed, and the check of the step taken never fires on an honest step, at tiny lr
-    too (1e-7: theta's rounding, u |theta|, is what the bound holds there)."""
+def test_adamw_passes_the_step_check_and_its_first_step_is_skipped_aloud(parts, model, lr):
+    """AdamW's first step (no state yet) is not probed, and says so: in ``skipped`` with the reason,
+    warned once (it returned False with nothing recorded); the next steps are, and the check of
+    the step taken never fires on an honest step, at tiny lr too (1e-7: theta's rounding, u |theta|,
+    is what the bound holds there)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    probe = _probe_steps(parts, model, opt, 2)
-    assert [h["step"] for h in probe.history] == [1, 2]
+    with pytest.warns(UserWarning, match=r"step 1 is not probed: the optimizer \(AdamW\) has not taken a step yet"):
+        probe = _probe_steps(parts, model, opt, 3)
+    assert [s for s, _ in probe.skipped] == [1] and "no Adam state" in probe.skipped[0][1]
+    assert [h["step"] for h in probe.history] == [2, 3]
     for h in probe.history:
         assert h["pred/step_model"] == "adamw_closed_form"
         _honest(h)
@@ -116,12 +120,12 @@ def test_a_subclass_with_its_own_step_is_stepped_on_a_snapshot(parts, model):
     """An AdamW subclass that overrides ``step`` is not predicted as AdamW (it was: 0.00701 against
     the 0.01402 it took): it is stepped on a snapshot, and the prediction is of its own step; a
     subclass that keeps torch's step keeps the closed form."""
-    probe = _probe_steps(parts, model, TwiceAdamW(model.parameters(), lr=1e-3), 2)
+    probe = _probe_steps(parts, model, TwiceAdamW(model.parameters(), lr=1e-3), 3)
     for h in probe.history:
         assert h["pred/step_model"] == "optimizer_step"
         _honest(h)
     m2 = copy.deepcopy(parts[0])
-    probe = _probe_steps(parts, m2, SameAdamW(m2.parameters(), lr=1e-3), 1)
+    probe = _probe_steps(parts, m2, SameAdamW(m2.parameters(), lr=1e-3), 2)
     assert probe.history[0]["pred/step_model"] == "adamw_closed_form"
     _honest(probe.history[0])
 
@@ -130,39 +134,39 @@ def _changed_step(parts, model, change) -> tuple[OnlineProbe, list]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        probe = _probe_steps(parts, model, opt, 3, between=lambda step: change(step, model))
+        probe = _probe_steps(parts, model, opt, 4, between=lambda step: change(step, model))
     return probe, [w for w in caught if "not the one predicted" in str(w.message)]
 
 
 def test_parameters_changed_after_the_prediction_are_flagged(parts, model):
-    """0.05 added to the embedding between ``before_step`` and ``optimizer.step()`` at steps 2 and 3:
-    those steps are flagged (warned once), ``pred_consistent`` is None with the reason; step 1 not."""
+    """0.05 added to the embedding between ``before_step`` and ``optimizer.step()`` at steps 3 and 4:
+    those steps are flagged (warned once), ``pred_consistent`` is None with the reason; step 2 not."""
     def change(step, m):
-        if step >= 2:
+        if step >= 3:
             with torch.no_grad():
                 m.get_input_embeddings().weight.add_(0.05)
     probe, warned = _changed_step(parts, model, change)
-    h1, h2, h3 = probe.history
-    _honest(h1)
-    for h in (h2, h3):
+    h2, h3, h4 = probe.history
+    _honest(h2)
+    for h in (h3, h4):
         assert h["step_mismatch"] is True and abs(h["step_check/diff"]) > h["step_check/tol"]
         assert h["pred_consistent"] is None and "not the one predicted" in h["pred_consistent_reason"]
         assert h["step_mismatch_rel"] > 0
-    assert len(warned) == 1 and "step 2" in str(warned[0].message)
+    assert len(warned) == 1 and "step 3" in str(warned[0].message)
 
 
 def test_grad_scaled_after_the_prediction_is_flagged(parts, model):
-    """``.grad`` multiplied by 3 after ``before_step`` at step 2 (AdamW with a history: the update
+    """``.grad`` multiplied by 3 after ``before_step`` at step 3 (AdamW with a history: the update
     changes): flagged; the steps on the gradient predicted are not."""
     def change(step, m):
-        if step == 2:
+        if step == 3:
             for p in m.parameters():
                 p.grad.mul_(3.0)
     probe, warned = _changed_step(parts, model, change)
-    h1, h2, h3 = probe.history
-    _honest(h1)
-    _honest(h3)
-    assert h2["step_mismatch"] is True and h2["pred_consistent"] is None and len(warned) == 1
+    h2, h3, h4 = probe.history
+    _honest(h2)
+    _honest(h4)
+    assert h3["step_mismatch"] is True and h3["pred_consistent"] is None and len(warned) == 1
 
 
 @pytest.mark.parametrize("every", [2.5, "5", True, 0, -1, None])
@@ -191,7 +195,7 @@ def test_unusable_rollouts_are_refused_before_any_pass(parts, model):
     """Advantages of the wrong shape name ``advantages``, the shape given and the one expected (a
     torch size mismatch deep in a pass before); fewer than 3 prompts are refused with the need."""
     _, tok, _, _ = parts
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # probed from step 1
     probe = OnlineProbe(model, opt, tok, None, every=1, source="rollouts")
     batch = _rollout_batch(parts, model, 4)
     bad = dataclasses.replace(batch, advantages=batch.advantages[:, :1])

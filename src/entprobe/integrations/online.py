@@ -192,13 +192,20 @@ class OnlineProbe:
         self.history: list[dict] = []
         self.skipped: list[tuple[int, str]] = []
         self._pending: _Pending | None = None
-        self._warned_mismatch = False
+        self._warned_mismatch = self._warned_first = False
         psis_backend()  # its one-time import (~1 s) here, not inside the training loop's first probe
 
     def due(self, step: int) -> bool:
-        """Whether ``before_step(step)`` probes: every ``every`` steps, from the first (AdamW's first
-        step too: its closed form starts from m = v = 0, ``-lr g / (|g| + eps)``; SGD keeps no state)."""
-        return step % self.every == 0
+        """Whether ``before_step(step)`` probes: every ``every`` steps, except Adam's first step (no
+        state yet: ``before_step`` records it in ``skipped``, warned once). SGD keeps no state: it is
+        probed from its first step."""
+        return step % self.every == 0 and not self._adam_without_state()
+
+    def _adam_without_state(self) -> bool:
+        """Adam/AdamW (or a subclass) before its first step: no ``exp_avg_sq`` for any parameter."""
+        opt = self.optimizer
+        return isinstance(opt, torch.optim.Adam) and not any(
+            "exp_avg_sq" in (opt.state.get(p) or {}) for g in opt.param_groups for p in g["params"])
 
     def _sample(self, step: int) -> RolloutBatch:
         if callable(self.held_out) and not isinstance(self.held_out, Task):
@@ -215,6 +222,14 @@ class OnlineProbe:
         ``clip_grad_norm_`` returned; needed when ``max_grad_norm`` clipped it). Returns whether it
         predicted (``due``)."""
         self._pending = None
+        if step % self.every == 0 and self._adam_without_state():
+            reason = (f"step {step} is not probed: the optimizer ({type(self.optimizer).__name__}) has not taken a "
+                      "step yet (no Adam state); the probe starts with its second step, its first due one after")
+            self.skipped.append((step, reason))
+            if not self._warned_first:
+                self._warned_first = True
+                warnings.warn(f"entprobe: {reason}", stacklevel=2)
+            return False
         if not self.due(step):
             return False
         if self.source == "rollouts" and not isinstance(rollouts, RolloutBatch):
