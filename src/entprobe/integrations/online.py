@@ -23,7 +23,12 @@ estimate of the change (``deltaH_true`` +- SE) and the paired difference with th
 Nothing the loop uses changes: the probe restores ``.grad``, torch's RNG (CPU and the model's CUDA
 device) and the modules' modes (``api.left_as_it_was``), and never steps or writes the parameters
 or the optimizer state (the update is computed in closed form; for optimizers without one, on a
-snapshot restored bit-exactly). ``held_out`` may also be a callable ``step -> RolloutBatch`` that
+snapshot restored bit-exactly: an optimizer whose ``step`` is not torch's own AdamW/Adam/SGD step, a
+subclass overriding it included, and SGD with momentum). After the step, the step taken is checked
+against the one predicted on the prediction's Xbar (``_check_step``): another step (parameters or
+``.grad`` changed between the calls) is flagged ``step_mismatch``, ``pred_consistent`` None, warned
+once. Adam's first step (no state yet) is recorded in ``skipped``, warned once; SGD is probed from
+its first. ``held_out`` may also be a callable ``step -> RolloutBatch`` that
 samples at the current parameters (the TRL callback passes the trainer's own generation).
 
 ``source="rollouts"`` (``before_step(step, rollouts=batch)``, ``batch`` the RolloutBatch the gradient in
@@ -39,7 +44,6 @@ and their paired difference); None measures nothing (``deltaH1_step`` is still r
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -57,12 +61,12 @@ from entprobe.math.importance import psis_backend
 from entprobe.checkpoints.optim_state import OptimizerStateError
 from entprobe.tasks.prompt_ids import prompt_kwargs
 from entprobe.rollouts.sampling import RolloutBatch, draw_prompt_indices, sample_batch
+from entprobe.integrations.online_checks import check_every, check_rollouts, step_check
 from entprobe.pipeline.stages.ground_truth import (eval_at_current, importance_estimates, token_side,
                                                    token_side_needed, true_change)
 from entprobe.pipeline.stages.x_spec import functional_value
 from entprobe.pipeline.stages.prediction import (HeldOutPrediction, build_step_model, compare_with_prediction,
                                                  predict_on_held_out, step_model_kind, update_dots)
-from entprobe.math.adamw import step_check_tolerance
 from entprobe.math.forecast import HORIZONS, forecast, forecast_results
 from entprobe.pipeline.stages.rollout_prediction import forecast_inputs, rollouts_prediction
 from entprobe.tasks import Task
@@ -322,32 +326,16 @@ class OnlineProbe:
         return {f"entprobe/{k}": float("nan") if res[k] is None else float(res[k]) for k in LOGGED if k in res}
 
     def _check_step(self, pend: _Pending, taken: float) -> dict:
-        """The step taken against the one predicted, on the prediction's own Xbar: ``deltaH1_step``
-        against ``-Xbar . Delta theta`` of the closed form (or the snapshot step) at the gradient and
-        state ``before_step`` read, within the rounding bound of ``step_check_tolerance`` (plus the
-        fp64 sums'). Another step (an optimizer whose step is not the closed form, parameters or
-        .grad changed after ``before_step``) is flagged ``step_mismatch`` (warned once), and
-        ``pred_consistent`` is None: the prediction was of another step. Along Xbar is where it
-        matters: a step that agrees there has the predicted first-order change."""
-        predicted = -pend.step_dot
-        n = sum(p.numel() for p in self._ctx.params)
-        tol = step_check_tolerance(pend.u, pend.x_theta_abs, pend.step_mag) + \
-            n * torch.finfo(torch.float64).eps * (2 * pend.x_theta_abs + pend.step_mag)
-        diff = taken - predicted
-        out = {"step_check/predicted": predicted, "step_check/diff": diff, "step_check/tol": tol,
-               "step_mismatch": not abs(diff) <= tol}
-        if not out["step_mismatch"]:
-            return out
-        rel = abs(diff) / abs(predicted) if predicted else math.inf
-        reason = (f"the step taken is not the one predicted: -Xbar . (theta_plus - theta) = {taken:.6g} against "
-                  f"{predicted:.6g} for the update before_step computed (relative difference {rel:.3g}, rounding "
-                  f"allows {tol:.3g})")
-        out.update({"step_mismatch_rel": rel, "pred_consistent": None, "pred_consistent_reason": reason})
-        if not self._warned_mismatch:
+        """``online_checks.step_check`` of the step taken against the one predicted (on the
+        prediction's Xbar); a mismatch is warned once."""
+        out = step_check(-pend.step_dot, taken, pend.u, pend.x_theta_abs, pend.step_mag,
+                         sum(p.numel() for p in self._ctx.params))
+        if out["step_mismatch"] and not self._warned_mismatch:
             self._warned_mismatch = True
-            warnings.warn(f"entprobe: step {pend.step}: {reason}; the prediction was of another step, so "
-                          "pred_consistent is None. Does the optimizer's step differ from torch's AdamW/SGD, or did "
-                          "the parameters or .grad change between before_step and optimizer.step()?", stacklevel=3)
+            warnings.warn(f"entprobe: step {pend.step}: {out['pred_consistent_reason']}; the prediction was of "
+                          "another step, so pred_consistent is None. Does the optimizer's step differ from torch's "
+                          "AdamW/SGD, or did the parameters or .grad change between before_step and "
+                          "optimizer.step()?", stacklevel=3)
         return out
 
     def _measure(self, ctx, pend: _Pending) -> dict:
@@ -398,25 +386,6 @@ class OnlineProbe:
             pend.res.update(forecast_results(pend.rollouts.forecast, factor))
         if pend.pred is not None:
             pend.pred.e = pend.pred.e * factor
-
-
-def check_every(every, name: str) -> None:
-    """A ConfigError naming ``name`` unless ``every`` is an int >= 1 (a bool is not one)."""
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ConfigError(f"{name}={every!r}: probe every N optimizer steps, N an int >= 1")
-
-
-def check_rollouts(batch: RolloutBatch, where: str) -> None:
-    """A ValueError, before any pass, when the batch is unusable (``RolloutBatch.problem``: shapes
-    other than [B, G, T] / [B, G] (advantages, rewards) / [B], masks, non-finite advantages, ...)
-    or has fewer than 3 prompts or 2 responses each (the cross-prompt U-statistic pairs each prompt
-    with the update of the other B - 1, and its SE needs two of those)."""
-    wrong = batch.problem()
-    if wrong:
-        raise ValueError(f"{where}: rollouts: {wrong}; pass the RolloutBatch the gradient in .grad was computed on")
-    if batch.B < 3 or batch.G < 2:
-        raise ValueError(f"{where}: rollouts has {batch.B} prompt(s) x {batch.G} response(s); source='rollouts' "
-                         "needs >= 3 prompts and >= 2 responses each (the cross-prompt U-statistic)")
 
 
 def _one_lr(optimizer: torch.optim.Optimizer, where: str) -> None:

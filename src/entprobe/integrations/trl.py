@@ -34,7 +34,8 @@ from transformers import TrainerCallback
 
 from entprobe.config import ConfigError
 from entprobe.math.importance import psis_backend
-from entprobe.integrations.online import SOURCES, OnlineProbe, check_every, online_config
+from entprobe.integrations.online import SOURCES, OnlineProbe, online_config
+from entprobe.integrations.online_checks import check_every
 from entprobe.integrations.trl_rollouts import StepBatch, trl_objective, trl_rollout_batch
 from entprobe.reporting.over_steps import merged_history, write_history
 from entprobe.rollouts.sampling import RolloutBatch

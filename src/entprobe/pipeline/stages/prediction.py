@@ -278,10 +278,14 @@ def update_dots(ctx: ProbeContext, step: StepModel, xs: pv.Buffer) -> tuple[floa
     dt = torch.promote_types(ctx.buffers_dtype, torch.float32)
     outs = {k: [torch.empty(local(p).shape, device=dev, dtype=dt) for p in ctx.params] for k in step.names}
     step.write(outs)
-    dot = sum(pv.dot(xs, o, dtype=torch.float64) for o in outs.values())
-    mag = pv.dot([x.abs() for x in xs], [sum(o[i].abs() for o in outs.values()) for i in range(len(xs))],
-                 dtype=torch.float64)
-    return float(dot), float(mag)
+    total = torch.zeros(2, dtype=torch.float64, device=dev)
+    for i, x in enumerate(xs):  # one tensor at a time: no parameter-sized |x| or |Delta theta|
+        xi = x.reshape(-1).to(dev, torch.float64)
+        parts = [o[i].reshape(-1).double() for o in outs.values()]
+        total[0] += sum(xi @ p for p in parts)
+        total[1] += xi.abs() @ sum(p.abs() for p in parts)
+    total = reduce_shards(total)
+    return float(total[0]), float(total[1])
 
 
 def directions(ctx: ProbeContext, first: list, step: StepModel | None, device,
