@@ -220,6 +220,7 @@ def test_online_probe_pending_view_and_rescale():
     assert r["H_orig"] == pytest.approx(p.H, rel=1e-9)
     assert r["deltaH_pred"] == pytest.approx(q.deltaH_pred, rel=1e-12) and r["lr"] == pytest.approx(0.25e-3)
     assert r["deltaH1_step"] == pytest.approx(r["deltaH_pred"], rel=1e-3, abs=1e-9)  # the step taken
+    assert r["step_mismatch"] is False  # the step checked is the rescaled one
 
 
 def test_a_decision_is_one_line_with_the_prediction_and_the_limits():

@@ -23,7 +23,12 @@ estimate of the change (``deltaH_true`` +- SE) and the paired difference with th
 Nothing the loop uses changes: the probe restores ``.grad``, torch's RNG (CPU and the model's CUDA
 device) and the modules' modes (``api.left_as_it_was``), and never steps or writes the parameters
 or the optimizer state (the update is computed in closed form; for optimizers without one, on a
-snapshot restored bit-exactly). ``held_out`` may also be a callable ``step -> RolloutBatch`` that
+snapshot restored bit-exactly: an optimizer whose ``step`` is not torch's own AdamW/Adam/SGD step, a
+subclass overriding it included, and SGD with momentum). After the step, the step taken is checked
+against the one predicted on the prediction's Xbar (``_check_step``): another step (parameters or
+``.grad`` changed between the calls) is flagged ``step_mismatch``, ``pred_consistent`` None, warned
+once. Adam's first step (no state yet) is recorded in ``skipped``, warned once; SGD is probed from
+its first. ``held_out`` may also be a callable ``step -> RolloutBatch`` that
 samples at the current parameters (the TRL callback passes the trainer's own generation).
 
 ``source="rollouts"`` (``before_step(step, rollouts=batch)``, ``batch`` the RolloutBatch the gradient in
@@ -51,15 +56,17 @@ from entprobe.math import paramvec as pv
 from entprobe.pipeline.api import api_config, flatten_overrides, left_as_it_was
 from entprobe.config import ConfigError, EntprobeConfig, Preconditioner
 from entprobe.pipeline.in_memory import probe_context
-from entprobe.pipeline.geometry import live_geometry, live_lr, unwrap_optimizer
+from entprobe.pipeline.geometry import check_trains, live_geometry, live_lr, unwrap_optimizer
 from entprobe.math.importance import psis_backend
 from entprobe.checkpoints.optim_state import OptimizerStateError
 from entprobe.tasks.prompt_ids import prompt_kwargs
 from entprobe.rollouts.sampling import RolloutBatch, draw_prompt_indices, sample_batch
+from entprobe.integrations.online_checks import check_every, check_rollouts, step_check
 from entprobe.pipeline.stages.ground_truth import (eval_at_current, importance_estimates, token_side,
                                                    token_side_needed, true_change)
 from entprobe.pipeline.stages.x_spec import functional_value
-from entprobe.pipeline.stages.prediction import HeldOutPrediction, build_step_model, compare_with_prediction, predict_on_held_out
+from entprobe.pipeline.stages.prediction import (HeldOutPrediction, build_step_model, compare_with_prediction,
+                                                 predict_on_held_out, step_model_kind, update_dots)
 from entprobe.math.forecast import HORIZONS, forecast, forecast_results
 from entprobe.pipeline.stages.rollout_prediction import forecast_inputs, rollouts_prediction
 from entprobe.tasks import Task
@@ -78,7 +85,7 @@ ONLINE_KEYS = ("batch.B_E", "batch.G", "batch.seed_E", "sampling", "probe.mb_siz
 LOGGED = ("deltaH_pred", "SE_deltaH_pred", "ci95_pred_low", "ci95_pred_high", "deltaH_true", "SE_deltaH_true",
           "deltaH_true_minus_pred", "SE_deltaH_true_minus_pred", "z_true_minus_pred", "pred_consistent",
           "deltaH_pred_gradient", "deltaH_pred_momentum", "deltaH_pred_weight_decay", "deltaH1_step",
-          "H_orig", "ESS_frac", "lr", "time_s", "step",
+          "H_orig", "ESS_frac", "lr", "time_s", "step", "step_mismatch",
           "SE_deltaH_pred_expected", "deltaH_pred_E",
           *(f"forecast_H_k{k}{s}" for k in HORIZONS for s in ("", "_low", "_high")))
 # the online probe's default functional: token_mean, the mean over generated tokens of the
@@ -120,6 +127,12 @@ class _Pending:
     H: float = float("nan")  # the entropy at theta in the probe's units (H_orig)
     Xbar: object = None  # the Xbar of x_dot_theta (E's, or the rollouts')
     rollouts: object = None  # the rollouts' RolloutPrediction (source="rollouts")
+    # the check of the step taken: Xbar . Delta theta of the step predicted (fp64), sum |Xbar| sum_part
+    # |Delta theta_part|, sum |Xbar| |theta| and the unit roundoff (math/adamw.step_check_tolerance)
+    step_dot: float = 0.0
+    step_mag: float = 0.0
+    x_theta_abs: float = 0.0
+    u: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -153,8 +166,7 @@ class OnlineProbe:
                  held_out: Task | Callable[[int], RolloutBatch] | None, every: int = 10,
                  fixed: Mapping[str, Any] | None = None, config: EntprobeConfig | None = None,
                  source: str = "held_out", max_grad_norm: float | None = None, **overrides):
-        if every < 1:
-            raise ConfigError(f"every={every}: probe every N >= 1 optimizer steps")
+        check_every(every, "every")
         if source not in SOURCES:
             raise ConfigError(f"source={source!r}: one of {', '.join(SOURCES)}")
         if held_out is None and source != "rollouts":
@@ -169,6 +181,14 @@ class OnlineProbe:
             raise TypeError("OnlineProbe: pass config (an online_config) or overrides and fixed, not both")
         self.model, self.optimizer, self.tokenizer = model, unwrap_optimizer(optimizer), tokenizer
         _one_lr(self.optimizer, "OnlineProbe")  # refused now, not at the first probe inside training
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        check_trains(self.optimizer, [n for n, _ in trainable], [p for _, p in trainable], model)
+        kind = step_model_kind(self.optimizer, "optimizer")
+        if source == "rollouts" and kind == "optimizer_step":
+            raise ConfigError(f"source='rollouts': the optimizer ({type(self.optimizer).__name__}) has no closed form "
+                              "here (torch's AdamW/Adam with its own step, or SGD without momentum), and the "
+                              "prediction needs its Jacobian: use one of those, or source='held_out' (which steps "
+                              "any optimizer on a snapshot)")
         self.held_out, self.every = held_out, every
         self.cfg = config if config is not None else online_config(overrides, fixed, source)
         self._geo_cfg = dataclasses.replace(self.cfg, optimizer=dataclasses.replace(
@@ -176,13 +196,20 @@ class OnlineProbe:
         self.history: list[dict] = []
         self.skipped: list[tuple[int, str]] = []
         self._pending: _Pending | None = None
+        self._warned_mismatch = self._warned_first = False
         psis_backend()  # its one-time import (~1 s) here, not inside the training loop's first probe
 
     def due(self, step: int) -> bool:
-        """Whether ``before_step(step)`` probes: every ``every`` steps, once AdamW has state (its first
-        step gives the preconditioner's second moment)."""
-        return step % self.every == 0 and any(self.optimizer.state.get(p) for g in self.optimizer.param_groups
-                                               for p in g["params"])
+        """Whether ``before_step(step)`` probes: every ``every`` steps, except Adam's first step (no
+        state yet: ``before_step`` records it in ``skipped``, warned once). SGD keeps no state: it is
+        probed from its first step."""
+        return step % self.every == 0 and not self._adam_without_state()
+
+    def _adam_without_state(self) -> bool:
+        """Adam/AdamW (or a subclass) before its first step: no ``exp_avg_sq`` for any parameter."""
+        opt = self.optimizer
+        return isinstance(opt, torch.optim.Adam) and not any(
+            "exp_avg_sq" in (opt.state.get(p) or {}) for g in opt.param_groups for p in g["params"])
 
     def _sample(self, step: int) -> RolloutBatch:
         if callable(self.held_out) and not isinstance(self.held_out, Task):
@@ -199,11 +226,21 @@ class OnlineProbe:
         ``clip_grad_norm_`` returned; needed when ``max_grad_norm`` clipped it). Returns whether it
         predicted (``due``)."""
         self._pending = None
+        if step % self.every == 0 and self._adam_without_state():
+            reason = (f"step {step} is not probed: the optimizer ({type(self.optimizer).__name__}) has not taken a "
+                      "step yet (no Adam state); the probe starts with its second step, its first due one after")
+            self.skipped.append((step, reason))
+            if not self._warned_first:
+                self._warned_first = True
+                warnings.warn(f"entprobe: {reason}", stacklevel=2)
+            return False
         if not self.due(step):
             return False
         if self.source == "rollouts" and not isinstance(rollouts, RolloutBatch):
             raise TypeError(f"before_step({step}): source='rollouts' predicts from the step's own batch: pass "
                             "rollouts=<the RolloutBatch the gradient in .grad was computed on>")
+        if self.source == "rollouts":
+            check_rollouts(rollouts, f"before_step({step})")
         cfg, model = self.cfg, self.model
         _one_lr(self.optimizer, f"before_step({step})")  # a schedule may have set the groups apart
         try:  # the command line's check (geometry.live_lr), before E is sampled
@@ -242,7 +279,7 @@ class OnlineProbe:
                 res.update(forecast_results(ro.forecast))
             pred = predict_on_held_out(ctx, E, update, cfg.probe, with_entropy=False, total_only=True) \
                 if E is not None else None
-            del Ybar, update
+            del Ybar
             if self.source != "rollouts":
                 res, Xbar, ro = dict(pred.res), pred.Xbar, None
                 H = functional_value(ctx.x, pred.S, pred.entropy, E.response_mask)
@@ -251,8 +288,15 @@ class OnlineProbe:
                 res.update({"deltaH_pred_E": pred.res["deltaH_pred"], "SE_deltaH_pred_E": pred.res["SE_deltaH_pred"],
                             "measure/B_E": E.B})
             x_theta = pv.dot(Xbar, [p.detach() for p in ctx.params], dtype=torch.float64)  # no copy of theta
+            with ctx.phase("step_check"):  # the predicted step's Xbar . Delta theta, to check the step taken
+                step_dot, step_mag = update_dots(ctx, update, Xbar)
+                x_theta_abs = sum(float(torch.dot(x.reshape(-1).double().abs(), p.detach().reshape(-1).double().abs()))
+                                  for x, p in zip(Xbar, ctx.params))
+            del update
         res.update({"lr": geo.lr, "step": step})
-        self._pending = _Pending(step, E, pred, x_theta, res, H, Xbar, ro)
+        u = max(torch.finfo(t).eps / 2 for t in {p.dtype for p in ctx.params} | {
+            torch.promote_types(ctx.buffers_dtype, torch.float32)})
+        self._pending = _Pending(step, E, pred, x_theta, res, H, Xbar, ro, step_dot, step_mag, x_theta_abs, u)
         self._ctx, self._t, self._cpu = ctx, _now() - t0, time.process_time() - c0
         return True
 
@@ -272,6 +316,7 @@ class OnlineProbe:
         # numbers): their difference is the step's dot to ~1e-16 of |Xbar| |theta|, where fp32 dots lost
         # up to 3e-4 (their rounding, ~6e-8 of them, is not small next to the step's dot)
         res["deltaH1_step"] = -(x_after - pend.x_dot_theta)
+        res.update(self._check_step(pend, res["deltaH1_step"]))
         res["time_s"] = self._t + _now() - t0
         res["cpu_time_s"] = self._cpu + time.process_time() - c0
         res.update({f"time/{k}_s": v for k, v in ctx.stats.seconds.items()})
@@ -279,6 +324,19 @@ class OnlineProbe:
         self.history.append(res)
         # pred_consistent None (the measurement is unmeasurable: no test was made) is logged as NaN
         return {f"entprobe/{k}": float("nan") if res[k] is None else float(res[k]) for k in LOGGED if k in res}
+
+    def _check_step(self, pend: _Pending, taken: float) -> dict:
+        """``online_checks.step_check`` of the step taken against the one predicted (on the
+        prediction's Xbar); a mismatch is warned once."""
+        out = step_check(-pend.step_dot, taken, pend.u, pend.x_theta_abs, pend.step_mag,
+                         sum(p.numel() for p in self._ctx.params))
+        if out["step_mismatch"] and not self._warned_mismatch:
+            self._warned_mismatch = True
+            warnings.warn(f"entprobe: step {pend.step}: {out['pred_consistent_reason']}; the prediction was of "
+                          "another step, so pred_consistent is None. Does the optimizer's step differ from torch's "
+                          "AdamW/SGD, or did the parameters or .grad change between before_step and "
+                          "optimizer.step()?", stacklevel=3)
+        return out
 
     def _measure(self, ctx, pend: _Pending) -> dict:
         """The importance-sampling estimate of the step's change on E and its paired difference with
@@ -322,6 +380,8 @@ class OnlineProbe:
                 if isinstance(v, float) and k.startswith(("deltaH_pred", "SE_deltaH_pred", "ci95_pred", "attr_pred/")):
                     res[k] = v * factor
         pend.res["lr"] *= factor
+        pend.step_dot *= factor  # the step checked is the one at factor x lr
+        pend.step_mag *= abs(factor)
         if pend.rollouts is not None:  # the forecast at factor x lr over its horizon (not linear in it: H is not)
             pend.res.update(forecast_results(pend.rollouts.forecast, factor))
         if pend.pred is not None:

@@ -35,6 +35,7 @@ from transformers import TrainerCallback
 from entprobe.config import ConfigError
 from entprobe.math.importance import psis_backend
 from entprobe.integrations.online import SOURCES, OnlineProbe, online_config
+from entprobe.integrations.online_checks import check_every
 from entprobe.integrations.trl_rollouts import StepBatch, trl_objective, trl_rollout_batch
 from entprobe.reporting.over_steps import merged_history, write_history
 from entprobe.rollouts.sampling import RolloutBatch
@@ -99,6 +100,7 @@ class EntropyProbeCallback(TrainerCallback):
     def __init__(self, trainer, every_n_steps: int = 10, source: str = "held_out", measure: bool | None = None,
                  **overrides):
         args = trainer.args
+        check_every(every_n_steps, "every_n_steps")
         if source not in SOURCES:
             raise ConfigError(f"source={source!r}: one of {', '.join(SOURCES)}")
         if source == "held_out" and measure is False:

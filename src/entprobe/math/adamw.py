@@ -97,6 +97,27 @@ def adamw_jacobian(y: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: AdamWHy
             "momentum": (m * dinv).mul_(-scale * h.beta1)}
 
 
+# roundings, each relative to the update's magnitude, in one computation of torch's AdamW step and
+# of the closed form together: torch's lerp (m: 2), mul + addcmul (v: 2), sqrt, / sqrt(bc2), + eps,
+# the division and the scaling by lr / bc1 (8 in all, sqrt halving v's); the closed form's mul,
+# addcmul, sqrt, + eps, division, scaling and the parts' sum (7): 16 with room
+STEP_CHECK_ROUNDINGS = 16
+
+
+def step_check_tolerance(u: float, x_theta: float, x_delta: float) -> float:
+    """Bound on ``|Xbar . (theta_plus - theta) - Xbar . Delta theta|`` (the step taken against the
+    closed form, both dots in fp64) from rounding alone, with ``u`` the unit roundoff of the
+    parameters' (or the computation's, if coarser) dtype, ``x_theta = sum_i |Xbar_i| |theta_i|`` and
+    ``x_delta = sum_i |Xbar_i| sum_part |Delta theta_part,i|``::
+
+        tol = u (2 x_theta + (STEP_CHECK_ROUNDINGS + 1) x_delta)
+
+    theta_plus is stored rounded (``u |theta_plus| <= u (|theta| + |Delta|)`` per coordinate) after the
+    decay's own rounding (``u |theta|``); each side's update carries its roundings, relative to its
+    parts' magnitudes. A deterministic (worst-case) bound: an honest step never exceeds it."""
+    return u * (2.0 * x_theta + (STEP_CHECK_ROUNDINGS + 1) * x_delta)
+
+
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: s = min(1, c / (||g|| + 1e-6))
 
 
@@ -174,3 +195,6 @@ class StepModel:
     # the closed forms without clipping: ``unit_dots(X, Y, alpha, beta, J)``, math/unit_dots.py's values for
     # one prompt (X . each part at Ybar and at ``alpha Ybar - beta Y``, X . J Ybar, X . J Y) in one blocked pass
     unit_dots: Callable[..., torch.Tensor] | None = None
+    # the closed forms: ``dots_with(x) -> (x . Delta theta, sum_i |x_i| sum_part |Delta theta_part,i|)`` in
+    # fp64 without writing the update out (the online probe's check of the step taken; None: write it)
+    dots_with: Callable[[list[torch.Tensor]], tuple[float, float]] | None = None

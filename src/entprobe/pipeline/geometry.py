@@ -85,25 +85,49 @@ def live_lr(cfg: EntprobeConfig, optimizer, fix: str | None = None) -> tuple[flo
     return positive_lr(float(lr), "the optimizer's param groups", fix=fix), "optimizer param_groups (in memory)"
 
 
-def live_geometry(cfg: EntprobeConfig, optimizer, names: list[str], params, buf_dev: torch.device
-                  ) -> tuple[Geometry, dict]:
-    """``build_geometry`` for an optimizer in memory: its own param groups, lr and Adam state are the
-    geometry (nothing is read from a file or copied). Every trainable parameter of the model must be
-    in the optimizer and the optimizer must train nothing else; the lr is the groups' (one lr, or
-    ``optimizer.lr``, which the caller applies to the groups for the probe's duration); Adam's
-    preconditioner needs the state of a first step (``exp_avg_sq`` for every parameter)."""
-    opt = unwrap_optimizer(optimizer)
-    o = cfg.optimizer
+def _not_trained(opt: torch.optim.Optimizer, params, model) -> str | None:
+    """The message for tensors in the optimizer that are not the model's trainable parameters (None:
+    there are none): the first one by name (or shape) and param group, and what to change."""
+    trainable = {id(p) for p in params}
+    extra = [(gi, p) for gi, g in enumerate(opt.param_groups) for p in g["params"] if id(p) not in trainable]
+    if not extra:
+        return None
+    gi, p = extra[0]
+    named = {id(q): n for n, q in model.named_parameters()} if model is not None else {}
+    what = f"{named[id(p)]!r} (shape {list(p.shape)})" if id(p) in named else f"a tensor of shape {list(p.shape)}"
+    n = f" ({len(extra)} such tensor(s))" if len(extra) > 1 else ""
+    if not p.requires_grad:
+        return (f"optimizer param group {gi} holds {what}{n}, which has requires_grad=False: drop it from the "
+                "optimizer, or unfreeze it (requires_grad=True)")
+    return (f"optimizer param group {gi} holds {what}{n}, which is not a parameter of the model given: pass the "
+            "model this optimizer trains")
+
+
+def check_trains(opt: torch.optim.Optimizer, names: list[str], params, model: torch.nn.Module | None = None) -> None:
+    """A ConfigError unless the optimizer trains exactly the model's trainable parameters ``params``
+    (``names`` theirs): the first one missing, or the first tensor it holds besides them, named."""
     in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
     missing = [n for n, p in zip(names, params) if id(p) not in in_opt]
     if missing:
         raise ConfigError(f"the model's trainable parameter {missing[0]!r} ({len(missing)} in all) is not in the "
                           "optimizer: pass the optimizer that trains this model, or set requires_grad=False "
                           "on what it does not train")
-    extra = in_opt - {id(p) for p in params}
+    extra = _not_trained(opt, params, model)
     if extra:
-        raise ConfigError(f"the optimizer holds {len(extra)} tensor(s) that are not trainable parameters of the "
-                          "model (requires_grad=True): pass the model it trains")
+        raise ConfigError(extra)
+
+
+def live_geometry(cfg: EntprobeConfig, optimizer, names: list[str], params, buf_dev: torch.device,
+                  model: torch.nn.Module | None = None) -> tuple[Geometry, dict]:
+    """``build_geometry`` for an optimizer in memory: its own param groups, lr and Adam state are the
+    geometry (nothing is read from a file or copied). Every trainable parameter of the model must be
+    in the optimizer and the optimizer must train nothing else; the lr is the groups' (one lr, or
+    ``optimizer.lr``, which the caller applies to the groups for the probe's duration; ``model``:
+    names a frozen parameter left in the optimizer); Adam's
+    preconditioner needs the state of a first step (``exp_avg_sq`` for every parameter)."""
+    opt = unwrap_optimizer(optimizer)
+    o = cfg.optimizer
+    check_trains(opt, names, params, model)
     lr, lr_source = live_lr(cfg, opt)
     meta = {"lr_source": lr_source, "optimizer_format": f"in memory ({type(opt).__name__})"}
     if o.preconditioner.value != "adam":

@@ -20,6 +20,7 @@ Two targets, two standard errors:
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -56,8 +57,16 @@ def _step_of(opt: torch.optim.Optimizer, p: torch.Tensor) -> float:
     return float(st["step"]) if st and "exp_avg" in st else 0.0
 
 
+def torch_own_step(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.step`` is torch's own Adam/AdamW/SGD step (a subclass that does not override
+    ``step`` keeps it; torch's profiling wrapper is seen through). A subclass with its own step may
+    update differently from the closed form: it is stepped on a snapshot instead."""
+    own = {inspect.unwrap(c.step) for c in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)}
+    return inspect.unwrap(type(opt).step) in own
+
+
 def _plain_sgd(opt: torch.optim.Optimizer) -> bool:
-    return type(opt) is torch.optim.SGD and all(
+    return isinstance(opt, torch.optim.SGD) and all(
         not g.get("momentum", 0.0) and not g.get("nesterov", False) and not g.get("maximize", False)
         for g in opt.param_groups)
 
@@ -73,6 +82,8 @@ def step_model_kind(optimizer: torch.optim.Optimizer, step_mode: str) -> str:
     with or without gradient clipping, which the closed forms fold in."""
     if step_mode == "preconditioned_sgd":
         return "preconditioned_sgd"
+    if not torch_own_step(optimizer):
+        return "optimizer_step"
     if plain_adamw(optimizer):
         return "adamw_closed_form"
     if _plain_sgd(optimizer):
@@ -156,10 +167,9 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
     names = ["gradient"] + (["momentum"] if adam else []) + (
         ["weight_decay"] if any(float(g.get("weight_decay", 0.0)) for g in optimizer.param_groups) else [])
 
-    def run_chunks(outs: dict[str, pv.Buffer], fn) -> None:
-        """``fn(ch, h, ins, out_flat, scratch)`` per chunk on flat inputs; results land in ``outs``."""
-        first = next(iter(outs.values()))
-        dev, dt = first[0].device, first[0].dtype
+    def chunk_inputs(dev, dt):
+        """Per chunk ``(ch, h, n, ins, scratch)``: its flat inputs (y at the clipped gradient, theta,
+        AdamW's m and v) on ``dev`` in ``dt``, and two chunk-sized scratch tensors."""
         biggest = max(sum(local(ctx.params[i]).numel() for i in ch) for ch, _ in chunks)
         scratch = [torch.empty(biggest, device=dev, dtype=dt) for _ in range(2 if s == 1.0 else 3)]
         for ch, h in chunks:
@@ -175,10 +185,17 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
                    "theta": flat([local(ctx.params[i].detach()) for i in ch])}
             if adam:
                 ins["m"], ins["v"] = flat([x[0] for x in st]), flat([x[1] for x in st])
+            yield ch, h, n, ins, [x[:n] for x in scratch[:2]]
+
+    def run_chunks(outs: dict[str, pv.Buffer], fn) -> None:
+        """``fn(ch, h, ins, out_flat, scratch)`` per chunk on flat inputs; results land in ``outs``."""
+        first = next(iter(outs.values()))
+        for ch, h, n, ins, scratch in chunk_inputs(first[0].device, first[0].dtype):
+            dev, dt = first[0].device, first[0].dtype
             direct = len(ch) == 1
             flat_out = {k: (o[ch[0]].view(-1) if direct else torch.empty(n, device=dev, dtype=dt))
                         for k, o in outs.items()}
-            fn(ch, h, ins, flat_out, [x[:n] for x in scratch[:2]])
+            fn(ch, h, ins, flat_out, scratch)
             if not direct:
                 for k, o in outs.items():
                     for i, t in zip(ch, flat_out[k].split([local(ctx.params[i]).numel() for i in ch])):
@@ -231,8 +248,44 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
                 cat([local(ctx.params[i].detach()) for i in ch]) if h.weight_decay else None)
         return reduce_shards(total)
 
+    def dots_with(xs: pv.Buffer) -> tuple[float, float]:
+        """``(x . Delta theta, sum_i |x_i| sum_part |Delta theta_part,i|)`` in fp64, chunk by chunk
+        (the update recomputed in chunk-sized buffers: nothing parameter-sized is written)."""
+        dev = xs[0].device
+        dt = torch.promote_types(ctx.buffers_dtype, torch.float32)
+        total = torch.zeros(2, dtype=torch.float64, device=dev)
+        for ch, h, n, ins, scratch in chunk_inputs(dev, dt):
+            out = {k: torch.empty(n, device=dev, dtype=dt) for k in names}
+            update(ch, h, ins, out, scratch)
+            x = torch.cat([xs[i].reshape(-1) for i in ch]).to(dev, torch.float64)
+            total[0] += sum(x @ o.double() for o in out.values())
+            total[1] += x.abs() @ sum(o.double().abs() for o in out.values())
+        total = reduce_shards(total)
+        return float(total[0]), float(total[1])
+
     return StepModel(names, lambda outs: run_chunks(outs, update), jacobian_times_into,
-                     "adamw_closed_form" if adam else "sgd_closed_form", facts, unit_dots if s == 1.0 else None)
+                     "adamw_closed_form" if adam else "sgd_closed_form", facts, unit_dots if s == 1.0 else None,
+                     dots_with)
+
+
+def update_dots(ctx: ProbeContext, step: StepModel, xs: pv.Buffer) -> tuple[float, float]:
+    """``(x . Delta theta, sum_i |x_i| sum_part |Delta theta_part,i|)`` in fp64 for the step model's
+    update: the closed forms' ``dots_with`` (chunk by chunk), else the update written into
+    parameter-sized buffers (the snapshot step: it holds a copy of the parameters already)."""
+    if step.dots_with is not None:
+        return step.dots_with(xs)
+    dev = xs[0].device
+    dt = torch.promote_types(ctx.buffers_dtype, torch.float32)
+    outs = {k: [torch.empty(local(p).shape, device=dev, dtype=dt) for p in ctx.params] for k in step.names}
+    step.write(outs)
+    total = torch.zeros(2, dtype=torch.float64, device=dev)
+    for i, x in enumerate(xs):  # one tensor at a time: no parameter-sized |x| or |Delta theta|
+        xi = x.reshape(-1).to(dev, torch.float64)
+        parts = [o[i].reshape(-1).double() for o in outs.values()]
+        total[0] += sum(xi @ p for p in parts)
+        total[1] += xi.abs() @ sum(p.abs() for p in parts)
+    total = reduce_shards(total)
+    return float(total[0]), float(total[1])
 
 
 def directions(ctx: ProbeContext, first: list, step: StepModel | None, device,

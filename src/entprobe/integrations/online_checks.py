@@ -1,0 +1,52 @@
+"""The online probe's argument checks: early, one line, naming what to change."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from entprobe.config import ConfigError
+from entprobe.math.adamw import step_check_tolerance
+from entprobe.rollouts.sampling import RolloutBatch
+
+
+def check_every(every, name: str) -> None:
+    """A ConfigError naming ``name`` unless ``every`` is an int >= 1 (a bool is not one)."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError(f"{name}={every!r}: probe every N optimizer steps, N an int >= 1")
+
+
+def check_rollouts(batch: RolloutBatch, where: str) -> None:
+    """A ValueError, before any pass, when the batch is unusable (``RolloutBatch.problem``: shapes
+    other than [B, G, T] / [B, G] (advantages, rewards) / [B], masks, non-finite advantages, ...)
+    or has fewer than 3 prompts or 2 responses each (the cross-prompt U-statistic pairs each prompt
+    with the update of the other B - 1, and its SE needs two of those)."""
+    wrong = batch.problem()
+    if wrong:
+        raise ValueError(f"{where}: rollouts: {wrong}; pass the RolloutBatch the gradient in .grad was computed on")
+    if batch.B < 3 or batch.G < 2:
+        raise ValueError(f"{where}: rollouts has {batch.B} prompt(s) x {batch.G} response(s); source='rollouts' "
+                         "needs >= 3 prompts and >= 2 responses each (the cross-prompt U-statistic)")
+
+
+def step_check(predicted: float, taken: float, u: float, x_theta_abs: float, step_mag: float, n: int) -> dict:
+    """The step taken against the one predicted, on the prediction's own Xbar: ``taken`` =
+    ``deltaH1_step = -Xbar . (theta_plus - theta)`` against ``predicted = -Xbar . Delta theta`` of the
+    update ``before_step`` computed, within ``step_check_tolerance(u, x_theta_abs, step_mag)`` plus
+    the fp64 sums' rounding over the ``n`` coordinates, ``n eps64 (2 x_theta_abs + step_mag)``.
+    Outside it: ``step_mismatch`` True, ``step_mismatch_rel``, and ``pred_consistent`` None with its
+    reason (the prediction was of another step). Along Xbar is where it matters: a step that
+    agrees there has the predicted first-order change."""
+    tol = step_check_tolerance(u, x_theta_abs, step_mag) + n * torch.finfo(torch.float64).eps * (
+        2 * x_theta_abs + step_mag)
+    diff = taken - predicted
+    out = {"step_check/predicted": predicted, "step_check/diff": diff, "step_check/tol": tol,
+           "step_mismatch": not abs(diff) <= tol}
+    if not out["step_mismatch"]:
+        return out
+    rel = abs(diff) / abs(predicted) if predicted else math.inf
+    out.update({"step_mismatch_rel": rel, "pred_consistent": None, "pred_consistent_reason": (
+        f"the step taken is not the one predicted: -Xbar . (theta_plus - theta) = {taken:.6g} against "
+        f"{predicted:.6g} for the update before_step computed (relative difference {rel:.3g}, rounding allows "
+        f"{tol:.3g})")})
+    return out
