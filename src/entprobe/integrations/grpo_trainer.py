@@ -256,16 +256,11 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
         grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), a.max_grad_norm).item()
                      if a.max_grad_norm > 0 else None)
         lr = sched.get_last_lr()[0]  # the lr of this step (logged as HF Trainer logs it)
-        H_rollouts = None
         if stepper is not None:
             stepper.before_step(step, **({"rollouts": batch, "grad_norm": grad_norm} if a.probe_source == "rollouts"
                                          else {}))
-            if a.probe_source == "rollouts" and probe.pending is not None:  # the step's batch's H (after_step
-                H_rollouts = probe.pending.H                                # logs E's as H_orig once E is measured)
         opt.step()
         metrics = stepper.after_step() if stepper is not None else None  # (the guard puts back the scheduler's lr)
-        if H_rollouts is not None and probe.history:
-            probe.history[-1]["H_rollouts"] = H_rollouts  # the over-steps table's H_rollouts column
         sched.step()
         entry = {"step": step, "loss": loss.item(), "learning_rate": lr, "reward": batch.rewards.mean().item(),
                  "reward_std": batch.rewards.std().item(),
@@ -276,11 +271,9 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
             entry["grad_norm"] = grad_norm
         if metrics:
             entry.update(metrics)
-        if H_rollouts is not None:  # (a resumed run's over-steps table reads it back from the log history)
-            entry["entprobe/H_rollouts"] = H_rollouts
         if metrics and "entprobe/deltaH_pred" in metrics:  # one line a probed step, at the lr it used
             decided = guarded and stepper.decisions and stepper.decisions[-1].step == step
-            log("[entprobe] " + probe_line(step, metrics, a.probe_source, H_rollouts,
+            log("[entprobe] " + probe_line(step, metrics, a.probe_source, metrics.get("entprobe/H_rollouts"),
                                            *((stepper.decisions[-1], stepper.rule) if decided else ())))
         history.append(entry)
         if on_step is not None:

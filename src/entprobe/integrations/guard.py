@@ -402,12 +402,12 @@ class EntropyGuardCallback(EntropyProbeCallback):
         self.guard.before_step(step, **self.step_rollouts(step))
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        pending, dec = self.probe.pending, self.guard._decision  # the step's, before after_step measures it
+        dec = self.guard._decision  # the step's, before after_step measures it
         metrics = self.guard.after_step()
         self._to_log.update(metrics)
         if dec is not None and state.is_world_process_zero:  # one line a guarded step, at the lr it used
-            H = pending.H if pending is not None and self.source == "rollouts" else None
-            print("entprobe: " + probe_line(dec.step, metrics, self.source, H, dec, self.guard.rule), flush=True)
+            print("entprobe: " + probe_line(dec.step, metrics, self.source, metrics.get("entprobe/H_rollouts"), dec,
+                                            self.guard.rule), flush=True)
 
     def on_step_end(self, args, state, control, **kwargs):
         state.stateful_callbacks[STATE_KEY] = self.guard.state_dict()  # saved with the checkpoint, if one follows

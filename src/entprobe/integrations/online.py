@@ -85,7 +85,7 @@ ONLINE_KEYS = ("batch.B_E", "batch.G", "batch.seed_E", "sampling", "probe.mb_siz
 LOGGED = ("deltaH_pred", "SE_deltaH_pred", "ci95_pred_low", "ci95_pred_high", "deltaH_true", "SE_deltaH_true",
           "deltaH_true_minus_pred", "SE_deltaH_true_minus_pred", "z_true_minus_pred", "pred_consistent",
           "deltaH_pred_gradient", "deltaH_pred_momentum", "deltaH_pred_weight_decay", "deltaH1_step",
-          "H_orig", "ESS_frac", "lr", "time_s", "step", "step_mismatch",
+          "H_orig", "H_rollouts", "ESS_frac", "lr", "time_s", "step", "step_mismatch",
           "SE_deltaH_pred_expected", "deltaH_pred_E",
           *(f"forecast_H_k{k}{s}" for k in HORIZONS for s in ("", "_low", "_high")))
 # the online probe's default functional: token_mean, the mean over generated tokens of the
@@ -275,6 +275,9 @@ class OnlineProbe:
                 ro = rollouts_prediction(ctx, cfg, rollouts, update, lambda y: build_step_model(
                     ctx, geo.optimizer, geo.lr, y, geo.P, "optimizer", None), Ybar, self.max_grad_norm, grad_norm)
                 res, Xbar, H = dict(ro.res), ro.Xbar, ro.res["H_orig"]
+                # the step's batch's entropy, where the forecasts start: kept under its own name, since a
+                # measurement on a held-out E logs E's entropy as H_orig after the step
+                res["H_rollouts"] = H
                 ro.forecast = forecast_inputs(ro, geo.optimizer, ctx.params, Ybar)
                 res.update(forecast_results(ro.forecast))
             pred = predict_on_held_out(ctx, E, update, cfg.probe, with_entropy=False, total_only=True) \

@@ -332,5 +332,5 @@ def in_memory(cfg: EntprobeConfig, model: torch.nn.Module, optimizer: torch.opti
         check_prompt_lengths(task, tokenizer, cfg, where, lm.source,
                              config=config.to_dict() if hasattr(config, "to_dict") else None)
     ctx = probe_context(cfg, model, device, autocast)
-    geo, meta = live_geometry(cfg, optimizer, ctx.names, ctx.params, ctx.buffers_device)
+    geo, meta = live_geometry(cfg, optimizer, ctx.names, ctx.params, ctx.buffers_device, model)
     return InMemory(lm, task, ctx, geo, meta)
