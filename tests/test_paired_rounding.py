@@ -170,7 +170,7 @@ def test_at_lr_1e6_the_difference_is_the_exact_remainder_within_rounding(mode, e
 def test_paired_interval_covers_the_remainder_above_the_floor(mode, estimator):
     """A step of 1e-2 of the training one (lr 1e-4), 200 draws at B_E = 8: the remainder (~3e-6 to
     9e-6) is above the floor and the interval with R covers it at 0.95 +- 3 binomial sd (measured
-    0.96-0.98 over 400 draws: R is a bound, so it adds a little; R is 0.2-0.5 of the sampling SE
+    0.96-0.98 over 400 draws: R is a bound, so it adds a little; R is 0.24-0.59 of the sampling SE
     here). The score form of ``token_mean`` is the exception, and not for rounding: its per-prompt
     differences are heavy-tailed (docs/uncertainty.md), 0.865 on the sampling SE alone and 0.90-0.92
     with R, so its band is the one test_prediction.py states for heavy tails (from 0.86). The test
