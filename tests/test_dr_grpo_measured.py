@@ -220,6 +220,6 @@ def test_committed_example_rows_of_the_docs(tmp_path, monkeypatch):
                               "batch.load=tests/data/batches/readme", "batch.B_E=8", "batch.B_U=8",
                               "sampling.max_new_tokens=4", "probe.weighting_mode=dr_grpo", f"optimizer.lr={lr}"))
         e = torch.tensor(json.loads((out / "per_unit.json").read_text())["E/deltaH_pred"], dtype=torch.float64)
-        new = res["SE_deltaH_true_minus_pred"] / res["SE_deltaH_pred"]
+        new = res["SE_deltaH_true_minus_pred_sampling"] / res["SE_deltaH_pred"]
         old = float((uncentred_psi(seen["S0"], seen["S1"], seen["L"]) - e).std() / e.std())
         assert _printed(new_doc, new) and _printed(old_doc, old), (lr, new, old)

@@ -69,6 +69,12 @@ def share_tolerances(own: dict, mags, r: float, dtype: torch.dtype) -> dict:
            "ci95_pred_expected_low": w["ci"], "ci95_pred_expected_high": w["ci"],
            "deltaH_true_minus_pred": dpred, "SE_deltaH_true_minus_pred": dse,
            "ci95_true_minus_pred_low": dpred + q * dse, "ci95_true_minus_pred_high": dpred + q * dse}
+    # the rounding bound holds min(step bound, |deltaH1_step - deltaH_pred|); the floor is
+    # lr sqrt(R / SE_sampling), so its relative tolerance is half of R's and of SE_sampling's
+    tol.update({"SE_deltaH_true_minus_pred_sampling": dse, "rounding_true_minus_pred": dpred})
+    if "lr_floor_true_minus_pred" in own and own["rounding_true_minus_pred"] > 0:
+        tol["lr_floor_true_minus_pred"] = own["lr_floor_true_minus_pred"] * 0.5 * (
+            dse / own["SE_deltaH_true_minus_pred_sampling"] + dpred / own["rounding_true_minus_pred"])
     for k in parts:
         tol[f"deltaH_pred_{k}"], tol[f"SE_deltaH_pred_{k}"] = float(tE[k].mean()), se_tol(tE[k])
     # the attribution: each parameter tensor's part of deltaH_pred, bounded by the whole's

@@ -140,6 +140,22 @@ def mean_variance(x: torch.Tensor) -> float:
     return float(((x - x.mean()) ** 2).sum() / (B * (B - 1)))
 
 
+def propagated_bound(fn, inputs: list[torch.Tensor], bounds: list[torch.Tensor]) -> float:
+    """First-order bound on the error of the scalar ``fn(*inputs)`` when every element x of the
+    inputs carries an error of at most ``a`` (``bounds``, shaped like the inputs):
+    ``sum_x |d fn / d x| a_x``, the gradient by autograd in fp64. A bound, not a standard deviation:
+    the errors may share a sign (rounding errors of one function at nearby points do)."""
+    xs = [x.detach().double().requires_grad_(True) for x in inputs]
+    with torch.enable_grad():
+        y = fn(*xs)
+        if not torch.isfinite(y):
+            return float("nan")
+        if not y.requires_grad:  # it does not depend on the inputs
+            return 0.0
+        gs = torch.autograd.grad(y, xs, allow_unused=True)
+    return float(sum((g.abs() * a.double()).nansum() for g, a in zip(gs, bounds) if g is not None))
+
+
 def welch_df(parts: list[tuple[float, int]]) -> float:
     """Welch-Satterthwaite degrees of freedom of ``sum_k V_k`` for variances of means of
     ``B_k`` units: ``(sum V_k)^2 / sum V_k^2 / (B_k - 1)``; inf when every V_k is 0."""

@@ -341,6 +341,17 @@ def paired_psi(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Tensor, Lmax:
             for name, (lw, norm) in weights.items()}
 
 
+def sequence_rounding(S: torch.Tensor, L: torch.Tensor, eps: float) -> torch.Tensor:
+    """A bound on the rounding error of a forward pass's sequence log-probs S [..., B, G] (L their
+    lengths): the per-token bound ``eps (1 + |l_t| + H_t)`` (``token_importance.forward_rounding``)
+    summed over the response, ``eps (L + |S| + L Hbar)``, with the token entropies H_t, which the
+    sequence-level passes do not keep, replaced by the prompt's per-token entropy estimate
+    ``Hbar = sum_g -S / sum_g L``."""
+    S, L = S.double(), L.double()
+    Hbar = (-S).sum(-1, keepdim=True).clamp(min=0) / L.sum(-1, keepdim=True).clamp(min=1)
+    return eps * (L + S.abs() + L * Hbar)
+
+
 def paired_changes(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Tensor, Lmax: torch.Tensor, mode: str,
                    clip_c: float, smoothed: Smoothed) -> dict[str, PromptChange]:
     """``paired_psi`` of one batch [B, G] with each estimate and its SE (``summarize_change``)."""

@@ -130,6 +130,17 @@ def reward_to_go_baselines(H0: torch.Tensor, m: torch.Tensor) -> tuple[torch.Ten
     return tf.alive_loo_mean(R, m), tf.alive_loo_mean(C, m)
 
 
+def forward_rounding(lp: torch.Tensor, H: torch.Tensor, m: torch.Tensor, eps: float) -> torch.Tensor:
+    """A bound on the rounding error of one forward pass's token log-prob and token entropy [..., T]
+    (generated positions; 0 elsewhere): ``eps (1 + |l_t| + H_t)``, eps the pass's working precision.
+    log-softmax and its entropy are computed from logits whose scale ``|l_t| + H_t + 1`` bounds on
+    a small vocabulary; measured on the exact model (tests/test_paired_rounding.py), the difference of
+    two passes at nearby parameters stays within 0.84 of two such bounds for l_t and 0.38 for H_t.
+    The errors are not independent between tokens (their mean is ~0.25 eps at lr 1e-3): sum them
+    as bounds (``estimators.propagated_bound``), not in quadrature."""
+    return eps * (1.0 + lp.double().abs() + H.double().abs()) * m.double()
+
+
 def change_psi(lp0: torch.Tensor, lp1: torch.Tensor, H0: torch.Tensor, H1: torch.Tensor, m: torch.Tensor,
                mode: str, per_decision: bool, is_mode: str, clip_c: float, kappa=None,
                smoothed_log_weights: torch.Tensor | None = None) -> torch.Tensor:

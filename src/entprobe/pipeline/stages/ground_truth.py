@@ -133,6 +133,32 @@ def _step(ctx: ProbeContext, inp: StepInputs, icfg, grads_from: Callable[[], Non
 
 
 IS_MODES = im.IS_ESTIMATORS
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def forward_eps(ctx: ProbeContext) -> float:
+    """The working precision of the model's forward passes: the coarsest of fp32 (HF models run
+    their norms and softmax in at least fp32: an fp64 model's log-probs still carry fp32 rounding),
+    the parameters' dtype and the autocast dtype."""
+    dts = {p.dtype for p in ctx.params if p.is_floating_point()} | {torch.float32}
+    if getattr(ctx, "autocast_dtype", None) is not None:
+        dts.add(ctx.autocast_dtype)
+    return max(torch.finfo(d).eps for d in dts)
+
+
+def step_rounding_bound(Xbar: pv.Buffer, params, snap_params) -> float:
+    """A bound on ``|Xbar . r|``, r the rounding of the step the parameters took: the update is
+    added in the parameters' dtype (AdamW: the decay and the update, two roundings of at most half
+    an ulp each), so ``|r_i| <= ulp(max(|theta_i|, |theta+_i|))`` and the bound is
+    ``sum_i |Xbar_i| ulp_i`` (fp64 over tensors, summed over FSDP2 shards). When the step is below
+    the parameters' resolution it rounds away altogether, and this bound holds the lost change."""
+    total = torch.zeros((), dtype=torch.float64)
+    for x, p, s in zip(Xbar, params, snap_params):
+        now = local(p.detach()).to(x.device)
+        big = torch.maximum(now.abs(), s.to(x.device, now.dtype).abs())
+        ulp = torch.nextafter(big, torch.full_like(big, math.inf)) - big
+        total += (x.reshape(-1).abs().double() * ulp.reshape(-1).double()).sum().cpu()
+    return float(sharding.reduce_shards(total))
 
 
 def token_side_needed(x: XSpec) -> bool:
@@ -153,7 +179,7 @@ def token_side(x: XSpec, E: RolloutBatch, lp0, lp1, H0, H1) -> TokenSide | None:
 def importance_estimates(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Tensor,
                          Lmax: torch.Tensor, mode: str, clip_c: float,
                          warn_psis: bool = True, x: XSpec | None = None,
-                         tokens: TokenSide | None = None) -> tuple[dict[str, float], dict]:
+                         tokens: TokenSide | None = None, eps_forward: float = EPS32) -> tuple[dict[str, float], dict]:
     """H(theta) and stratified IS estimates of the change on the same samples, [B, G] inputs.
 
     H = -E[S_w] in the weighting mode's functional; each estimator is paired with the prediction by
@@ -162,10 +188,12 @@ def importance_estimates(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Ten
     undefined) and the per-prompt contributions ``{est: psi [B]}`` for paired comparisons.
     ``warn_psis``: warn when PSIS is undefined (it is then NaN, never another estimate).
     ``tokens`` (with ``x``): the token-level values of E, for X's per-token form and the token
-    functionals (stages/token_measure.py).
+    functionals (stages/token_measure.py). ``rounding_deltaH_<est>``: a bound on what the forward
+    passes' rounding (working precision ``eps_forward``) moves each estimate
+    (``im.sequence_rounding`` propagated to first order: ``est.propagated_bound``).
     """
     if tokens is not None:
-        return token_importance_estimates(tokens, x, clip_c, warn_psis)
+        return token_importance_estimates(tokens, x, clip_c, warn_psis, eps_forward)
     mode = getattr(mode, "value", mode)
     f_orig = -est.weighted_S(S_orig, L, Lmax, mode).double()  # [B, G]
     logw = (S_upd - S_orig).double()
@@ -183,10 +211,14 @@ def importance_estimates(S_orig: torch.Tensor, S_upd: torch.Tensor, L: torch.Ten
     N = logw.numel()
     out = {"H_orig": float(f_orig.mean()), "H_orig_per_token": float(-S_orig.double().sum() / Lf.sum()),
            "SE_H_orig": math.sqrt(est.mean_variance(f_orig.mean(-1))) if f_orig.shape[0] > 1 else math.nan}
+    bounds = [im.sequence_rounding(S_orig, L, eps_forward), im.sequence_rounding(S_upd, L, eps_forward)]
     for name, ch in changes.items():
         out[f"deltaH_{name}"] = ch.estimate
         out[f"SE_deltaH_{name}"] = ch.SE
         out[f"H_upd_{name}"] = out["H_orig"] + ch.estimate
+        fn = lambda s0, s1, name=name: im.paired_psi(s0, s1, L, Lmax, mode, clip_c,  # noqa: E731
+                                                     smoothed.log_weights)[name].mean()
+        out[f"rounding_deltaH_{name}"] = est.propagated_bound(fn, [S_orig, S_upd], bounds)
     # per-token entropy (a ratio over all tokens): SNIS weights normalised within each prompt
     wn = torch.softmax(logw, -1)
     out["H_upd_per_token"] = float((wn * -S_upd.double()).sum() / (wn * Lf).sum())
@@ -268,11 +300,11 @@ def true_change(est_res: dict, psi: dict, mode: str, ess_threshold: float = 0.0)
         nan = math.nan
         return {"deltaH_true": nan, "SE_deltaH_true": nan, "ci95_true_low": nan, "ci95_true_high": nan,
                 "H_upd": nan, "deltaH_true_per_token": est_res["deltaH_per_token"], "measurable": False,
-                "unmeasurable_reason": why}
+                "unmeasurable_reason": why, "rounding_deltaH_true": nan}
     lo, hi = est.interval(d, se, psi[mode].numel() - 1)
     return {"deltaH_true": d, "SE_deltaH_true": se, "ci95_true_low": lo, "ci95_true_high": hi,
             "H_upd": est_res[f"H_upd_{mode}"], "deltaH_true_per_token": est_res["deltaH_per_token"],
-            "measurable": True}
+            "measurable": True, "rounding_deltaH_true": est_res.get(f"rounding_deltaH_{mode}", 0.0)}
 
 
 def resampled_change(f_fresh: torch.Tensor, f_orig: torch.Tensor) -> dict:
@@ -323,6 +355,7 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
                 if aliased:  # Ybar_raw back to its sign, whatever happened in the step
                     _unnegate(ctx, inp.Ybar_raw)
             res["deltaH1_step"] = -xbar_dot_step(inp.Xbar, ctx.params, snap.params)
+            res["rounding_step"] = step_rounding_bound(inp.Xbar, ctx.params, snap.params)
         res["gt/reused_probe_gradient"] = float(reuse and icfg.step_mode.value == "optimizer")
         if fail_after_step is not None:
             fail_after_step()
@@ -331,7 +364,8 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
         L_g, Lmax_g = D.gather_units(E.gen_lengths), D.gather_units(E.Lmax)
         tokens = token_side(ctx.x, E, inp.E_token_logp, lp_upd, inp.token_entropy_orig, ent_upd)
         est_res, psi = importance_estimates(S_orig_g, S_upd_g, L_g, Lmax_g, ctx.weighting_mode, icfg.clip_c,
-                                            warn_psis=icfg.is_mode.value == "psis", x=ctx.x, tokens=tokens)
+                                            warn_psis=icfg.is_mode.value == "psis", x=ctx.x, tokens=tokens,
+                                            eps_forward=forward_eps(ctx))
         res.update(est_res)
         if resample is not None and icfg.resample_on_low_ess and est_res["ESS_frac"] < icfg.ess_threshold:
             with ctx.phase("gt_resample"):

@@ -55,9 +55,12 @@ def functional_at_theta(tok: TokenSide, spec: XSpec) -> tuple[float, float, dict
     return float(h.mean()), math.sqrt(est.mean_variance(h)) if h.numel() > 1 else math.nan, {}
 
 
-def token_importance_estimates(tok: TokenSide, spec: XSpec, clip_c: float, warn_psis: bool = True
+def token_importance_estimates(tok: TokenSide, spec: XSpec, clip_c: float, warn_psis: bool = True,
+                               eps_forward: float = torch.finfo(torch.float32).eps
                                ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-    """Flat results and per-prompt contributions of every offered estimator (module docstring)."""
+    """Flat results and per-prompt contributions of every offered estimator (module docstring);
+    ``rounding_deltaH_<est>``: a bound on what the forward passes' rounding (working precision
+    ``eps_forward``) moves each estimate (``ti.forward_rounding`` propagated to first order)."""
     import warnings
 
     m = tok.m.double()
@@ -71,11 +74,17 @@ def token_importance_estimates(tok: TokenSide, spec: XSpec, clip_c: float, warn_
     out = {"H_orig": H0, "SE_H_orig": se_H0,
            "H_orig_per_token": float(-(tok.lp0.double() * m).sum() / m.sum())}
     psi: dict[str, torch.Tensor] = {}
+    kappa = spec.kappa if spec.mode == "token_mean" else None
+    a0, a1 = ti.forward_rounding(tok.lp0, tok.H0, m, eps_forward), ti.forward_rounding(tok.lp1, tok.H1, m, eps_forward)
     for name in offered_estimators(spec):
         psi[name] = ti.change_psi(tok.lp0, tok.lp1, tok.H0, tok.H1, m, spec.mode, per_decision, name, clip_c,
-                                  spec.kappa if spec.mode == "token_mean" else None, smoothed.log_weights)
+                                  kappa, smoothed.log_weights)
         ch = im.summarize_change(psi[name])
-        out.update({f"deltaH_{name}": ch.estimate, f"SE_deltaH_{name}": ch.SE, f"H_upd_{name}": H0 + ch.estimate})
+        fn = lambda l0, l1, h0, h1, name=name: ti.change_psi(l0, l1, h0, h1, m, spec.mode, per_decision, name,  # noqa: E731
+                                                             clip_c, kappa, smoothed.log_weights).mean()
+        out.update({f"deltaH_{name}": ch.estimate, f"SE_deltaH_{name}": ch.SE, f"H_upd_{name}": H0 + ch.estimate,
+                    f"rounding_deltaH_{name}": est.propagated_bound(fn, [tok.lp0, tok.lp1, tok.H0, tok.H1],
+                                                                    [a0, a1, a0, a1])})
     # the per-token entropy of the responses' sampled log-probs (reported in every mode)
     wn = torch.softmax(l, -1)
     Lf = m.sum(-1)
