@@ -12,6 +12,19 @@ tests/test_distributed.py's torchrun multirun test.
 """
 from __future__ import annotations
 
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from filelock import FileLock
+
+from entprobe.runtime import locks
+from entprobe.runtime.distributed import launch_id
+
 FAKE_RESULTS = {"H_orig": 1.0, "SE_H_orig": 0.1, "B_E": 2, "deltaH_pred": -0.01, "deltaH_true": -0.02}
 
 
@@ -48,3 +61,82 @@ def test_entprobe_run_keeps_each_jobs_wandb_run_in_its_step_folder(tmp_path, mon
         assert [p.name for p in prev.glob("wandb/offline-run-*")] == [first[step]]  # the first run's, whole
         (now,) = job.glob("wandb/offline-run-*")
         assert now.name != first[step] and list(now.glob("run-*.wandb"))
+
+
+@pytest.fixture
+def in_a_job(monkeypatch):
+    """This process as rank 0 of a hand-started 2-rank process group (``launch_id``: its rendezvous)."""
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_PROCID", "SUBMITIT_EXECUTOR", "SUBMITIT_LOCAL_JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    assert launch_id() == "group 127.0.0.1:29511"
+
+
+def hold(path: Path, record: dict | None, seconds: float) -> threading.Thread:
+    """Hold ``path``'s lock as another process would (filelock's own lock, another open file),
+    with ``record`` as its holder record (None: none written yet), for ``seconds``."""
+    held = threading.Event()
+
+    def run():
+        lock = FileLock(str(path), thread_local=False)
+        lock.acquire()
+        if record is not None:
+            path.write_text(json.dumps(record))
+        held.set()
+        time.sleep(seconds)
+        path.write_text("")
+        lock.release()
+    t = threading.Thread(target=run)
+    t.start()
+    assert held.wait(10)
+    return t
+
+
+def other_process(job: str) -> dict:
+    return {"pid": os.getpid() + 1, "host": socket.gethostname(), "since": "2026-01-01T00:00:00+00:00", "job": job}
+
+
+@pytest.mark.parametrize("holder, says", [
+    ("peer", None),  # another rank of this job: waiting for it is by design
+    ("unrecorded", None),  # the holder has the lock but has not written its record yet (< UNRECORDED_S)
+    ("other job", "held by pid {pid} on host"),  # another job's rank: named
+])
+def test_a_lock_waiter_is_quiet_about_its_own_jobs_ranks(holder, says, tmp_path, in_a_job, capsys):
+    lock = tmp_path / "cache.lock"
+    lock.touch()
+    record = {"peer": other_process(launch_id()), "unrecorded": None,
+              "other job": other_process("group 127.0.0.1:29999")}[holder]
+    assert locks.UNRECORDED_S >= 1.0  # the holder below lets go well within it
+    t = hold(lock, record, 0.5)
+    t0 = time.monotonic()
+    with locks.file_lock(lock, timeout_s=30, what="sweep batch cache x"):
+        waited = time.monotonic() - t0
+        mine = json.loads(lock.read_text())
+    t.join()
+    assert waited >= 0.3  # it did wait for the holder
+    err = capsys.readouterr().err
+    if says is None:
+        assert err == ""
+    else:
+        assert err.count("\n") == 1 and "sweep batch cache x: waiting for the lock" in err
+        assert says.format(pid=record["pid"]) in err and "no holder recorded" not in err
+        assert "another rank of this job" not in err
+    assert mine["pid"] == os.getpid() and mine["job"] == launch_id()  # its own record names its job
+
+
+def test_a_peer_that_never_lets_go_still_times_out_naming_it(tmp_path, in_a_job, capsys):
+    lock = tmp_path / "cache.lock"
+    lock.touch()
+    record = other_process(launch_id())
+    t = hold(lock, record, 1.0)
+    try:
+        with pytest.raises(locks.LockTimeout, match=rf"held by pid {record['pid']} on host .*another rank of this "
+                                                    r"job\. Raise batch\.lock_timeout_s"):
+            with locks.file_lock(lock, timeout_s=0.3, what="x"):
+                pass
+    finally:
+        t.join()
+    assert capsys.readouterr().err == ""
