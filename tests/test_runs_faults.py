@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
+from entprobe.reporting import sweep
 from entprobe.runtime import locks
 from entprobe.runtime.distributed import launch_id
 
@@ -140,3 +141,24 @@ def test_a_peer_that_never_lets_go_still_times_out_naming_it(tmp_path, in_a_job,
     finally:
         t.join()
     assert capsys.readouterr().err == ""
+
+
+def test_the_console_sweep_summary_is_an_aligned_table_without_markdown():
+    nan = float("nan")
+    rows = [{"job": "0", "status": "ok", "overrides": ["a=1", "optimizer.lr=1e-06"], "deltaH_pred": 2.6228e-05,
+             "SE_deltaH_pred": 1.5e-06, "deltaH_true": nan, "SE_deltaH_true": nan, "time_s": 5.048,
+             "batch": "sampled", "stage12": "computed", "error": ""},
+            {"job": "1-2", "status": "failed", "overrides": ["a=1", "optimizer.lr=-1.0"], "deltaH_pred": nan,
+             "SE_deltaH_pred": nan, "deltaH_true": nan, "SE_deltaH_true": nan, "time_s": 0.25, "batch": "",
+             "stage12": "", "error": "ConfigError: optimizer.lr: must be > 0"}]
+    lines = sweep.console_summary(rows).splitlines()
+    assert "|" not in "\n".join(lines) and "---" not in "\n".join(lines)
+    assert lines[0].split() == ["job", "status", "overrides", "predicted", "measured", "time_s", "batch", "stage12"]
+    assert lines[1].split() == ["0", "ok", "optimizer.lr=1e-06", "+2.623e-05", "±", "1.5e-06", "nan", "5.048",
+                                "sampled", "computed"]  # only the override that varies
+    assert lines[2].split() == ["1-2", "failed", "optimizer.lr=-1.0", "nan", "nan", "0.25"]
+    assert lines[3] == "job 1-2 failed: ConfigError: optimizer.lr: must be > 0" and len(lines) == 4
+    # aligned: every column starts where its header does
+    for name in ("status", "overrides", "predicted", "measured", "time_s"):
+        col = lines[0].index(name)
+        assert all(line[col - 2:col] == "  " and line[col] != " " for line in lines[1:3]), name
