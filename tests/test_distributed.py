@@ -260,7 +260,9 @@ def test_torchrun_launcher_runs_two_cpu_processes_as_documented(tmp_path):
 def test_torchrun_multirun_runs_every_job_on_both_ranks(tmp_path):
     """``launchers/torchrun.sh 2 -m optimizer.lr=...`` (docs/scaling.md's torchrun sweep) runs both
     jobs: the process group of job 0 is kept for job 1 (re-initialising it on torchrun's store
-    hung at job 1 until ddp.timeout_s)."""
+    hung at job 1 until ddp.timeout_s). Its console: Hydra's launcher lines once (rank 0's), the
+    summary as an aligned table (the markdown is in the file), no line about rank 1 waiting for
+    rank 0's lock on the batch cache (a rank waiting for its own job's ranks is by design)."""
     from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
 
     ensure_default_checkpoint()  # built here, not by two ranks at once
@@ -278,3 +280,11 @@ def test_torchrun_multirun_runs_every_job_on_both_ranks(tmp_path):
     # one batch, both ranks, the same computation twice: the same Xbar . P Ybar times each lr; the
     # ratio is 10 to three fp64 roundings
     assert abs(res[1]["deltaH1"] / res[0]["deltaH1"] - 10.0) <= fp_tol(torch.float64, 10.0, 3, worst_case=True)
+    console = proc.stdout + proc.stderr
+    assert console.count("[HYDRA] Launching 2 jobs locally") == 1
+    assert console.count("[HYDRA] \t#0 : ") == 1 and console.count("[HYDRA] \t#1 : ") == 1
+    assert "waiting for the lock" not in console and "no holder recorded" not in console
+    assert "|---|" not in console and "| job |" not in console and "|---|" in (sw / "sweep_summary.md").read_text()
+    table = console[console.index("sweep summary: "):].splitlines()[1:4]
+    assert [line.split()[:3] for line in table] == [["job", "status", "overrides"], ["0", "ok", "optimizer.lr=1e-06"],
+                                                    ["1", "ok", "optimizer.lr=1e-05"]]

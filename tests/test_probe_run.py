@@ -120,7 +120,7 @@ def probed_jobs(monkeypatch):
     import entprobe.cli.probe_run as PR
 
     jobs = []
-    monkeypatch.setattr(PR, "run", lambda typed: jobs.append(typed) or dict(FAKE_RESULTS))
+    monkeypatch.setattr(PR, "run", lambda typed, **kw: jobs.append(typed) or dict(FAKE_RESULTS))
     return jobs
 
 

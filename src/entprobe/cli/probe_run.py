@@ -44,6 +44,7 @@ from entprobe.reporting import over_steps as OS
 from entprobe.reporting.loggers import make_logger
 from entprobe.reporting.markdown import REPORT_FILE
 from entprobe.runtime.atomic_io import write_text_atomic
+from entprobe.runtime.rundir import set_aside_earlier_run
 
 VERL_RE = re.compile(r"^global_step_(\d+)$")
 PATTERNS = "checkpoint-<N>/ (HF / TRL Trainer) or global_step_<N>/ (verl, with actor/)"
@@ -156,15 +157,19 @@ def check_overrides(cfg, explicit: list[str], first: Checkpoint, out: Path) -> N
 
 def probe_one(cfg, explicit: list[str], ck: Checkpoint, job_dir: Path, group: str | None = None) -> dict:
     """The probe job on one checkpoint into ``job_dir`` (``probe_job.run``, with the logger the job
-    would make; a wandb run in ``group``, ``job_config``); returns its results."""
+    would make; a wandb run in ``group``, ``job_config``); returns its results. An earlier run's
+    outputs in ``job_dir`` are moved aside before the logger starts (as ``probe_job.hydra_job``
+    does): the job's own wandb run, which the logger starts in ``job_dir/wandb/``, stays there."""
     job = job_config(cfg, ck, job_dir, group)
     explicit = with_paths(explicit, ck)
     typed = to_typed(job, explicit=explicit)
     config = OmegaConf.to_container(OmegaConf.structured(typed), enum_to_str=True)
+    job_dir.mkdir(parents=True, exist_ok=True)
+    set_aside_earlier_run(job_dir, str(typed.logging.results_file))
     logger = make_logger(typed.logging, job_dir, config, True, explicit, None, typed)
     ok = False
     try:
-        results = run(typed)
+        results = run(typed, set_aside=False)
         logger.log(results, {})
         ok = True
         return results

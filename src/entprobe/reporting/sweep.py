@@ -221,14 +221,52 @@ def write_summary(sweep_dir: str | Path) -> tuple[Path, Path]:
     return csv_path, md_path
 
 
+CONSOLE = (("job", "job"), ("status", "status"), ("overrides", "overrides"), ("predicted", "deltaH_pred"),
+           ("measured", "deltaH_true"), ("time_s", "time_s"), ("batch", "batch"), ("stage12", "stage12"))
+
+
+def _pm(row: dict, key: str) -> str:
+    """``value ± SE`` of ``key`` (``nan`` when it has no value; the SE left out when it has none)."""
+    v, se = row.get(key, math.nan), row.get(f"SE_{key}", math.nan)
+    if not _finite(v):
+        return "nan"
+    return f"{v:+.4g} ± {se:.2g}" if _finite(se) else f"{v:+.4g}"
+
+
+def console_summary(rows: list[dict]) -> str:
+    """The sweep summary for the console: one aligned line per job (job, status, the overrides that
+    vary, the predicted and measured change ± SE, time, batch, stage12), then each failed job's
+    error; the full table stays in sweep_summary.md / .csv."""
+    table = [{**r, "overrides": " ".join(o)} for r, o in zip(rows, _varying(rows))]
+    cells = [[h for h, _ in CONSOLE]]
+    cells += [[_pm(r, k) if h in ("predicted", "measured") else _cell(r.get(k, "")) for h, k in CONSOLE]
+              for r in table]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(CONSOLE))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells]
+    lines += [f"job {r['job']} failed: {r['error']}" for r in table if r["status"] != "ok" and r.get("error")]
+    return "\n".join(lines)
+
+
+def quiet_other_ranks() -> None:
+    """On a rank other than 0 of a distributed job (each torchrun rank runs Hydra's launcher),
+    Hydra's own INFO lines (``Launching 2 jobs locally``, ``#0 : ...``) are not shown: rank 0's are
+    the sweep's; its warnings and errors still are."""
+    if env_rank() != 0:
+        logging.getLogger("hydra").setLevel(logging.WARNING)
+
+
 class SweepSummary(Callback):
     """Hydra callback (``hydra.callbacks.sweep_summary`` in config.yaml): a row per multirun job.
 
     Runs where the job runs (the local process, or the submitit job); rank 0 of a distributed
-    job writes. Single runs are left alone."""
+    job writes. Single runs are left alone. Ranks other than 0 keep Hydra's launcher lines to
+    themselves (``quiet_other_ranks``): each job's are printed once."""
 
     def __init__(self) -> None:
         self._start: dict[int, float] = {}
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        quiet_other_ranks()  # before the launcher's "Launching N jobs"
 
     @staticmethod
     def _sweep_dir(config: DictConfig) -> Path:
@@ -239,9 +277,11 @@ class SweepSummary(Callback):
         return config.hydra.mode == RunMode.MULTIRUN and env_rank() == 0
 
     def on_job_start(self, config: DictConfig, **kwargs) -> None:
+        quiet_other_ranks()  # the job's logging config was just applied
         self._start[int(config.hydra.job.get("num", 0) or 0)] = time.perf_counter()
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs) -> None:
+        quiet_other_ranks()  # before the launcher's "#<next> : ..." line
         if not self._active(config):
             return
         num = int(config.hydra.job.num)
@@ -255,4 +295,4 @@ class SweepSummary(Callback):
         if env_rank() != 0 or not (sweep / ROWS_DIR).is_dir():
             return
         _, md = write_summary(sweep)
-        log.info("sweep summary: %s\n%s", md, md.read_text())
+        log.info("sweep summary: %s\n%s", md, console_summary(read_rows(sweep)))

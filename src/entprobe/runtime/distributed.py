@@ -81,6 +81,23 @@ def launched_distributed() -> bool:
     return _slurm_step_tasks() > 1 or _submitit_tasks() > 1
 
 
+def launch_id() -> str:
+    """Who launched this process, the same for every rank of one distributed job ("" outside one):
+    torchrun's run id and rendezvous address, the SLURM job and step, the submitit job, else the
+    rendezvous address (MASTER_ADDR:MASTER_PORT) of a hand-started process group."""
+    if not launched_distributed():
+        return ""
+    env = os.environ
+    rdzv = f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
+    if env.get("TORCHELASTIC_RUN_ID"):
+        return f"torchrun {env['TORCHELASTIC_RUN_ID']} {rdzv}"
+    if env.get("SLURM_JOB_ID"):
+        return f"slurm {env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '')}"
+    if env.get("SUBMITIT_LOCAL_JOB_ID"):
+        return f"submitit {env['SUBMITIT_LOCAL_JOB_ID']}"
+    return f"group {rdzv}"
+
+
 def export_launcher_env() -> None:
     """Fill torch's env:// variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) from
     submitit or SLURM when no torchrun set them. Idempotent; a no-op under torchrun."""
