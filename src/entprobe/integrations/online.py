@@ -84,6 +84,7 @@ ONLINE_KEYS = ("batch.B_E", "batch.G", "batch.seed_E", "sampling", "probe.mb_siz
 # logged every probe (as ``entprobe/<key>``)
 LOGGED = ("deltaH_pred", "SE_deltaH_pred", "ci95_pred_low", "ci95_pred_high", "deltaH_true", "SE_deltaH_true",
           "deltaH_true_minus_pred", "SE_deltaH_true_minus_pred", "z_true_minus_pred", "pred_consistent",
+          "rounding_true_minus_pred", "lr_floor_true_minus_pred",
           "deltaH_pred_gradient", "deltaH_pred_momentum", "deltaH_pred_weight_decay", "deltaH1_step",
           "H_orig", "H_rollouts", "ESS_frac", "lr", "time_s", "step", "step_mismatch",
           "SE_deltaH_pred_expected", "deltaH_pred_E",
