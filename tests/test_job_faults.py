@@ -82,3 +82,95 @@ def test_jsonl_without_a_path_says_it_is_unset(cwd, monkeypatch, capsys, multiru
     line = refused(monkeypatch, capsys, *argv, *QUIET)
     assert line.endswith("task.path is not set: task=jsonl needs task.path=FILE.jsonl (one prompt record per line)")
     assert list(cwd.iterdir()) == []
+
+
+# hand-made flat results (the verdict is a pure function of them): a resolved prediction, Adam geometry
+BASE = {"deltaH_pred": -0.05, "SE_deltaH_pred": 0.01, "ci95_pred_low": -0.074, "ci95_pred_high": -0.026,
+        "H_orig": 2.0, "ESS_frac": 0.9, "batch_U/frac_zero_var_groups": 0.25, "deltaH_true": -0.04,
+        "SE_deltaH_true": 0.01, "deltaH_true_minus_pred": 0.01, "SE_deltaH_true_minus_pred": 0.01,
+        "pred_consistent": True, "deltaH1": -0.3, "SE_deltaH1": 0.1, "preconditioner": "adam",
+        "optimizer_path": "/ckpt/optimizer.pt"}
+
+
+def _codes(r: dict) -> list[str]:
+    from entprobe.reporting.verdict import flags
+
+    return [c for c, _ in flags(r)]
+
+
+def _rows(r: dict) -> dict[str, str]:
+    from entprobe.reporting.verdict import verdict_lines
+
+    return {what: note for what, _, _, note in verdict_lines(r)}
+
+
+def test_identity_preconditioner_is_named_sgd_geometry_and_deltaH1_says_P_is_identity():
+    """optimizer.preconditioner=identity without a state (the SmolLM2 smoke run's GGUF): the verdict
+    says SGD geometry and the deltaH1 row is the plain gradient's; with a state (the built-in model's
+    own), deltaH1 is still along the plain gradient but the step is AdamW's (no sgd_geometry)."""
+    from entprobe.reporting.verdict import flags, verdict_markdown
+
+    assert _codes(BASE) == [] and "Adam's preconditioned gradient" in _rows(BASE)["deltaH1"]
+    sgd = {**BASE, "preconditioner": "identity", "optimizer_path": None, "optimizer_format": None}
+    assert _codes(sgd) == ["sgd_geometry"]
+    assert _rows(sgd)["deltaH1"] == "-lr Xbar.Ybar: first order along the plain gradient (P = identity), " \
+                                    "the step SGD takes"
+    md = verdict_markdown(sgd, flags(sgd))
+    assert "**sgd_geometry**: plain SGD geometry (optimizer.preconditioner=identity, no optimizer state)" in md
+    assert "Adam's" not in _rows(sgd)["deltaH1"] and "No flags" not in md
+    with_state = {**BASE, "preconditioner": "identity"}
+    assert _codes(with_state) == []
+    assert _rows(with_state)["deltaH1"].startswith("-lr Xbar.Ybar: first order along the plain gradient (P = identity)")
+    assert "not the step AdamW takes" in _rows(with_state)["deltaH1"]
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"deltaH1": 1.374e4, "SE_deltaH1": 3.3e4}, "|deltaH1| 1.37e+04 exceeds the entropy H = 2"),
+    ({"deltaH1": -2.01}, "|deltaH1| 2.01 exceeds the entropy H = 2"),
+    ({"deltaH1": 0.5, "SE_deltaH1": 2.01}, "its SE 2 exceeds the entropy H = 2"),
+])
+def test_an_untrustworthy_deltaH1_leaves_the_headline_with_a_note(change, why):
+    """|deltaH1| or its SE beyond the entropy itself: out of the headline rows, a flag says why."""
+    from entprobe.reporting.verdict import flags
+
+    r = {**BASE, **change}
+    assert "deltaH1" not in _rows(r) and _codes(r) == ["deltaH1_not_shown"]
+    (msg,) = [m for c, m in flags(r) if c == "deltaH1_not_shown"]
+    assert f"is left out of the headline: {why}, beyond first order" in msg
+    # at the bound itself it stays: |deltaH1| = SE = H is not beyond it
+    edge = {**BASE, "deltaH1": 2.0, "SE_deltaH1": 2.0}
+    assert "deltaH1" in _rows(edge) and _codes(edge) == []
+
+
+def test_a_95_interval_holding_0_says_the_sign_is_not_resolved():
+    """SE < |pred| (not noise_dominated) but the t interval holds 0: a flag, not 'No flags'."""
+    from entprobe.reporting.verdict import flags, verdict_markdown
+
+    r = {**BASE, "SE_deltaH_pred": 0.03, "ci95_pred_low": -0.121, "ci95_pred_high": 0.021}
+    assert _codes(r) == ["sign_not_resolved"]
+    md = verdict_markdown(r, flags(r))
+    assert "**sign_not_resolved**: the prediction's 95% interval [-0.121, 0.021] holds 0" in md
+    assert "No flags" not in md
+    assert _codes({**r, "SE_deltaH_pred": 0.06}) == ["noise_dominated"]  # the stronger flag alone
+    assert _codes({**r, "ci95_pred_high": -1e-9}) == []  # excludes 0: resolved
+
+
+@pytest.mark.parametrize("prompt, char", [("2+2=\\n", "'\\n' (U+000A)"), ("π+1=", "'π' (U+03C0)")])
+def test_a_jsonl_prompt_with_a_character_the_tokenizer_lacks_names_line_and_character(tmp_path, prompt, char):
+    """The built-in character tokenizer has no newline or π (its unknown token is its padding: the
+    character would vanish): refused naming the file, the record's line and the character; a user
+    error (one line, exit 2 at the command line). Prompts it can read pass."""
+    from entprobe.checkpoints.builtin import build_char_tokenizer
+    from entprobe.cli.user_errors import is_user_error
+    from entprobe.tasks.base import check_encodable
+    from entprobe.tasks.jsonl import JsonlTask
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "1+2=", "answer": "3"}\n\n{"prompt": "%s", "answer": "4"}\n' % prompt, encoding="utf-8")
+    tok = build_char_tokenizer()
+    with pytest.raises(Exception) as info:
+        check_encodable(JsonlTask(str(f)), tok, f"task.path={f}")
+    assert is_user_error(info.value)
+    assert str(info.value).startswith(f"{f}:3: the prompt has {char}, which the tokenizer does not have")
+    f.write_text('{"prompt": "1+2=", "answer": "3"}\n', encoding="utf-8")
+    check_encodable(JsonlTask(str(f)), tok, f"task.path={f}")  # nothing to refuse
