@@ -126,7 +126,7 @@ def check_encodable(task: Task, tokenizer, where: str, sample: int = 256) -> Non
         c = first_unknown_char(tokenizer, p.text, unk)
         record = p.origin or f"{where}, prompt {n}"
         raise InputFileError(f"{record}: the prompt has {c!r} (U+{ord(c):04X}), which the tokenizer does not have "
-                             f"(it would read {tokenizer.unk_token!r}): remove or replace it, or probe a model "
+                             f"(an unknown token, read as {tokenizer.unk_token!r}): remove or replace it, or probe a model "
                              "whose tokenizer covers it (a byte-level one reads any text)" if c else
                              f"{record}: the tokenizer reads part of the prompt as {tokenizer.unk_token!r}: "
                              "use prompts in the model's vocabulary")
