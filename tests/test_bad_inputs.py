@@ -270,8 +270,8 @@ CASES = [
     ("jsonl_missing_file", lambda e: (["task=jsonl", f"task.path='{e.tmp / 'none.jsonl'}'"], ["task.path"]),
      InputFileError, True),
     ("prompts_mostly_unknown_tokens",
-     lambda e: (e.jsonl('{"prompt": "What is two plus two?", "answer": 4}\n'), ["task.path=", "unknown"]),
-     ValueError, False),
+     lambda e: (e.jsonl('{"prompt": "What is two plus two?", "answer": 4}\n'),
+                ["data.jsonl:1:", "'W' (U+0057)", "unknown token"]), InputFileError, False),
 ]
 
 # Round two (issue 24): each group of rows in its own list, joined into CASES below.

@@ -249,7 +249,12 @@ def test_an_old_fingerprint_that_cannot_see_the_whole_model_is_refused(tmp_path,
     assert old_meta(big) == meta  # unseen: the old check took it
     with pytest.raises(ConfigError, match=rf"batch\.load={tmp_path}: batches\.json predates whole-file digests: "
                                           rf".*do not cover {big / 'model.safetensors'} \(over 1 MiB\).*save the "
-                                          r"batches again"):
+                                          r"batches again from the model they came from, with the same model, "
+                                          r"task and sampling keys: sampling\.temperature=0\.7 sampling\.top_k=0 "
+                                          r"sampling\.top_p=1\.0 sampling\.max_new_tokens=\d+ batch\.G=2 "
+                                          r"batch\.B_E=3 batch\.B_U=3 batch\.seed_E=\d+ batch\.seed_U=\d+ "
+                                          r"batch\.advantage=\S+ batch\.adv_eps=\S+ batch\.save=DIR "
+                                          r"\(batch\.load dropped\), then batch\.load=DIR$"):
         check_saved(tmp_path, E, U, meta, cfg, model_identity(big, None, None))
     full = model_identity(big, None, None)  # a fingerprint with digests: compared on the whole files
     check_saved(tmp_path, E, U, {"model": full["model"], "tokenizer": full["tokenizer"], "digests": "sha256"},

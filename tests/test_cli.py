@@ -177,17 +177,20 @@ def test_user_error_is_one_line_exit_2_and_runs_end_with_where_outputs_are(tmp_p
 
 
 def test_a_multirun_job_with_a_user_error_is_one_line_naming_the_job(tmp_path):
-    """In a multirun, a job's ConfigError of a range (the check before Hydra starts takes a sweep's
-    keys and types only) is one line naming the job's overrides (no Hydra 'Error executing job'
-    line, no HYDRA_FULL_ERROR hint: Hydra reports the first failure), the other jobs still run (each
-    leaves FAILED), exit 2."""
+    """In a multirun, a user error a job meets while it runs (a task file that is not there: the
+    check before Hydra starts reads no files) is one line naming the job's overrides (no Hydra
+    'Error executing job' line, no HYDRA_FULL_ERROR hint: Hydra reports the first failure), the
+    other jobs still run (each leaves FAILED and a failed row in the sweep's summary), exit 2."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("HYDRA_FULL_ERROR", None)
-    cmd = [sys.executable, "-m", "entprobe.main", "-m", "batch.B_E=1", "batch.seed_E=0,1", "logging.logger=none",
-           "logging.progress=false", "logging.verdict=false"]
+    cmd = [sys.executable, "-m", "entprobe.main", "-m", "task=jsonl", "task.path=nope.jsonl", "batch.seed_E=0,1",
+           "logging.logger=none", "logging.progress=false", "logging.verdict=false"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.strip() and "it/s]" not in line]
-    assert errors == ["entprobe: error: job batch.B_E=1 batch.seed_E=0 logging.logger=none logging.progress=False "
-                      "logging.verdict=False: batch.B_E: is 1; need >= 2 prompts for a variance"], proc.stderr[-3000:]
+    assert errors == ["entprobe: error: job task=jsonl task.path=nope.jsonl batch.seed_E=0 logging.logger=none "
+                      "logging.progress=False logging.verdict=False: task.path='nope.jsonl' does not exist: give "
+                      "the .jsonl file of prompt records"], proc.stderr[-3000:]
     assert len(list(tmp_path.glob("multirun/*/*/*/FAILED"))) == 2  # both jobs ran and failed
+    summary = next(tmp_path.glob("multirun/*/*/sweep_summary.md")).read_text()
+    assert "2 jobs, 2 failed." in summary

@@ -26,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 # step of this run, and the values that overflow are far beyond it (an lr factor of 1e308: lr x factor is
 # no float32 step size; a coefficient of 1e30: the bonus gradient squared in Adam's second moment is inf)
 WHAT_IF_MAX = 1e6
+JSONL_TASK = "entprobe.tasks.jsonl.JsonlTask"  # task=jsonl's _target_ (conf/task/jsonl.yaml)
 
 
 def _require(ok: bool, key: str, msg: str) -> None:
@@ -67,6 +68,10 @@ def validate(cfg: Any) -> None:
         # streams derive from seeds by small offsets (seed + 7919, seed_E + 1_000_003 * step) and
         # torch.Generator takes 64 bits: a seed past 2^32 failed with a raw overflow after loading
         _require(0 <= v < 2**32, key, f"is {v}; seeds must be in [0, 2^32)")
+    t = cfg.task
+    path_unset = OmegaConf.is_missing(t, "path") if isinstance(t, DictConfig) else t.path in (None, "???")
+    if t._target_ == JSONL_TASK and (path_unset or not t.path):
+        raise ConfigError("task.path is not set: task=jsonl needs task.path=FILE.jsonl (one prompt record per line)")
     _require(b.adv_eps > 0, "batch.adv_eps", f"is {b.adv_eps}; must be > 0 (GRPO divides by std + adv_eps)")
     _require(b.lock_timeout_s >= 0, "batch.lock_timeout_s", f"is {b.lock_timeout_s}; seconds to wait, >= 0")
     _require(b.G >= 2, "batch.G", f"is {b.G}; need >= 2 responses per prompt for the "

@@ -41,6 +41,40 @@ def _gradient_free_step(r: dict) -> str:
     return "the step is what the optimizer does without a gradient (momentum, weight decay; deltaH1 is 0)"
 
 
+def sgd_geometry(r: dict) -> bool:
+    """True when the probe ran in plain SGD geometry: ``optimizer.preconditioner=identity`` and no
+    optimizer state read (no momentum, no Adam statistics: the step is SGD's at the lr)."""
+    return r.get("preconditioner") == "identity" and not r.get("optimizer_path") \
+        and not str(r.get("optimizer_format", "")).startswith("in memory")
+
+
+def deltaH1_note(r: dict) -> str:
+    """What deltaH1 is, for the geometry the probe ran in: along P Ybar with P Adam's preconditioner,
+    or the plain gradient Ybar with ``optimizer.preconditioner=identity`` (P = identity)."""
+    if r.get("preconditioner") == "identity":
+        rest = "the step SGD takes" if sgd_geometry(r) else "without momentum or weight decay (not the step AdamW takes)"
+        return f"-lr Xbar.Ybar: first order along the plain gradient (P = identity), {rest}"
+    return ("-lr Xbar.P.Ybar: first order along Adam's preconditioned gradient, without momentum or "
+            "weight decay (not the step AdamW takes)")
+
+
+def deltaH1_untrusted(r: dict) -> str:
+    """Why deltaH1 is not a number to read in the headline, "" when it is. The criterion: a first-order
+    change whose size, or whose SE, exceeds the entropy H itself is outside first order's regime
+    (entropy cannot fall below 0, and a step that moves it by more than H is no small step; the same
+    bound as the ``larger_than_entropy`` flag on deltaH_pred), so neither its value nor its interval
+    says anything a step can do; it stays in the results table and results.json. (Its distance from
+    deltaH_pred is no criterion: deltaH1 leaves out momentum and weight decay by design.)"""
+    d1, se, H = r.get("deltaH1"), r.get("SE_deltaH1"), r.get("H_orig")
+    if not (_finite(d1) and _finite(H) and H > 0):
+        return ""
+    if abs(d1) > H:
+        return f"|deltaH1| {abs(d1):.3g} exceeds the entropy H = {H:.3g}"
+    if _finite(se) and se > H:
+        return f"its SE {se:.2g} exceeds the entropy H = {H:.3g}"
+    return ""
+
+
 def flags(r: dict, ess_threshold: float = 0.3, truncated_sampling: bool = False) -> list[Flag]:
     """The warnings a reader must not miss, from the flat results ``r``."""
     out: list[Flag] = []
@@ -59,9 +93,19 @@ def flags(r: dict, ess_threshold: float = 0.3, truncated_sampling: bool = False)
                     "differ: in every group the advantages cancel on identical log-prob gradients (e.g. identical "
                     f"responses at a low sampling.temperature): {_gradient_free_step(r)}. Raise the temperature, "
                     "B_U or G."))
+    lo, hi = r.get("ci95_pred_low"), r.get("ci95_pred_high")
+    if sgd_geometry(r):
+        out.append(("sgd_geometry", "plain SGD geometry (optimizer.preconditioner=identity, no optimizer state): "
+                    "the step predicted and taken is SGD's at the lr, without Adam's preconditioner, momentum or "
+                    "weight decay; an AdamW run's next step differs: give its optimizer state "
+                    "(optimizer.state_path) for Adam geometry."))
     if _finite(pred) and _finite(se) and se > abs(pred):
         out.append(("noise_dominated", f"the prediction is within its SE of 0 (|{pred:.3g}| < {se:.3g}): its sign "
                     "is not resolved; raise batch.B_E (the SE falls as 1/sqrt(B_E))."))
+    elif _finite(lo) and _finite(hi) and lo <= 0 <= hi and not r.get("update_zero"):
+        out.append(("sign_not_resolved", f"the prediction's 95% interval [{lo:.3g}, {hi:.3g}] holds 0: the sign of "
+                    "the change is not resolved at 95%; raise batch.B_E (the row 'to resolve its sign' says how "
+                    "far)."))
     if _finite(pred) and _finite(H) and abs(pred) > abs(H) > 0:
         out.append(("larger_than_entropy", f"the predicted change {pred:.3g} exceeds the entropy itself ({H:.3g}): "
                     "a first-order prediction cannot hold at this lr; lower optimizer.lr."))
@@ -87,6 +131,10 @@ def flags(r: dict, ess_threshold: float = 0.3, truncated_sampling: bool = False)
         out.append(("deltaH1_no_history", f"{abs(nh) / abs(d1):.0%} of deltaH1 (-lr Xbar.P.Ybar) comes from coordinates "
                     "Adam never updated (v = 0, P = 1/eps there), which the real step moves by only ~lr: "
                     "read deltaH_pred, not deltaH1."))
+    why = deltaH1_untrusted(r)
+    if why:
+        out.append(("deltaH1_not_shown", f"deltaH1 {_pm(d1, r.get('SE_deltaH1'))} is left out of the headline: "
+                    f"{why}, beyond first order; it stays in the results (results.json)."))
     measured = ("deltaH_true", "SE_deltaH_true") if r.get("measurable") is not False else ()  # NaN by design
     bad = [k for k in ("deltaH_pred", "SE_deltaH_pred", *measured, "deltaH1", "SE_deltaH1")
            if k in r and not _finite(r[k])]
@@ -157,10 +205,9 @@ def verdict_lines(r: dict) -> list[tuple[str, str, str, str]]:
         rows.append(("difference", _pm(r["deltaH_true_minus_pred"], r["SE_deltaH_true_minus_pred"]),
                      _ci(r, "ci95_true_minus_pred_low", "ci95_true_minus_pred_high"),
                      f"measured - predicted on the same responses: {paired_test(r)}"))
-    if "deltaH1" in r:
+    if "deltaH1" in r and not deltaH1_untrusted(r):  # else left out, with a flag saying why
         rows.append(("deltaH1", _pm(r["deltaH1"], r.get("SE_deltaH1")), _ci(r, "ci95_low", "ci95_high"),
-                     "-lr Xbar.P.Ybar: first order along Adam's preconditioned gradient, without momentum or "
-                     "weight decay (not the step AdamW takes)"))
+                     deltaH1_note(r)))
     return rows
 
 

@@ -173,6 +173,15 @@ def sampled_keys(cfg: EntprobeConfig) -> dict:
             "adv_eps": ("batch.adv_eps", b.adv_eps), "E_drawn": ("probe.mode", e_drawn(cfg))}
 
 
+def resave_overrides(cfg: EntprobeConfig) -> str:
+    """The overrides that sample the batches ``cfg`` loads again, into a new folder: every scalar
+    key of ``sampled_keys`` at its value and ``batch.save=DIR`` (the task and the model are the
+    command line's own, kept as they are)."""
+    keys = [f"{key}={want}" for name, (key, want) in sampled_keys(cfg).items()
+            if name not in ("task", "E_drawn") and want is not None]
+    return " ".join(keys + ["batch.save=DIR"])
+
+
 def e_drawn(cfg: EntprobeConfig) -> bool:
     """Whether a run of ``cfg`` draws E on its own (else E is U: single_batch without importance)."""
     return cfg.probe.mode.value == "two_batch" or cfg.importance.enabled
@@ -313,7 +322,8 @@ def check_saved(src: Path, E: RolloutBatch, U: RolloutBatch, meta: dict | None, 
         raise ConfigError(f"batch.load={src}: {META} predates whole-file digests: it fingerprinted the model by "
                           f"{_CHUNKS} chunks of each file, which do not cover {unseen} (over "
                           f"{_CHUNKED_SEES >> 20} MiB), so it cannot tell whether the model changed since; save "
-                          "the batches again (batch.save=DIR, sampled by the model they came from) and load those")
+                          "the batches again from the model they came from, with the same model, task and "
+                          f"sampling keys: {resave_overrides(cfg)} (batch.load dropped), then batch.load=DIR")
 
 
 def check_tokens(src: Path, E: RolloutBatch, U: RolloutBatch, vocab_size: int | None) -> None:

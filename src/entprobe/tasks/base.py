@@ -100,17 +100,33 @@ def score_rows(task: Task, prompts: list[Prompt], responses: list[str], response
     return torch.tensor(out, dtype=torch.float32)
 
 
-def check_encodable(task: Task, tokenizer, where: str, sample: int = 256, max_unknown: float = 0.5) -> None:
-    """Refuse prompts the tokenizer cannot read: when more than ``max_unknown`` of the tokens of the
-    first ``sample`` prompts are the unknown token, every response would be conditioned on
-    ``<unk>``s (English on a 16-symbol vocabulary). ``where`` names the task for the message."""
+def first_unknown_char(tokenizer, text: str, unk: int) -> str | None:
+    """The first character of ``text`` the tokenizer encodes as its unknown token ``unk`` (each
+    character encoded alone), None when it reads every one."""
+    for c in dict.fromkeys(text):
+        if unk in tokenizer(c, add_special_tokens=False)["input_ids"]:
+            return c
+    return None
+
+
+def check_encodable(task: Task, tokenizer, where: str, sample: int = 256) -> None:
+    """Refuse prompts with a character the tokenizer cannot read (encoded as its unknown token: the
+    built-in character tokenizer's vocabulary is the arithmetic task's 16 symbols, and its unknown
+    token is its padding, so the character would vanish from the prompt): an InputFileError naming
+    the record (``file:line`` for a JSONL task) and the character, over the first ``sample``
+    prompts. Byte-level vocabularies (no unknown token) encode any text and are not checked."""
+    from entprobe.runtime.input_files import InputFileError
+
     unk = getattr(tokenizer, "unk_token_id", None)
     if unk is None:  # byte-level vocabularies encode any text
         return
-    ids = [i for p in task.prompts[:sample] for i in tokenizer(p.text, add_special_tokens=False)["input_ids"]]
-    frac = sum(i == unk for i in ids) / max(1, len(ids))
-    if frac > max_unknown:
-        first = task.prompts[0].text[:60]
-        raise ValueError(f"{where}: {frac:.0%} of the prompts' tokens are unknown to the tokenizer "
-                         f"({tokenizer.unk_token!r}), e.g. {first!r}: the model cannot read these prompts; "
-                         "use a task in the model's vocabulary or a model whose tokenizer covers it")
+    for n, p in enumerate(task.prompts[:sample]):
+        if unk not in tokenizer(p.text, add_special_tokens=False)["input_ids"]:
+            continue
+        c = first_unknown_char(tokenizer, p.text, unk)
+        record = p.origin or f"{where}, prompt {n}"
+        raise InputFileError(f"{record}: the prompt has {c!r} (U+{ord(c):04X}), which the tokenizer does not have "
+                             f"(an unknown token, read as {tokenizer.unk_token!r}): remove or replace it, or probe a model "
+                             "whose tokenizer covers it (a byte-level one reads any text)" if c else
+                             f"{record}: the tokenizer reads part of the prompt as {tokenizer.unk_token!r}: "
+                             "use prompts in the model's vocabulary")
