@@ -174,3 +174,29 @@ def test_a_jsonl_prompt_with_a_character_the_tokenizer_lacks_names_line_and_char
     assert str(info.value).startswith(f"{f}:3: the prompt has {char}, which the tokenizer does not have")
     f.write_text('{"prompt": "1+2=", "answer": "3"}\n', encoding="utf-8")
     check_encodable(JsonlTask(str(f)), tok, f"task.path={f}")  # nothing to refuse
+
+
+def test_an_optimizer_state_of_another_model_is_refused_before_the_model_loads(cwd, monkeypatch, capsys):
+    """The committed model's optimizer.pt beside a config.json of a wider model (hidden 32 -> 48): the
+    shapes are compared on a meta-device model built from config.json, so the refusal names the first
+    bad parameter before any weight loads (load_model would raise here) and leaves no run folder."""
+    import json
+    import shutil
+
+    import entprobe.cli.probe_job as probe_job
+
+    folder = cwd / "ckpt"
+    shutil.copytree(Path(__file__).parent / "data" / "default_model", folder)
+    config = json.loads((folder / "config.json").read_text())
+    hidden = config["hidden_size"]
+    config["hidden_size"] = hidden + 16
+    (folder / "config.json").write_text(json.dumps(config))
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the model loaded before the optimizer state was checked")
+
+    monkeypatch.setattr(probe_job, "load_model", must_not_load)
+    line = refused(monkeypatch, capsys, "model=hf", f"model.path={folder}", f"optimizer.state_path={folder}", *QUIET)
+    assert "state shape mismatch at parameter 'model.embed_tokens.weight'" in line, line
+    assert f"vs model ({config['vocab_size']}, {hidden + 16})" in line, line
+    assert sorted(p.name for p in cwd.iterdir()) == ["ckpt"]  # no outputs/ run folder

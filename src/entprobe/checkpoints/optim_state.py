@@ -189,7 +189,7 @@ def _first_disagreement(group: dict, stored: dict, state: dict) -> str:
     return ""
 
 
-def _match_by_position(model, stored: StoredOptimizerState) -> tuple[list[dict], dict]:
+def match_by_position(model, stored: StoredOptimizerState) -> tuple[list[dict], dict]:
     """(param groups over the model's trainable parameters, optimizer.pt's state_dict), paired by
     position in HF Trainer's grouping (or model order for one group), every size and shape checked."""
     opt_file, sd = stored.file, stored.state_dict
@@ -226,13 +226,13 @@ def load_optimizer(model, path: "str | StoredOptimizerState", lr=None, betas=Non
                    step=None) -> LoadedOptimizer:
     """Match the stored AdamW state to the model's trainable parameters and build a live AdamW.
     ``path``: a file / folder (read here) or what ``read_optimizer_state`` returned. optimizer.pt
-    is matched by position (``_match_by_position``), a sharded trainer's state by name and shape
+    is matched by position (``match_by_position``), a sharded trainer's state by name and shape
     (``trainer_states.named.match_to_model``)."""
     stored = path if isinstance(path, StoredOptimizerState) else read_optimizer_state(path, lr)
     if stored.named is not None:
         groups, sd = match_to_model(stored.named, model)
     else:
-        groups, sd = _match_by_position(model, stored)
+        groups, sd = match_by_position(model, stored)
     opt_file, stored_groups = stored.file, sd["param_groups"]
     _, params = trainable(model)
     g0 = stored_groups[0]

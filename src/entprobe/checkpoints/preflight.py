@@ -13,7 +13,7 @@ from pathlib import Path
 from entprobe.rollouts.saved_batches import check_saved, load_batches, model_identity
 from entprobe.config import ConfigError, EntprobeConfig
 from entprobe.runtime.input_files import InputFileError, check_gguf, check_safetensors, load_json_file, load_torch_file
-from entprobe.checkpoints.optim_state import StoredOptimizerState, read_optimizer_state
+from entprobe.checkpoints.optim_state import StoredOptimizerState, match_by_position, read_optimizer_state
 from entprobe.checkpoints.peft import is_adapter_dir, resolve_adapter
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.tasks.reward_funcs import load_reward_func
@@ -111,6 +111,29 @@ def optimizer_state_path(cfg: EntprobeConfig, model_dir: Path | None) -> str | N
     return None
 
 
+def check_state_fits_config(state: StoredOptimizerState, model_dir: Path | None, trust_remote_code: bool) -> None:
+    """optimizer.pt against the model its ``config.json`` describes, before any weight loads: the model
+    is built on the meta device (shapes, no memory, no weights read: well under a second for a 7B
+    config) and matched exactly as after loading (``optim_state.match_by_position``: HF Trainer's
+    decay / no-decay groups, every size and shape), so a state from another model is refused in
+    seconds, naming its first bad parameter, instead of after the model has loaded. Left to the
+    load: a sharded trainer's state (matched by name), a PEFT adapter (its trainable parameters are
+    the adapter's), a GGUF file (no config.json), and a config transformers cannot build (the load
+    says what is wrong with it)."""
+    if state.named is not None or model_dir is None or is_adapter_dir(model_dir):
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            shapes = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - the real load reports a config it cannot build
+        return
+    match_by_position(shapes, state)
+
+
 def check_inputs(cfg: EntprobeConfig) -> CheckedInputs:
     """Every check that needs no model, in the order a user fixes them."""
     o = cfg.optimizer
@@ -131,6 +154,7 @@ def check_inputs(cfg: EntprobeConfig) -> CheckedInputs:
                               "(there is no schedule to read it from)")
     else:
         state = read_optimizer_state(path, o.lr)
+        check_state_fits_config(state, model_dir, bool(cfg.model.trust_remote_code))
     tok_dir = Path(cfg.model.tokenizer_path).expanduser() if cfg.model.tokenizer_path else None
     if model_dir is not None and is_adapter_dir(model_dir):  # the policy is the base and the adapter
         adapter = resolve_adapter(model_dir, cfg.model.base_path)
