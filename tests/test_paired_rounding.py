@@ -229,3 +229,17 @@ def test_step_rounding_bound_holds_the_change_a_rounded_away_step_loses():
     assert lost <= bound
     scale = sum(float((x.abs() * t.abs()).sum()) for x, t in zip(Xbar, theta))
     assert EPS32 * scale / 2 <= bound <= 2 * EPS32 * scale
+
+
+def test_the_verdict_says_when_the_test_sits_below_the_rounding_floor():
+    """The verdict's difference line: below the floor (rounding bound above the sampling SE) it says
+    the test resolves nothing at this lr and from which lr it would; above it, nothing is added."""
+    from entprobe.reporting.verdict import paired_test
+
+    r = {"pred_consistent": True, "z_true_minus_pred": 0.4, "df_true_minus_pred": 7,
+         "rounding_true_minus_pred": 3e-8, "SE_deltaH_true_minus_pred_sampling": 1e-8,
+         "lr_floor_true_minus_pred": 7e-5}
+    assert paired_test(r) == "consistent: |t| 0.40 < 2.36 (7 df), below the rounding floor: not resolved at " \
+                             "this lr; it resolves from lr ~7e-05"
+    r["SE_deltaH_true_minus_pred_sampling"] = 1e-7
+    assert paired_test(r) == "consistent: |t| 0.40 < 2.36 (7 df)"

@@ -160,8 +160,20 @@ def paired_test(r: dict) -> str:
     if not _finite(z):
         return agree
     if not (_finite(df) and df >= 1):
-        return f"{agree} (|t| {abs(z):.2f})"
-    return f"{agree}: |t| {abs(z):.2f} {'<' if ok else '>'} {t_quantile(df):.2f} ({df:g} df)"
+        return f"{agree} (|t| {abs(z):.2f})" + _rounding_floor(r)
+    return f"{agree}: |t| {abs(z):.2f} {'<' if ok else '>'} {t_quantile(df):.2f} ({df:g} df)" + _rounding_floor(r)
+
+
+def _rounding_floor(r: dict) -> str:
+    """When the paired SE is mostly the forward passes' rounding bound (``rounding_true_minus_pred``
+    above the sampling SE ``SE_deltaH_true_minus_pred_sampling``), the test resolves nothing at this
+    lr: say so, with the smallest lr at which it would (``lr_floor_true_minus_pred``)."""
+    R, se = r.get("rounding_true_minus_pred"), r.get("SE_deltaH_true_minus_pred_sampling")
+    if not (_finite(R) and _finite(se) and R > se):
+        return ""
+    floor = r.get("lr_floor_true_minus_pred")
+    at = f"; it resolves from lr ~{floor:.1g}" if _finite(floor) else ""
+    return f", below the rounding floor: not resolved at this lr{at}"
 
 
 def setup_line(r: dict) -> str:
