@@ -180,9 +180,9 @@ def test_param_groups_with_different_lrs_are_refused_before_training():
     opt.step()  # momentum state: the probe is due
     with pytest.raises(ConfigError, match=r"^OnlineProbe: the optimizer's param groups have different lrs "
                                           r"\(\[0.001, 0.0003\]\).*give every param group the same lr$"):
-        OnlineProbe(torch.nn.Linear(2, 2), opt, None, lambda step: None, every=1)
+        OnlineProbe(torch.nn.ParameterList([w1, w2]), opt, None, lambda step: None, every=1)
     opt.param_groups[1]["lr"] = 1e-3
-    probe = OnlineProbe(torch.nn.Linear(2, 2), opt, None, lambda step: None, every=1)
+    probe = OnlineProbe(torch.nn.ParameterList([w1, w2]), opt, None, lambda step: None, every=1)
     opt.param_groups[1]["lr"] = 5e-4
     with pytest.raises(ConfigError, match=r"^before_step\(3\): the optimizer's param groups have different lrs"):
         probe.before_step(3)

@@ -1,5 +1,5 @@
 """The measured change pairs with the prediction on the built-in model end to end: at a step small
-enough for first order (lr 1e-7), ``SE(measured - predicted)`` is a small fraction of
+enough for first order (lr 1e-7), the sampling ``SE(measured - predicted)`` is a small fraction of
 ``SE(measured)`` in every weighting mode and for each importance estimator (docs/math.md, "Paired
 with the prediction by construction").
 
@@ -28,7 +28,10 @@ def test_measured_minus_predicted_is_a_small_fraction_of_the_measurement(tmp_pat
         assert "tail fit failed" in res["unmeasurable_reason"] and math.isnan(res["deltaH_true"])
         pytest.skip(f"PSIS undefined on this draw: {res['unmeasurable_reason']}")
     assert res["measurable"] is True and res["ESS_frac"] > 0.999
-    ratio = res["SE_deltaH_true_minus_pred"] / res["SE_deltaH_true"]
+    # the pairing's own SE (sampling); the reported SE adds the forward passes' rounding bound, which
+    # at this lr is most of it (the verdict then says the test is below its rounding floor)
+    ratio = res["SE_deltaH_true_minus_pred_sampling"] / res["SE_deltaH_true"]
+    assert res["SE_deltaH_true_minus_pred"] >= res["SE_deltaH_true_minus_pred_sampling"]
     # psis: smoothing replaces the largest fifth of the weights by fitted quantiles, a first-order
     # change, so its pairing leaves a first-order residual (measured 0.32 here, 0.08-0.11 on the
     # exact model); the others are second order (measured 0.025)
