@@ -7,7 +7,7 @@ import math
 import torch
 
 from entprobe.pipeline.stages.ground_truth import importance_estimates, measurability, resampled_change, true_change
-from entprobe.pipeline.stages.prediction import compare_with_prediction
+from entprobe.pipeline.stages.paired import compare_with_prediction
 from entprobe.reporting.verdict import flags, verdict_lines
 
 

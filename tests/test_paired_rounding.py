@@ -24,7 +24,7 @@ from entprobe.math import estimators as est
 from entprobe.math import token_functionals as tf
 from entprobe.math import token_importance as ti
 from entprobe.pipeline.stages.ground_truth import step_rounding_bound
-from entprobe.pipeline.stages.prediction import compare_with_prediction, lr_floor
+from entprobe.pipeline.stages.paired import compare_with_prediction, lr_floor
 from exact_model import params_set_to
 from exact_oracle import make_oracle
 from exact_tokens import enumerate_tokens, functional

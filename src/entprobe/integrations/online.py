@@ -65,8 +65,9 @@ from entprobe.integrations.online_checks import check_every, check_rollouts, ste
 from entprobe.pipeline.stages.ground_truth import (eval_at_current, importance_estimates, token_side,
                                                    token_side_needed, true_change)
 from entprobe.pipeline.stages.x_spec import functional_value
-from entprobe.pipeline.stages.prediction import (HeldOutPrediction, build_step_model, compare_with_prediction,
-                                                 predict_on_held_out, step_model_kind, update_dots)
+from entprobe.pipeline.stages.prediction import (HeldOutPrediction, build_step_model, predict_on_held_out,
+                                                 step_model_kind, update_dots)
+from entprobe.pipeline.stages.paired import compare_with_prediction
 from entprobe.math.forecast import HORIZONS, forecast, forecast_results
 from entprobe.pipeline.stages.rollout_prediction import forecast_inputs, rollouts_prediction
 from entprobe.tasks import Task

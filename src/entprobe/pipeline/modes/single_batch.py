@@ -52,7 +52,8 @@ from entprobe.pipeline.stages.accumulate import check_grads, prepare_x
 from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.pipeline.stages.x_spec import functional_value
 from entprobe.pipeline.stages.ground_truth import StepInputs, run_ground_truth
-from entprobe.pipeline.stages.prediction import build_step_model, compare_with_prediction, predict_on_held_out
+from entprobe.pipeline.stages.prediction import build_step_model, predict_on_held_out
+from entprobe.pipeline.stages.paired import compare_with_prediction
 from entprobe.pipeline.stages.zero_update import update_is_zero, zero_update_results
 from entprobe.math.ustat import UnitCoeffs, cyclic_partners, incomplete_u_statistic, top_units, unit_coefficients
 

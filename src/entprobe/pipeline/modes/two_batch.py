@@ -38,8 +38,8 @@ from entprobe.pipeline.stages.accumulate import accumulate, global_mean, prepare
 from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.pipeline.stages.x_spec import functional_value
 from entprobe.pipeline.stages.ground_truth import StepInputs, run_ground_truth
-from entprobe.pipeline.stages.prediction import (build_step_model, compare_with_prediction, directions, mul_into,
-                                        prediction_results)
+from entprobe.pipeline.stages.prediction import build_step_model, directions, mul_into, prediction_results
+from entprobe.pipeline.stages.paired import compare_with_prediction
 from entprobe.pipeline.stages.what_if import run_what_if
 from entprobe.pipeline.stages.zero_update import ZeroUpdate, zero_update_results
 from entprobe.pipeline.stages.variance import (project_backward, project_jvp, project_stored, resolve_projection,

@@ -38,7 +38,8 @@ from entprobe.runtime.distributed import no_sync
 from entprobe.pipeline.stages.accumulate import global_mean
 from entprobe.pipeline.stages.context import ProbeContext, is_filler
 from entprobe.pipeline.stages.ground_truth import StepInputs, run_ground_truth
-from entprobe.pipeline.stages.prediction import LINEAR_IN_LR, build_step_model, compare_with_prediction, step_model_kind
+from entprobe.pipeline.stages.prediction import LINEAR_IN_LR, build_step_model, step_model_kind
+from entprobe.pipeline.stages.paired import compare_with_prediction
 from entprobe.pipeline.stages.variance import project_backward
 
 KL_COV_NOTE = ("equal to the plain step: at the first step from on-policy samples logp == old_logp, where "
