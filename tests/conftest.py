@@ -245,3 +245,40 @@ def step_lrs():
         lambda opt, args, kwargs: seen.append((opt, [g["lr"] for g in opt.param_groups])))
     yield seen
     handle.remove()
+
+
+def rollout_loop_parts(make_optimizer=None):
+    """The built-in model and task with an AdamW one step in (HF Trainer's groups, lr 1e-3, decay 0.01,
+    or ``make_optimizer(model)``), and ``step_batch(seed)``: a batch of 8 prompts x 4 responses whose
+    DR-GRPO gradient is left in ``.grad``, as a training loop's step has it before ``optimizer.step()``."""
+    from entprobe.checkpoints.default_checkpoint import policy_loss, trainer_adamw
+    from entprobe.config import SamplingConfig
+    from entprobe.integrations.grpo_trainer import TrainArgs, load_policy, load_task
+    from entprobe.rollouts.sampling import draw_prompt_indices, sample_batch
+
+    a = TrainArgs(out="")
+    model, tok = load_policy(a)
+    task = load_task(a)
+    opt = make_optimizer(model) if make_optimizer is not None else trainer_adamw(model, 1e-3, 0.01)
+
+    def step_batch(seed: int):
+        batch = sample_batch(model, tok, task, draw_prompt_indices(len(task.prompts), 8, seed), 4,
+                             SamplingConfig(max_new_tokens=4), seed, "dr_grpo", 1e-6)
+        opt.zero_grad()
+        policy_loss(model, batch, "dr_grpo").backward()
+        return batch
+    step_batch(0)
+    opt.step()
+    return model, tok, task, opt, step_batch
+
+
+# the command line's quiet run (no logger, no progress bars)
+QUIET_CLI = ["logging.logger=none", "logging.progress=false"]
+
+
+@pytest.fixture
+def cwd(tmp_path, monkeypatch) -> Path:
+    """An empty working folder (where Hydra would make outputs/ and multirun/), no HYDRA_FULL_ERROR."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    return tmp_path

@@ -273,27 +273,15 @@ def test_the_probe_knows_the_vocabulary_from_the_model():
 def _probed_forecast(order: tuple[int, int], betas: list[tuple[float, float]]) -> tuple[dict, list[str]]:
     """One probe (source="rollouts", step 2) on the built-in model with its decay / no-decay groups
     in ``order`` with ``betas``: the logged forecast keys and the forecast's warnings."""
-    from entprobe.checkpoints.default_checkpoint import policy_loss, trainer_adamw
-    from entprobe.config import SamplingConfig
+    from conftest import rollout_loop_parts
+    from entprobe.checkpoints.default_checkpoint import trainer_adamw
     from entprobe.integrations import OnlineProbe
-    from entprobe.integrations.grpo_trainer import TrainArgs, load_policy, load_task
-    from entprobe.rollouts.sampling import draw_prompt_indices, sample_batch
 
-    a = TrainArgs(out="")
-    model, tok = load_policy(a)
-    task = load_task(a)
-    groups = trainer_adamw(model, 1e-3, 0.01).param_groups
-    opt = torch.optim.AdamW([{"params": groups[i]["params"], "weight_decay": groups[i]["weight_decay"],
-                              "betas": betas[i]} for i in order], lr=1e-3, eps=1e-8)
-
-    def step_batch(seed: int):
-        batch = sample_batch(model, tok, task, draw_prompt_indices(len(task.prompts), 8, seed), 4,
-                             SamplingConfig(max_new_tokens=4), seed, "dr_grpo", 1e-6)
-        opt.zero_grad()
-        policy_loss(model, batch, "dr_grpo").backward()
-        return batch
-    step_batch(0)
-    opt.step()
+    def grouped(model):  # the decay / no-decay groups in ``order``, each with its betas
+        groups = trainer_adamw(model, 1e-3, 0.01).param_groups
+        return torch.optim.AdamW([{"params": groups[i]["params"], "weight_decay": groups[i]["weight_decay"],
+                                   "betas": betas[i]} for i in order], lr=1e-3, eps=1e-8)
+    model, tok, task, opt, step_batch = rollout_loop_parts(grouped)
     probe = OnlineProbe(model, opt, tok, None, every=1, source="rollouts")
     batch = step_batch(1)
     with warnings.catch_warnings(record=True) as caught:

@@ -13,16 +13,9 @@ from pathlib import Path
 import pytest
 
 import entprobe.main as entry
+from conftest import QUIET_CLI
 
-QUIET = ["logging.logger=none", "logging.progress=false"]
-
-
-@pytest.fixture
-def cwd(tmp_path, monkeypatch) -> Path:
-    """An empty working folder (where Hydra would make outputs/ and multirun/), no HYDRA_FULL_ERROR."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    return tmp_path
+QUIET = QUIET_CLI
 
 
 def refused(monkeypatch, capsys, *argv: str) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import rollout_loop_parts
 from entprobe.config import ConfigError
 from entprobe.integrations import OnlineProbe
 from entprobe.integrations.grpo_trainer import TrainArgs, train
@@ -43,30 +44,8 @@ def test_entprobe_train_with_rollouts_leaves_the_trajectory_alone(tmp_path):
             assert "entprobe/deltaH_true" not in h  # nothing measured
 
 
-def _loop_parts():
-    from entprobe.checkpoints.default_checkpoint import policy_loss, trainer_adamw
-    from entprobe.config import SamplingConfig
-    from entprobe.integrations.grpo_trainer import load_policy, load_task
-    from entprobe.rollouts.sampling import draw_prompt_indices, sample_batch
-
-    a = TrainArgs(out="")
-    model, tok = load_policy(a)
-    task = load_task(a)
-    opt = trainer_adamw(model, 1e-3, 0.01)
-
-    def step_batch(seed: int):
-        batch = sample_batch(model, tok, task, draw_prompt_indices(len(task.prompts), 8, seed), 4,
-                             SamplingConfig(max_new_tokens=4), seed, "dr_grpo", 1e-6)
-        opt.zero_grad()
-        policy_loss(model, batch, "dr_grpo").backward()
-        return batch
-    step_batch(0)
-    opt.step()
-    return model, tok, task, opt, step_batch
-
-
 def test_refusals_say_what_to_do():
-    model, tok, task, opt, step_batch = _loop_parts()
+    model, tok, task, opt, step_batch = rollout_loop_parts()
     with pytest.raises(ConfigError, match="source='bogus': one of held_out, rollouts"):
         OnlineProbe(model, opt, tok, task, source="bogus")
     with pytest.raises(TypeError, match="None only with source='rollouts'"):

@@ -19,6 +19,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 
 import entprobe.main as entry
+from conftest import QUIET_CLI
 from entprobe.cli import probe_run
 from entprobe.cli.user_errors import exits_on_user_error
 from entprobe.config import ConfigError
@@ -36,15 +37,7 @@ MISTAKES = {
                       "(did you mean objective=trl?)",
     "sampling.temperature=hot": "sampling.temperature=hot: sampling.temperature takes a number, not 'hot'",
 }
-QUIET = ["logging.logger=none", "logging.progress=false"]
-
-
-@pytest.fixture
-def cwd(tmp_path, monkeypatch) -> Path:
-    """An empty working folder (where Hydra would make outputs/ and multirun/), no HYDRA_FULL_ERROR."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    return tmp_path
+QUIET = QUIET_CLI
 
 
 def main_exits(monkeypatch, *argv: str) -> int:
