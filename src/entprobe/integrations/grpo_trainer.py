@@ -269,6 +269,8 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
                  "step_time_s": time.perf_counter() - t0}
         if grad_norm is not None:
             entry["grad_norm"] = grad_norm
+        if probe is not None and a.probe_source == "rollouts":  # the logged entropy joins the run's forecast
+            probe.observe_entropy(step, entry["entropy"])
         if metrics:
             entry.update(metrics)
         if metrics and "entprobe/deltaH_pred" in metrics:  # one line a probed step, at the lr it used
