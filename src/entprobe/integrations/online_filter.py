@@ -49,7 +49,7 @@ class RunFilter:
         self.q_u = 0.0  # their variance, one step (factor 1)
         self.u_from = 0  # the step steps_u[0] predicts
         self.factor = 1.0
-        self.errors: dict[int, list[list[float]]] = {k: [] for k in fc.HORIZONS}  # [step, z^2]
+        self.errors: dict[int, list[list[float]]] = {k: [] for k in fc.HORIZONS}  # [step, y - mean, SE]
         self.checks: list[list[float]] = []  # [target step, k, mean, SE]: forecasts waiting for their value
         self._f: fc.ForecastInputs | None = None
         self._pool = (0.0, 0.0, 1.0)  # (Gamma pooled at this probe's lr, the others' variance, this batch's weight)
@@ -95,7 +95,7 @@ class RunFilter:
             return
         for target, k, mean, se in [c for c in self.checks if c[0] == step]:  # their errors calibrate the SE
             if se > 0:
-                self.errors[int(k)].append([step, ((H - mean) / se) ** 2])
+                self.errors[int(k)].append([step, H - mean, se])
         self.checks = [c for c in self.checks if c[0] > step]
         self.errors = {k: [e for e in es if self.forget ** (step - e[0]) > 1e-3] for k, es in self.errors.items()}
         if self.m is None or step <= self.observed_to:  # before the first probe, or a probe's own batch
@@ -157,16 +157,15 @@ class RunFilter:
         return mean, var, var_dH, min(points) - points[1], max(points) - points[1]
 
     def scale(self, k: int) -> float:
-        """``run_scale`` at horizon k: the errors of the logged horizons, linear in k between them
-        (the last one's beyond it)."""
+        """``run_scale`` at horizon k of the errors ``(y - mean) / SE`` of the forecasts made at the
+        logged horizons, linear in k between them (the last one's beyond it)."""
         now = self.u_from
-        c = {h: ef.run_scale([e[1] for e in es], [now - e[0] for e in es], self.forget, self.prior_errors)
-             for h, es in self.errors.items()}
+        c = {h: ef.run_scale([(e[1] / e[2]) ** 2 for e in es], [now - e[0] for e in es], self.forget,
+                             self.prior_errors) for h, es in self.errors.items()}
         hs = sorted(c)
         if k <= hs[0] or k >= hs[-1]:
             return c[hs[0] if k <= hs[0] else hs[-1]]
-        lo = max(h for h in hs if h <= k)
-        hi = min(h for h in hs if h >= k)
+        lo, hi = max(h for h in hs if h <= k), min(h for h in hs if h >= k)
         return c[lo] if hi == lo else c[lo] + (c[hi] - c[lo]) * (k - lo) / (hi - lo)
 
     def forecast_at(self, k: int, factor: float = 1.0) -> dict:
