@@ -102,3 +102,24 @@ def test_a_guarded_run_logs_each_decision_with_its_forecast(tmp_path, monkeypatc
     assert all(factors[h["step"]] == pytest.approx(h["entprobe/guard_lr_factor"]) for h in decided)
     assert all(math.isfinite(r["forecast_H_k5"]) and math.isfinite(r["H_logged"]) for r in rows)
     assert (tmp_path / "run" / (OS.ONLINE_PREFIX + OS.PLOT_FILE)).stat().st_size > 10_000
+
+
+def test_a_resumed_run_forecasts_as_the_uninterrupted_one(tmp_path):
+    """``python -m entprobe.train`` keeps the probe's state (its forecast's filter) in each
+    checkpoint's trainer_state.json: a run cut at checkpoint-6 and resumed forecasts steps 7-8 as the
+    run that was never cut, once the filter has taken over (the first probes' one-batch forecast
+    would differ: a restarted filter has no history)."""
+    import shutil
+
+    from entprobe.integrations.grpo_trainer import PROBE_STATE_KEY, saved_probe_state
+
+    args = dict(steps=8, save_every=6, probe_every=1, probe_source="rollouts", probe_B_E=0)
+    whole, cut = [], []
+    train(TrainArgs(out=str(tmp_path / "whole"), **args), log=lambda line: None, on_step=whole.append)
+    shutil.copytree(tmp_path / "whole" / "checkpoint-6", tmp_path / "cut" / "checkpoint-6")
+    assert saved_probe_state(tmp_path / "cut" / "checkpoint-6")["filter"]["n_observed"] == 5  # steps 2..6
+    train(TrainArgs(out=str(tmp_path / "cut"), resume="last", **args), log=lambda line: None, on_step=cut.append)
+    keys = [k for k in whole[-1] if k.startswith("entprobe/forecast_H_k")]
+    assert keys and [s["step"] for s in cut] == [7, 8]
+    assert [{k: h[k] for k in keys} for h in whole[-2:]] == [{k: h[k] for k in keys} for h in cut]
+    assert PROBE_STATE_KEY == "entprobe.OnlineProbe"

@@ -2,8 +2,8 @@
 fed by every probe (its H, predicted changes and fresh part) and by the entropy the trainer logs at
 every step (``OnlineProbe.observe_entropy``; ``python -m entprobe.train`` and the TRL callback feed it).
 
-Until the run has given enough (``MIN_PROBES`` probes and ``MIN_OBSERVED`` logged entropies besides
-the probes' own batches) the forecast is the one-batch one (math/forecast.py: still valid, wider);
+Until the run has given enough (``MIN_PROBES`` probes and ``MIN_OBSERVED`` logged entropies since
+the first probe: without the trainer's logged entropy, never) the forecast is the one-batch one (math/forecast.py: still valid, wider);
 then the filter's, with a normal quantile (its variances come from many batches).
 
 Steps: a probe at step p predicts step p (the step about to be taken) from the batch whose entropy
@@ -18,7 +18,7 @@ from entprobe.math import entropy_filter as ef
 from entprobe.math import forecast as fc
 
 MIN_PROBES = 3  # probes pooled before the filter's forecast replaces the one-batch one
-MIN_OBSERVED = 2  # logged entropies (other than the probes' own batches) before it does
+MIN_OBSERVED = 2  # logged entropies (observe) since the first probe before it does
 FORGET = 0.95  # lambda: a step's discount of older probes and errors (memory ~ 1 / (1 - lambda) = 20 steps)
 PRIOR_ERRORS = 4.0  # n0: pseudo-errors of size 1 in the run's calibration of the SE (run_scale)
 STORED = 32  # predicted changes kept per probe to move the level between probes (the last one repeats)
@@ -98,10 +98,11 @@ class RunFilter:
                 self.errors[int(k)].append([step, H - mean, se])
         self.checks = [c for c in self.checks if c[0] > step]
         self.errors = {k: [e for e in es if self.forget ** (step - e[0]) > 1e-3] for k, es in self.errors.items()}
-        if self.m is None or step <= self.observed_to:  # before the first probe, or a probe's own batch
+        if self.m is None:  # before the first probe
             return
-        self._observe_level(step, H, self.R)
         self.n_observed += 1
+        if step > self.observed_to:  # (a probe's own batch observed the level already)
+            self._observe_level(step, H, self.R)
 
     def on_probe(self, step: int, f: fc.ForecastInputs | None, lr: float) -> dict:
         """A probe at ``step``: its batch's H observes the level after step - 1 steps; its fresh part
