@@ -375,17 +375,15 @@ class OnlineProbe:
         return PendingPrediction(pend.step, res["deltaH_pred"], res["SE_deltaH_pred"], pend.H, res["lr"], at)
 
     def observe_entropy(self, step: int, H: float) -> None:
-        """The entropy your trainer logged at ``step`` (its batch's, sampled after step - 1 steps; in
-        the probe's units: token_mean is TRL's ``entropy``): with ``source="rollouts"`` the forecast
-        combines it with every probe (docs/forecast.md). Call it each step, after ``after_step``."""
+        """The entropy your trainer logged at ``step`` (its batch's, in the probe's units: token_mean is
+        TRL's ``entropy``), for the forecast over the run (docs/forecast.md); each step, after ``after_step``."""
         self.filter.observe(step, float(H))
 
     def state_dict(self) -> dict:
-        """What a resumed run needs for its forecasts to go on (the filter's state: plain numbers)."""
+        """What a resumed run needs for its forecasts to go on: the filter's state (plain numbers)."""
         return {"filter": self.filter.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict()`` (a ConfigError names what a state without the filter's lacks)."""
         if not isinstance(state, dict) or not isinstance(state.get("filter"), dict):
             raise ConfigError(f"OnlineProbe state: needs a 'filter' dict (a state saved by OnlineProbe.state_dict()), "
                               f"got {type(state).__name__}")

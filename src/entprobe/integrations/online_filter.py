@@ -52,7 +52,9 @@ class RunFilter:
         self.errors: dict[int, list[list[float]]] = {k: [] for k in fc.HORIZONS}  # [step, y - mean, SE]
         self.checks: list[list[float]] = []  # [target step, k, mean, SE]: forecasts waiting for their value
         self._f: fc.ForecastInputs | None = None
-        self._pool = (0.0, 0.0, 1.0)  # (Gamma pooled at this probe's lr, the others' variance, this batch's weight)
+        # pooled_changes' (Gamma pooled, at this probe's lr; the pool's variance this batch's rows do not
+        # show; this batch's weight in the pool)
+        self._pool = (0.0, 0.0, 1.0)
 
     # ---- the run's observations -------------------------------------------------------------
     def _advance(self, n: int) -> None:
@@ -83,8 +85,8 @@ class RunFilter:
         self.observed_to = step
 
     def noise(self) -> tuple[float, float]:
-        """``variogram_noise`` of the run's realised-minus-predicted changes over 1 and 2 steps (discounted
-        means): (the process noise a step the predictions leave out, the logged entropy's noise)."""
+        """``variogram_noise`` of the run's realised-minus-predicted changes over 1 and 2 steps (their
+        ``robust_square_mean``s): (the step noise the predictions leave out, the logged entropy's noise)."""
         now = self.observed_to
         a1, a2 = (ef.robust_square_mean([e[1] for e in es], [now - e[0] for e in es], self.forget) for es in self.lag_errors)
         return ef.variogram_noise(a1, a2) if self.lag_errors[1] else (0.0, 0.0)
@@ -147,6 +149,7 @@ class RunFilter:
 
     # ---- the forecast ---------------------------------------------------------------------------
     def active(self) -> bool:
+        """Whether the run has given enough for the filter's forecast (module docstring)."""
         return len(self.probes) >= MIN_PROBES and self.n_observed >= MIN_OBSERVED
 
     def _model(self, k: int, factor: float) -> tuple[float, float, float, float, float]:
