@@ -4,8 +4,11 @@ online probe on the step's own batch (``--probe-source rollouts``, token_mean, n
 for each lr and seed. Each probe forecasts the logged entropy k = 1, 5, 10 steps later with a 95%
 interval; the run logs the realised entropy at every step (TRL's ``entropy``: the mean full-vocabulary
 token entropy of the step's batch). Prints, per lr and k, how many forecasts had a realised value,
-the fraction whose interval holds it, the median interval width and the median |forecast - realised|,
-and the same over all runs; exits 0 whatever they are.
+the fraction whose interval holds it, the median interval width, the median |forecast - realised|
+and their ratio (goal: coverage 90-97%, width <= 8 x the error), for the forecast the probe logs (the
+filter over the run, integrations/online_filter.py) and beside it the one-batch forecast of the same
+probes (math/forecast.py, what the filter falls back to early), and the same over all runs; exits 0
+whatever they are.
 
     OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py                       # ~4 min on 2 cores
     OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py --lrs 1e-3 --seeds 0  # one run
@@ -24,6 +27,22 @@ import tempfile
 from pathlib import Path
 
 HORIZONS = (1, 5, 10)
+ONE_BATCH: dict[int, dict] = {}  # step -> the one-batch forecast's keys at that probe (the current run's)
+
+
+def record_one_batch() -> None:
+    """Keep, beside each probe's logged forecast, the one-batch forecast of the same inputs (``ONE_BATCH``)."""
+    from entprobe.integrations.online_filter import RunFilter
+    from entprobe.math.forecast import forecast_results
+
+    on_probe = RunFilter.on_probe
+
+    def recorded(self, step, f, lr):
+        if f is not None:
+            ONE_BATCH[step] = forecast_results(f)
+        return on_probe(self, step, f, lr)
+
+    RunFilter.on_probe = recorded
 
 
 def run(out: str, lr: float, seed: int, steps: int, every: int) -> list[dict]:
@@ -50,21 +69,31 @@ def run_trl(out: str, lr: float, seed: int, steps: int, every: int, model: str, 
     return [h for h in tr.state.log_history if "loss" in h]
 
 
-def pairs(hist: list[dict], k: int) -> list[tuple[float, float, float, float]]:
-    """(forecast, low, high, realised) of every probe whose step + k was logged."""
+def pairs(hist: list[dict], k: int, one_batch: dict[int, dict]) -> tuple[list, list]:
+    """(forecast, low, high, realised) of every probe whose step + k was logged: the logged forecast's,
+    and the one-batch forecast's of the same probes."""
     logged = {h["step"]: h["entropy"] for h in hist}
-    key = f"entprobe/forecast_H_k{k}"
-    return [(h[key], h[key + "_low"], h[key + "_high"], logged[h["step"] + k])
-            for h in hist if key in h and h["step"] + k in logged]
+    key = f"forecast_H_k{k}"
+    probed = [h for h in hist if "entprobe/" + key in h and h["step"] + k in logged]
+    new = [(h["entprobe/" + key], h[f"entprobe/{key}_low"], h[f"entprobe/{key}_high"], logged[h["step"] + k])
+           for h in probed]
+    old = [(o[key], o[key + "_low"], o[key + "_high"], logged[h["step"] + k])
+           for h in probed for o in [one_batch.get(h["step"])] if o is not None]
+    return new, old
 
 
-def summary(ps: list[tuple[float, float, float, float]]) -> str:
-    if not ps:
-        return "no forecast with a realised value"
+def stats(ps: list[tuple[float, float, float, float]]) -> str:
     cover = sum(lo <= r <= hi for _, lo, hi, r in ps) / len(ps)
     width = statistics.median(hi - lo for _, lo, hi, _ in ps)
     err = statistics.median(abs(f - r) for f, _, _, r in ps)
-    return f"n {len(ps):4d}  coverage {cover:6.1%}  median width {width:.3f}  median |forecast - realised| {err:.3f}"
+    ratio = f"{width / err:5.1f}" if err > 0 else "  inf"
+    return f"coverage {cover:6.1%}  median width {width:.3f}  median |error| {err:.3f}  width/error {ratio}"
+
+
+def summary(new: list, old: list) -> str:
+    if not new:
+        return "no forecast with a realised value"
+    return f"n {len(new):4d}  filter: {stats(new)}" + (f"  | one-batch: {stats(old)}" if old else "")
 
 
 def main() -> None:
@@ -81,30 +110,35 @@ def main() -> None:
     a = ap.parse_args()
     lrs = [float(x) for x in a.lrs.split(",")]
     seeds = [int(x) for x in a.seeds.split(",")]
-    every_run: dict[int, list] = {k: [] for k in HORIZONS}
+    every_run: dict[int, tuple[list, list]] = {k: ([], []) for k in HORIZONS}
     what = "built-in model" if a.model == "builtin" else \
         f"{'SmolLM2-135M' if a.model == 'smollm2' else 'the built-in model'} in TRL, {a.B} prompts x 4, {a.max_new} tokens"
     print(f"{what}, {a.steps} steps, the probe every {a.every} (source rollouts, token_mean), "
           f"seeds {seeds}; per lr and horizon k: forecasts with a realised logged entropy k steps later")
+    record_one_batch()
     with tempfile.TemporaryDirectory() as tmp:
         for lr in lrs:
-            per_lr: dict[int, list] = {k: [] for k in HORIZONS}
+            per_lr: dict[int, tuple[list, list]] = {k: ([], []) for k in HORIZONS}
             H0 = H1 = None
             for seed in seeds:
                 out = str(Path(tmp) / f"lr{lr}-s{seed}")
+                ONE_BATCH.clear()
                 hist = (run(out, lr, seed, a.steps, a.every) if a.model == "builtin" else
                         run_trl(out, lr, seed, a.steps, a.every, a.model, a.B, a.max_new))
                 H0, H1 = (H0 or []) + [hist[0]["entropy"]], (H1 or []) + [hist[-1]["entropy"]]
                 for k in HORIZONS:
-                    per_lr[k] += pairs(hist, k)
+                    new, old = pairs(hist, k, ONE_BATCH)
+                    per_lr[k][0].extend(new)
+                    per_lr[k][1].extend(old)
             print(f"lr {lr:g} (logged entropy from {statistics.mean(H0):.3f} at step 1 to {statistics.mean(H1):.3f} "
                   f"at step {a.steps}, mean over seeds):")
             for k in HORIZONS:
-                print(f"  k {k:2d}: {summary(per_lr[k])}")
-                every_run[k] += per_lr[k]
+                print(f"  k {k:2d}: {summary(*per_lr[k])}")
+                every_run[k][0].extend(per_lr[k][0])
+                every_run[k][1].extend(per_lr[k][1])
     print("all runs:")
     for k in HORIZONS:
-        print(f"  k {k:2d}: {summary(every_run[k])}")
+        print(f"  k {k:2d}: {summary(*every_run[k])}")
 
 
 if __name__ == "__main__":

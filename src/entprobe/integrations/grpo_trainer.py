@@ -211,6 +211,17 @@ def logged_entropy(batch) -> float:
     return float(-batch.sampler_logprobs.sum() / L)
 
 
+PROBE_STATE_KEY = "entprobe.OnlineProbe"  # the probe's state (its forecast's filter) in trainer_state.json
+
+
+def saved_probe_state(folder: Path) -> dict | None:
+    """The probe's state a checkpoint's ``trainer_state.json`` holds (None: a checkpoint without one)."""
+    import json
+
+    saved = json.loads((Path(folder) / "trainer_state.json").read_text()).get("stateful_callbacks") or {}
+    return saved.get(PROBE_STATE_KEY)
+
+
 def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
     """Run the trainer (module docstring); returns the checkpoint folders written. ``on_step``, when
     given, is called with each step's log-history entry (step, loss, reward, entropy, ...)."""
@@ -237,6 +248,9 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
         folder = resume_folder(a)
         start, history = read_trainer_checkpoint(folder, opt, sched, a.B * a.G)
         log(f"[entprobe] resumed from {folder} at step {start}")
+        saved = saved_probe_state(folder) if probe is not None and a.probe_source == "rollouts" else None
+        if saved is not None:  # the forecast's filter goes on from the history it had
+            probe.load_state_dict(saved)
         if guarded and history and "entprobe/guard_lr_factor" in history[-1]:  # every step logs the factor in force
             stepper.load_state_dict({"factor": history[-1]["entprobe/guard_lr_factor"]})
             log(f"[entprobe] guard resumed with lr factor {stepper.factor:.4g}")
@@ -269,6 +283,8 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
                  "step_time_s": time.perf_counter() - t0}
         if grad_norm is not None:
             entry["grad_norm"] = grad_norm
+        if probe is not None and a.probe_source == "rollouts":  # the logged entropy joins the run's forecast
+            probe.observe_entropy(step, entry["entropy"])
         if metrics:
             entry.update(metrics)
         if metrics and "entprobe/deltaH_pred" in metrics:  # one line a probed step, at the lr it used
@@ -280,6 +296,8 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
             on_step(entry)
         if step % a.save_every == 0 or step == a.steps:
             state = trainer_state(step, a.steps, a.save_every, a.B * a.G, history)
+            if probe is not None and a.probe_source == "rollouts":
+                state.stateful_callbacks[PROBE_STATE_KEY] = probe.state_dict()
             with no_progress_bars():  # save_pretrained's "Writing model shards" bar would cut into the trainer's
                 written.append(write_trainer_checkpoint(a.out, step, model, tok, opt, sched, state, vars(a)))
             log(f"[entprobe] step {step}: loss {entry['loss']:+.4f} reward {entry['reward']:.3f} "

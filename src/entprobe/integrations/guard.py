@@ -286,8 +286,10 @@ class EntropyGuard:
 
     def state_dict(self) -> dict:
         """What a resumed run needs to go on as the uninterrupted one would: the factor in force (it
-        holds until the next probe) and the step of the last decision."""
-        return {"factor": self.factor, "decided_at": self.decisions[-1].step if self.decisions else None}
+        holds until the next probe), the step of the last decision, and with ``horizon`` the probe's
+        (the forecast's filter over the run: ``OnlineProbe.state_dict``)."""
+        return {"factor": self.factor, "decided_at": self.decisions[-1].step if self.decisions else None,
+                **({"probe": self.probe.state_dict()} if self.rule.horizon else {})}  # the forecast's filter
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``'s factor (a ConfigError for a value no guard could have set: not a
@@ -302,6 +304,8 @@ class EntropyGuard:
                               f"= [{lo:g}, {hi:g}]: the state was saved by a guard with another range, or edited; "
                               "resume with the guard's own min_factor / max_factor, or from another checkpoint")
         self.factor = float(f)
+        if "probe" in state:  # a state saved before the forecast's filter has none
+            self.probe.load_state_dict(state["probe"])
 
     def before_step(self, step: int, **rollouts) -> float:
         """Call with the step's gradient in ``.grad``, the scheduler's lr in the param groups: the

@@ -11,8 +11,9 @@ At a probe, with the forecast of the entropy k = 1..K steps ahead at the schedul
   slows a rise, as in the one-step rule). The bounds are clipped to the entropy's range, and a bound
   below 0 clipped to 0 is below any floor > 0 as before;
 - the factor is then the largest that keeps every point forecast on or above the floor: each part of
-  the forecast change is proportional to the lr held over the horizon, so at factor f ``H_k(f) = H +
-  f dH_k`` and ``f = min over k <= K with dH_k < 0 of (floor - H) / dH_k``, clamped to ``[min_factor,
+  the forecast change is proportional to the lr held over the horizon, so at factor f ``H_k(f) = H0 +
+  f dH_k`` (H0 the level the forecast starts from: the run's filtered entropy, integrations/online_filter.py,
+  or the probe's H before the filter has enough history) and ``f = min over k <= K with dH_k < 0 of (floor - H) / dH_k``, clamped to ``[min_factor,
   max_factor]`` (``min_factor`` when H is already below the floor: no lr > 0 turns a fall into a rise);
 - otherwise the one-step rule decides (``guard.decide``), and a factor it would raise is held at the
   largest whose point forecasts stay above the floor (no recovery into a forecast crossing; below
@@ -46,7 +47,8 @@ def forecast_call(forecast_at: Callable[[int, float], dict], H: float, floor: fl
     """The forecasts k = 1..horizon at factor 1 against the floor (module docstring)."""
     fcs = {k: forecast_at(k, 1.0) for k in range(1, horizon + 1)}
     below = [k for k, f in fcs.items() if f["pop_high"] < floor and f["dH_high"] < 0]
-    limits = [(floor - H) / f["dH"] for f in fcs.values() if f["dH"] < 0]
+    # from the level the forecast starts at (``H0``: the run's filtered entropy; else the probe's H)
+    limits = [(floor - f.get("H0", H)) / f["dH"] for f in fcs.values() if f["dH"] < 0]
     factor = min(limits) if limits else math.inf
     k = below[0] if below else min(fcs, key=lambda j: fcs[j]["H"])
     f = fcs[k]

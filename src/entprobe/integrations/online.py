@@ -68,7 +68,8 @@ from entprobe.pipeline.stages.x_spec import functional_value
 from entprobe.pipeline.stages.prediction import (HeldOutPrediction, build_step_model, predict_on_held_out,
                                                  step_model_kind, update_dots)
 from entprobe.pipeline.stages.paired import compare_with_prediction
-from entprobe.math.forecast import HORIZONS, forecast, forecast_results
+from entprobe.math.forecast import HORIZONS
+from entprobe.integrations.online_filter import RunFilter
 from entprobe.pipeline.stages.rollout_prediction import forecast_inputs, rollouts_prediction
 from entprobe.tasks import Task
 
@@ -199,6 +200,7 @@ class OnlineProbe:
         self.skipped: list[tuple[int, str]] = []
         self._pending: _Pending | None = None
         self._warned_mismatch = self._warned_first = False
+        self.filter = RunFilter()  # source="rollouts": the forecast over the run (integrations/online_filter.py)
         psis_backend()  # its one-time import (~1 s) here, not inside the training loop's first probe
 
     def due(self, step: int) -> bool:
@@ -281,7 +283,7 @@ class OnlineProbe:
                 # measurement on a held-out E logs E's entropy as H_orig after the step
                 res["H_rollouts"] = H
                 ro.forecast = forecast_inputs(ro, geo.optimizer, ctx.params, Ybar)
-                res.update(forecast_results(ro.forecast))
+                res.update(self.filter.on_probe(step, ro.forecast, geo.lr))
             pred = predict_on_held_out(ctx, E, update, cfg.probe, with_entropy=False, total_only=True) \
                 if E is not None else None
             del Ybar
@@ -369,8 +371,23 @@ class OnlineProbe:
             return None
         res = pend.res
         fi = pend.rollouts.forecast if pend.rollouts is not None else None
-        at = (lambda k, factor: forecast(fi, k, factor)) if fi is not None else None
+        at = self.filter.forecast_at if fi is not None else None
         return PendingPrediction(pend.step, res["deltaH_pred"], res["SE_deltaH_pred"], pend.H, res["lr"], at)
+
+    def observe_entropy(self, step: int, H: float) -> None:
+        """The entropy your trainer logged at ``step`` (its batch's, in the probe's units: token_mean is
+        TRL's ``entropy``), for the forecast over the run (docs/forecast.md); each step, after ``after_step``."""
+        self.filter.observe(step, float(H))
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs for its forecasts to go on: the filter's state (plain numbers)."""
+        return {"filter": self.filter.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or not isinstance(state.get("filter"), dict):
+            raise ConfigError(f"OnlineProbe state: needs a 'filter' dict (a state saved by OnlineProbe.state_dict()), "
+                              f"got {type(state).__name__}")
+        self.filter.load_state_dict(state["filter"])
 
     def rescale_pending(self, factor: float) -> None:
         """Make the waiting prediction that of the step at ``factor`` x its lr (for a caller that
@@ -388,7 +405,7 @@ class OnlineProbe:
         pend.step_dot *= factor  # the step checked is the one at factor x lr
         pend.step_mag *= abs(factor)
         if pend.rollouts is not None:  # the forecast at factor x lr over its horizon (not linear in it: H is not)
-            pend.res.update(forecast_results(pend.rollouts.forecast, factor))
+            pend.res.update(self.filter.rescale(factor))
         if pend.pred is not None:
             pend.pred.e = pend.pred.e * factor
 

@@ -180,11 +180,20 @@ class EntropyProbeCallback(TrainerCallback):
             self._to_log.update(metrics)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and "entropy" in logs and self.feeds_entropy(args):  # joins the run's forecast
+            self.probe.observe_entropy(state.global_step, logs["entropy"])
         if logs is not None and self._to_log:
             logs.update(self._to_log)  # what the reporting callbacks receive
             if state.log_history and state.log_history[-1].get("step") == state.global_step:
                 state.log_history[-1].update(self._to_log)  # the trainer's copy of the same entry
             self._to_log = {}
+
+    def feeds_entropy(self, args) -> bool:
+        """Whether TRL's logged ``entropy`` is one step's, in the probe's units: the forecast's
+        observations (``OnlineProbe.observe_entropy``): with ``source="rollouts"``, token_mean (TRL's
+        own functional) and ``logging_steps=1`` (a longer one logs the mean over its steps)."""
+        return (self.source == "rollouts" and self.probe is not None and args.logging_steps == 1
+                and self.cfg.probe.weighting_mode.value == "token_mean")
 
     def on_train_end(self, args, state, control, **kwargs):
         """``entprobe_over_steps.csv`` and ``.png`` (reporting/over_steps.py) of ``history`` in the
