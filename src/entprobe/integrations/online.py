@@ -9,7 +9,7 @@ entropy change before ``optimizer.step()`` and measure it after.
         metrics = probe.after_step()                   # measure: {"entprobe/deltaH_true": ..., ...} or None
         optimizer.zero_grad()
 
-``before_step`` (on steps that are multiples of ``every``, once the optimizer has Adam state):
+``before_step`` (on steps that are multiples of ``every``, from the optimizer's first step):
 samples a held-out batch E at theta (B_E prompts, G responses: responses the step is not fit to),
 builds the update AdamW will apply to the gradient now in ``.grad`` (closed form: the optimizer's
 own lr, betas, eps, decay and state; ``stages.prediction.build_step_model``) and predicts
@@ -27,8 +27,9 @@ snapshot restored bit-exactly: an optimizer whose ``step`` is not torch's own Ad
 subclass overriding it included, and SGD with momentum). After the step, the step taken is checked
 against the one predicted on the prediction's Xbar (``_check_step``): another step (parameters or
 ``.grad`` changed between the calls) is flagged ``step_mismatch``, ``pred_consistent`` None, warned
-once. Adam's first step (no state yet) is recorded in ``skipped``, warned once; SGD is probed from
-its first. ``held_out`` may also be a callable ``step -> RolloutBatch`` that
+once. AdamW's first step is probed like any other: without state its moments are zeros at step 0,
+so the closed form is ``-lr g / (|g| + eps) - lr wd theta`` (math/adamw.py). ``held_out`` may also be
+a callable ``step -> RolloutBatch`` that
 samples at the current parameters (the TRL callback passes the trainer's own generation).
 
 ``source="rollouts"`` (``before_step(step, rollouts=batch)``, ``batch`` the RolloutBatch the gradient in
@@ -198,20 +199,13 @@ class OnlineProbe:
         self.history: list[dict] = []
         self.skipped: list[tuple[int, str]] = []
         self._pending: _Pending | None = None
-        self._warned_mismatch = self._warned_first = False
+        self._warned_mismatch = False
         psis_backend()  # its one-time import (~1 s) here, not inside the training loop's first probe
 
     def due(self, step: int) -> bool:
-        """Whether ``before_step(step)`` probes: every ``every`` steps, except Adam's first step (no
-        state yet: ``before_step`` records it in ``skipped``, warned once). SGD keeps no state: it is
-        probed from its first step."""
-        return step % self.every == 0 and not self._adam_without_state()
-
-    def _adam_without_state(self) -> bool:
-        """Adam/AdamW (or a subclass) before its first step: no ``exp_avg_sq`` for any parameter."""
-        opt = self.optimizer
-        return isinstance(opt, torch.optim.Adam) and not any(
-            "exp_avg_sq" in (opt.state.get(p) or {}) for g in opt.param_groups for p in g["params"])
+        """Whether ``before_step(step)`` probes: every ``every`` steps, from the optimizer's first
+        (AdamW without state yet steps from zero moments, in closed form like any other step)."""
+        return step % self.every == 0
 
     def _sample(self, step: int) -> RolloutBatch:
         if callable(self.held_out) and not isinstance(self.held_out, Task):
@@ -228,14 +222,6 @@ class OnlineProbe:
         ``clip_grad_norm_`` returned; needed when ``max_grad_norm`` clipped it). Returns whether it
         predicted (``due``)."""
         self._pending = None
-        if step % self.every == 0 and self._adam_without_state():
-            reason = (f"step {step} is not probed: the optimizer ({type(self.optimizer).__name__}) has not taken a "
-                      "step yet (no Adam state); the probe starts with its second step, its first due one after")
-            self.skipped.append((step, reason))
-            if not self._warned_first:
-                self._warned_first = True
-                warnings.warn(f"entprobe: {reason}", stacklevel=2)
-            return False
         if not self.due(step):
             return False
         if self.source == "rollouts" and not isinstance(rollouts, RolloutBatch):
