@@ -62,7 +62,7 @@ from entprobe.math.importance import psis_backend
 from entprobe.checkpoints.optim_state import OptimizerStateError
 from entprobe.tasks.prompt_ids import prompt_kwargs
 from entprobe.rollouts.sampling import RolloutBatch, draw_prompt_indices, sample_batch
-from entprobe.integrations.online_checks import check_every, check_rollouts, step_check
+from entprobe.integrations.online_checks import check_every, check_rollouts, step_check, still_check, theta_sum
 from entprobe.pipeline.stages.ground_truth import (eval_at_current, importance_estimates, token_side,
                                                    token_side_needed, true_change)
 from entprobe.pipeline.stages.x_spec import functional_value
@@ -89,7 +89,7 @@ LOGGED = ("deltaH_pred", "SE_deltaH_pred", "ci95_pred_low", "ci95_pred_high", "d
           "rounding_true_minus_pred", "lr_floor_true_minus_pred",
           "deltaH_pred_gradient", "deltaH_pred_momentum", "deltaH_pred_weight_decay", "deltaH1_step",
           "H_orig", "H_rollouts", "ESS_frac", "lr", "time_s", "step", "step_mismatch",
-          "SE_deltaH_pred_expected", "deltaH_pred_E",
+          "SE_deltaH_pred_expected", "deltaH_pred_E", "gradient_zero", "update_zero",
           *(f"forecast_H_k{k}{s}" for k in HORIZONS for s in ("", "_low", "_high")))
 # the online probe's default functional: token_mean, the mean over generated tokens of the
 # full-vocabulary entropy, which TRL logs as ``entropy`` and verl as ``actor/entropy``
@@ -246,13 +246,6 @@ class OnlineProbe:
         Ybar = [-p.grad.detach().float() for _, p in trainable]  # the step's gradient, before it is set aside
         with left_as_it_was(model, self.optimizer, None) as callers_modes:
             ctx = probe_context(cfg, model, Ybar[0].device, _autocast(cfg, Ybar[0].device))
-            callers_modes()  # sampled as the loop samples (a trainer's generation reads model.training)
-            with ctx.phase("sample_E"):
-                E = self._sample(step) if self.held_out is not None else None
-            model.eval()
-            if E is not None and E.temperature != cfg.sampling.temperature:
-                raise ConfigError(f"held-out E was sampled at temperature {E.temperature}, the probe's log-probs "
-                                  f"use sampling.temperature={cfg.sampling.temperature}: make them agree")
             with ctx.phase("geometry"):
                 # the update comes from the optimizer itself (closed form, or its step on a snapshot):
                 # no preconditioner P, and none of the parameter-sized passes that build its
@@ -268,6 +261,14 @@ class OnlineProbe:
                 res["H_rollouts"] = H
                 ro.forecast = forecast_inputs(ro, geo.optimizer, ctx.params, Ybar)
                 res.update(forecast_results(ro.forecast))
+            still = self.source == "rollouts" and Xbar is None  # an update exactly 0: nothing to measure
+            callers_modes()  # sampled as the loop samples (a trainer's generation reads model.training)
+            with ctx.phase("sample_E"):
+                E = self._sample(step) if self.held_out is not None and not still else None
+            model.eval()
+            if E is not None and E.temperature != cfg.sampling.temperature:
+                raise ConfigError(f"held-out E was sampled at temperature {E.temperature}, the probe's log-probs "
+                                  f"use sampling.temperature={cfg.sampling.temperature}: make them agree")
             pred = predict_on_held_out(ctx, E, update, cfg.probe, with_entropy=False, total_only=True) \
                 if E is not None else None
             del Ybar
@@ -278,11 +279,15 @@ class OnlineProbe:
             elif pred is not None:  # the measured side's own prediction on E, paired with it
                 res.update({"deltaH_pred_E": pred.res["deltaH_pred"], "SE_deltaH_pred_E": pred.res["SE_deltaH_pred"],
                             "measure/B_E": E.B})
-            x_theta = pv.dot(Xbar, [p.detach() for p in ctx.params], dtype=torch.float64)  # no copy of theta
-            with ctx.phase("step_check"):  # the predicted step's Xbar . Delta theta, to check the step taken
-                step_dot, step_mag = update_dots(ctx, update, Xbar)
-                x_theta_abs = sum(float(torch.dot(x.reshape(-1).double().abs(), p.detach().reshape(-1).double().abs()))
-                                  for x, p in zip(Xbar, ctx.params))
+            if still:  # theta_plus must be theta: the parameters' own sum is checked (online_checks.still_check)
+                x_theta, step_dot, step_mag, x_theta_abs = theta_sum(ctx.params), 0.0, 0.0, 0.0
+            else:
+                x_theta = pv.dot(Xbar, [p.detach() for p in ctx.params], dtype=torch.float64)  # no copy of theta
+                with ctx.phase("step_check"):  # the predicted step's Xbar . Delta theta, to check the step taken
+                    step_dot, step_mag = update_dots(ctx, update, Xbar)
+                    x_theta_abs = sum(float(torch.dot(x.reshape(-1).double().abs(),
+                                                      p.detach().reshape(-1).double().abs()))
+                                      for x, p in zip(Xbar, ctx.params))
             del update
         res.update({"lr": geo.lr, "step": step})
         u = max(torch.finfo(t).eps / 2 for t in {p.dtype for p in ctx.params} | {
@@ -302,12 +307,15 @@ class OnlineProbe:
         with left_as_it_was(self.model, self.optimizer, None):
             if E is not None:
                 res.update(self._measure(ctx, pend))
-            x_after = pv.dot(pend.Xbar, [p.detach() for p in ctx.params], dtype=torch.float64)
-        # -Xbar . (theta_plus - theta): the real step. Both dots in fp64 (exact products of fp32 or bf16
-        # numbers): their difference is the step's dot to ~1e-16 of |Xbar| |theta|, where fp32 dots lost
-        # up to 3e-4 (their rounding, ~6e-8 of them, is not small next to the step's dot)
-        res["deltaH1_step"] = -(x_after - pend.x_dot_theta)
-        res.update(self._check_step(pend, res["deltaH1_step"]))
+            if pend.Xbar is None:  # an update exactly 0 (source="rollouts"): was theta left as it was?
+                res.update(still_check(pend.x_dot_theta, theta_sum(ctx.params)))
+                self._warn_mismatch(pend, res, 3)
+            else:  # -Xbar . (theta_plus - theta): the real step. Both dots in fp64 (exact products of fp32
+                # or bf16 numbers): their difference is the step's dot to ~1e-16 of |Xbar| |theta|, where fp32
+                # dots lost up to 3e-4 (their rounding, ~6e-8 of them, is not small next to the step's dot)
+                x_after = pv.dot(pend.Xbar, [p.detach() for p in ctx.params], dtype=torch.float64)
+                res["deltaH1_step"] = -(x_after - pend.x_dot_theta)
+                res.update(self._check_step(pend, res["deltaH1_step"]))
         res["time_s"] = self._t + _now() - t0
         res["cpu_time_s"] = self._cpu + time.process_time() - c0
         res.update({f"time/{k}_s": v for k, v in ctx.stats.seconds.items()})
@@ -321,13 +329,16 @@ class OnlineProbe:
         prediction's Xbar); a mismatch is warned once."""
         out = step_check(-pend.step_dot, taken, pend.u, pend.x_theta_abs, pend.step_mag,
                          sum(p.numel() for p in self._ctx.params))
+        self._warn_mismatch(pend, out, 4)
+        return out
+
+    def _warn_mismatch(self, pend: _Pending, out: dict, stacklevel: int) -> None:
         if out["step_mismatch"] and not self._warned_mismatch:
             self._warned_mismatch = True
             warnings.warn(f"entprobe: step {pend.step}: {out['pred_consistent_reason']}; the prediction was of "
                           "another step, so pred_consistent is None. Does the optimizer's step differ from torch's "
                           "AdamW/SGD, or did the parameters or .grad change between before_step and "
-                          "optimizer.step()?", stacklevel=3)
-        return out
+                          "optimizer.step()?", stacklevel=stacklevel)
 
     def _measure(self, ctx, pend: _Pending) -> dict:
         """The importance-sampling estimate of the step's change on E and its paired difference with
