@@ -8,11 +8,14 @@ same zero gradient still moves the weights (momentum): that probe runs in full.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from conftest import committed_batches, compose_cfg
 from entprobe.cli.probe_job import run
+from entprobe.integrations.step_lines import probe_line
 from entprobe.math import paramvec as pv
 from entprobe.reporting.verdict import flags, verdict_lines
 
@@ -106,7 +109,6 @@ def _tied_step(make_optimizer, steps_before: int = 0, seed: int = 3):
     """The built-in model and ``make_optimizer(model)`` after ``steps_before`` real steps, and a
     batch of 8 prompts x 4 whose every group is tied (all advantages 0: the DR-GRPO gradient in
     ``.grad`` is exactly 0), plus the same batch with its own advantages (a normal step)."""
-    import dataclasses as dc
 
     from entprobe.checkpoints.default_checkpoint import policy_loss
     from entprobe.config import SamplingConfig
@@ -126,7 +128,7 @@ def _tied_step(make_optimizer, steps_before: int = 0, seed: int = 3):
         opt.step()
     normal = batch_at(seed)
     assert bool((normal.advantages != 0).any())  # the same prompts' own groups are not all tied
-    tied = dc.replace(normal, advantages=torch.zeros_like(normal.advantages))
+    tied = dataclasses.replace(normal, advantages=torch.zeros_like(normal.advantages))
 
     def load(batch):  # the batch's gradient into .grad, as the loop has it before optimizer.step()
         opt.zero_grad()
@@ -153,8 +155,6 @@ def test_a_tied_step_with_nothing_carried_is_free_and_says_so(which):
     without momentum) and no weight decay: the update is exactly 0, so the probe runs no pass at all
     (H from the sampler's records), predicts 0 exactly with SE 0 (``update_zero``, the step line says
     so), and checks that the step left theta as it was; a changed parameter is flagged."""
-    from entprobe.integrations.step_lines import probe_line
-
     make = (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0)) if which.startswith("adamw") \
         else (lambda m: torch.optim.SGD(m.parameters(), lr=1e-2))
     model, tok, opt, load, normal, tied = _tied_step(make, steps_before=0 if which.startswith("adamw") else 2)
@@ -182,15 +182,20 @@ def test_a_tied_step_with_nothing_carried_is_free_and_says_so(which):
     with torch.no_grad():  # theta back where the batch was sampled
         for p, t in zip(model.parameters(), theta):
             p.copy_(t)
+    # a batch without the sampler's records (TRL's): one forward without a graph per response, no backward
+    load(tied)
+    bare, _, bare_passes = _probe(model, tok, opt, 3, dataclasses.replace(tied, sampler_entropy=None))
+    assert bare_passes == {"forward": tied.B * tied.G} and bare.history[0]["update_zero"] is True
     # H: the sampler's token entropies (token_mean), as a full probe's forward finds them on the same
     # batch: fp32 logits of a 4-token response, the two paths' roundings (~1e2 eps32 of H)
     load(normal)
-    full, _, full_passes = _probe(model, tok, opt, 3, normal)
+    full, _, full_passes = _probe(model, tok, opt, 4, normal)
     tied_groups = int((normal.advantages == 0).all(-1).sum())  # a prompt of equal rewards takes no Y backward
     assert tied_groups < normal.B and full.history[0].get("update_zero") is None
     assert full_passes["backward"] == (2 * normal.B - tied_groups) * normal.G
     H0, H1 = h["H_rollouts"], full.history[0]["H_rollouts"]
     assert abs(H0 - H1) <= 1e2 * torch.finfo(torch.float32).eps * abs(H1), (H0, H1)
+    assert abs(bare.history[0]["H_rollouts"] - H1) <= 1e2 * torch.finfo(torch.float32).eps * abs(H1)
     line = probe_line(1, m, "rollouts", H0)
     assert "predicted 0 exactly from the step's rollouts" in line and "the update is exactly zero" in line
 
@@ -216,5 +221,4 @@ def test_a_tied_step_that_still_moves_takes_no_y_pass(carried):
     assert h.get(f"deltaH_pred_{other}", 0.0) == 0.0 and h[f"deltaH_pred_{carried}"] != 0.0
     assert h["step_mismatch"] is False
     assert abs(h["deltaH_pred"] - h["deltaH1_step"]) <= h["step_check/tol"], (h["deltaH_pred"], h["deltaH1_step"])
-    assert "every group tied: the gradient is 0" in __import__(
-        "entprobe.integrations.step_lines", fromlist=["probe_line"]).probe_line(1, m, "rollouts", h["H_rollouts"])
+    assert "every group tied: the gradient is 0" in probe_line(1, m, "rollouts", h["H_rollouts"])
