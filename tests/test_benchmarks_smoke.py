@@ -25,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
     (["benchmarks/online_probe.py", "--steps", "4", "--every", "2", "--source", "rollouts", "--calls"],
      ["CPU time by call", "probe: backward", "probe: forward", "trainer: backward", "trainer: generation + scoring"]),
     (["benchmarks/bench_rao_blackwell.py", "--B", "4", "--G", "4", "--reps", "1"], ["ESS/N after the step"]),
-], ids=["bench_variance", "bench_probe", "online_probe", "online_probe_rollouts_calls", "bench_rao_blackwell"])
+    (["benchmarks/zero_update_probe.py", "--reps", "1"], ["update exactly 0", "of the normal probe, passes {}"]),
+], ids=["bench_variance", "bench_probe", "online_probe", "online_probe_rollouts_calls", "bench_rao_blackwell",
+        "zero_update_probe"])
 def test_benchmark_runs_on_the_builtin_model(args, lines):
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}

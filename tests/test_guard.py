@@ -122,7 +122,7 @@ def guard_snippets() -> tuple[str, str]:
 
 def test_plain_loop_guard_sets_the_lr_it_decided_and_the_prediction_is_the_step_taken(monkeypatch, step_lrs):
     """docs/guard.md's loop, verbatim, 3 steps on the built-in model with an ExponentialLR schedule; the
-    decisions are forced to factors 0.25 then 0.5 (the rule is tested above): each step's lr is the
+    decisions are forced to factors 0.5, 0.25 then 0.5 (step 1 is probed too; the rule is tested above): each step's lr is the
     schedule's times the factor, the schedule's lr is back in the groups after it, the gradient and
     torch's RNG are as the loop left them, and the probe's prediction is the step taken."""
     from entprobe.checkpoints.default_checkpoint import policy_loss, trainer_adamw
@@ -130,7 +130,7 @@ def test_plain_loop_guard_sets_the_lr_it_decided_and_the_prediction_is_the_step_
     from entprobe.integrations.grpo_trainer import TrainArgs, load_policy, load_task
     from entprobe.rollouts.sampling import draw_prompt_indices, sample_batch
 
-    forced = {2: 0.25, 3: 0.5}
+    forced = {1: 0.5, 2: 0.25, 3: 0.5}
     real = G.decide
     monkeypatch.setattr(G, "decide", lambda *a: dataclasses.replace(real(*a), factor=forced[a[1]]))
     kept = []
@@ -164,8 +164,8 @@ def test_plain_loop_guard_sets_the_lr_it_decided_and_the_prediction_is_the_step_
     exec(guard_snippets()[0], ns)
     guard = ns["guard"]
     used_lrs = [lrs for opt, lrs in step_lrs if opt is optimizer]
-    assert [d.step for d in guard.decisions] == [2, 3]  # step 1: no Adam state yet, not probed
-    factors = [1.0, 0.25, 0.5]
+    assert [d.step for d in guard.decisions] == [1, 2, 3]  # step 1 too: AdamW's first step has a closed form
+    factors = [0.5, 0.25, 0.5]
     assert len(used_lrs) == 3
     for s, (used, f) in enumerate(zip(used_lrs, factors), 1):
         assert used == [pytest.approx(1e-3 * schedule(s - 1) * f, rel=1e-12)] * 2, s
@@ -194,7 +194,7 @@ def test_online_probe_pending_view_and_rescale():
     model, tokenizer = load_policy(TrainArgs(out=""))
     task = load_task(TrainArgs(out=""))
     optimizer = trainer_adamw(model, 1e-3, 0.01)
-    probe = OnlineProbe(model, optimizer, tokenizer, task, every=1, batch={"B_E": 4})
+    probe = OnlineProbe(model, optimizer, tokenizer, task, every=2, batch={"B_E": 4})  # step 2 alone
     assert probe.pending is None
     with pytest.raises(RuntimeError, match="no prediction is waiting"):
         probe.rescale_pending(0.5)
@@ -251,10 +251,10 @@ def test_trl_callback_applies_the_factor_on_top_of_the_scheduler_and_logs_its_de
     assert snippet != guard_snippets()[1]
     exec(snippet, ns)
     cb, trainer = ns["guard"], ns["trainer"]
-    assert [d.step for d in cb.decisions] == [2, 3] and all(d.reason for d in cb.decisions)
-    d = cb.decisions[1]  # max_decay 0, z 0: a predicted decrease is cut to min_factor, a rise recovers
+    assert [d.step for d in cb.decisions] == [1, 2, 3] and all(d.reason for d in cb.decisions)
+    d = cb.decisions[2]  # max_decay 0, z 0: a predicted decrease is cut to min_factor, a rise recovers
     assert d.prev == 0.25 and d.factor == (0.05 if d.deltaH_pred < 0 else 0.375)
-    in_force = [1.0] + [d.factor for d in cb.decisions]
+    in_force = [d.factor for d in cb.decisions]  # step 1 decided too (AdamW's first step is probed)
     scheduled = [1e-3 * (1 - s / 3) for s in range(3)]
     used = [lrs[0] for opt, lrs in step_lrs if opt is trainer.optimizer.optimizer]
     assert [u for u in used] == [pytest.approx(lr * f, rel=1e-12) for lr, f in zip(scheduled, in_force)]
@@ -262,18 +262,18 @@ def test_trl_callback_applies_the_factor_on_top_of_the_scheduler_and_logs_its_de
     assert [h["learning_rate"] for h in logs] == [pytest.approx(x, rel=1e-12) for x in scheduled]  # the schedule's
     for h, f in zip(logs, in_force):
         assert h["entprobe/guard_lr_factor"] == f
-    assert [h["entprobe/guard_action"] for h in logs[1:]] == [float(d.code) for d in cb.decisions]
+    assert [h["entprobe/guard_action"] for h in logs] == [float(d.code) for d in cb.decisions]
     assert [h["entprobe/guard_lr"] for h in logs] == [pytest.approx(u, rel=1e-12) for u in used]
-    assert [h["entprobe/lr"] for h in logs[1:]] == [pytest.approx(lr * f, rel=1e-12)
-                                                   for lr, f in zip(scheduled[1:], in_force[1:])]
+    assert [h["entprobe/lr"] for h in logs] == [pytest.approx(lr * f, rel=1e-12)
+                                               for lr, f in zip(scheduled, in_force)]
     # each guarded step printed as one line (one process: the main one), in order, at the lr it used
     printed = [x for x in capsys.readouterr().out.splitlines() if x.startswith("entprobe: step ")]
-    assert [x.split(": ")[1] for x in printed] == ["step 2", "step 3"]
-    for x, d, h in zip(printed, cb.decisions, logs[1:]):
+    assert [x.split(": ")[1] for x in printed] == ["step 1", "step 2", "step 3"]
+    for x, d, h in zip(printed, cb.decisions, logs):
         assert x.startswith(f"entprobe: step {d.step}: guard {d.action}: lr x{d.factor:.3g} = {h['entprobe/lr']:.3g} "
                             f"(was x{d.prev:.3g}, max_decay 0); predicted {h['entprobe/deltaH_pred']:+.3e} ± ")
         assert f"vs predicted {h['entprobe/deltaH_pred']:+.3e}: " in x and "scheduler's lr" not in x
-    assert ": lr x0.25 = " in printed[0]  # step 2's forced factor
+    assert ": lr x0.25 = " in printed[1]  # step 2's forced factor
 
 
 def test_benchmark_command_runs_verbatim(tmp_path):
@@ -307,11 +307,11 @@ def test_builtin_trainer_guard_option(tmp_path):
                           "--lr-scheduler", "linear"])
     lines, entries = [], []
     train(a, log=lines.append, on_step=entries.append)
-    assert [e["step"] for e in entries if "entprobe/guard_action" in e] == [2, 3]
+    assert [e["step"] for e in entries if "entprobe/guard_action" in e] == [1, 2, 3]
     assert [e["learning_rate"] for e in entries] == [pytest.approx(1e-3 * (1 - s / 3), rel=1e-12) for s in range(3)]
     for e in entries:
         assert e["entprobe/guard_lr"] == pytest.approx(e["learning_rate"] * e["entprobe/guard_lr_factor"], rel=1e-12)
-    assert sum(": guard " in line for line in lines) == 2  # one line per decision
+    assert sum(": guard " in line for line in lines) == 3  # one line per decision, step 1's too
     with pytest.raises(ConfigError, match="--guard-floor / --guard-max-decay .* give --probe-every"):
         check_args(parse_train_args(["--out", str(tmp_path / "x"), "--guard-floor", "0.2"]))
     with pytest.raises(ConfigError, match="--guard-max-decay=-1.0"):

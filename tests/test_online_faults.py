@@ -42,18 +42,17 @@ def _gradient(model, opt, ids):
 
 
 def _probe_steps(parts, model, opt, steps, between=None, **kw) -> OnlineProbe:
-    """``steps`` optimizer steps, each probed (every=1, B_E=2) but Adam's first (no state yet);
+    """``steps`` optimizer steps, each probed (every=1, B_E=2), AdamW's first (no state yet) too;
     ``between(step)`` runs after ``before_step`` and before ``optimizer.step()``."""
     _, tok, task, ids = parts
     probe = OnlineProbe(model, opt, tok, task, every=1, batch={"B_E": 2, "G": 2}, **kw)
     for step in range(1, steps + 1):
         _gradient(model, opt, ids)
-        probed = not (isinstance(opt, torch.optim.Adam) and step == 1)
-        assert probe.before_step(step) == probed, step
+        assert probe.before_step(step), step
         if between is not None:
             between(step)
         opt.step()
-        assert (probe.after_step() is not None) == probed
+        assert probe.after_step() is not None
     return probe
 
 
@@ -77,16 +76,16 @@ def test_sgd_is_probed_from_its_first_step(parts, model, momentum):
 
 
 @pytest.mark.parametrize("lr", [1e-2, 1e-3, 1e-7])
-def test_adamw_passes_the_step_check_and_its_first_step_is_skipped_aloud(parts, model, lr):
-    """AdamW's first step (no state yet) is not probed, and says so: in ``skipped`` with the reason,
-    warned once (it returned False with nothing recorded); the next steps are, and the check of
-    the step taken never fires on an honest step, at tiny lr too (1e-7: theta's rounding, u |theta|,
-    is what the bound holds there)."""
+def test_adamw_passes_the_step_check_from_its_first_step(parts, model, lr):
+    """AdamW's first step (no state yet: m = v = 0, step 0) is probed like the others (it was
+    skipped): its closed form ``-lr g / (|g| + eps) - lr wd theta`` is the step torch takes, so the
+    check of the step taken never fires on an honest step, at step 1 and after, at tiny lr too
+    (1e-7: theta's rounding, u |theta|, is what the bound holds there); nothing is skipped or warned."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    with pytest.warns(UserWarning, match=r"step 1 is not probed: the optimizer \(AdamW\) has not taken a step yet"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: step 1 is not skipped aloud any more
         probe = _probe_steps(parts, model, opt, 3)
-    assert [s for s, _ in probe.skipped] == [1] and "no Adam state" in probe.skipped[0][1]
-    assert [h["step"] for h in probe.history] == [2, 3]
+    assert probe.skipped == [] and [h["step"] for h in probe.history] == [1, 2, 3]
     for h in probe.history:
         assert h["pred/step_model"] == "adamw_closed_form"
         _honest(h)
@@ -134,13 +133,14 @@ def _changed_step(parts, model, change) -> tuple[OnlineProbe, list]:
 
 def test_parameters_changed_after_the_prediction_are_flagged(parts, model):
     """0.05 added to the embedding between ``before_step`` and ``optimizer.step()`` at steps 3 and 4:
-    those steps are flagged (warned once), ``pred_consistent`` is None with the reason; step 2 not."""
+    those steps are flagged (warned once), ``pred_consistent`` is None with the reason; steps 1 and 2 not."""
     def change(step, m):
         if step >= 3:
             with torch.no_grad():
                 m.get_input_embeddings().weight.add_(0.05)
     probe, warned = _changed_step(parts, model, change)
-    h2, h3, h4 = probe.history
+    h1, h2, h3, h4 = probe.history
+    _honest(h1)
     _honest(h2)
     for h in (h3, h4):
         assert h["step_mismatch"] is True and abs(h["step_check/diff"]) > h["step_check/tol"]
@@ -157,7 +157,8 @@ def test_grad_scaled_after_the_prediction_is_flagged(parts, model):
             for p in m.parameters():
                 p.grad.mul_(3.0)
     probe, warned = _changed_step(parts, model, change)
-    h2, h3, h4 = probe.history
+    h1, h2, h3, h4 = probe.history
+    _honest(h1)
     _honest(h2)
     _honest(h4)
     assert h3["step_mismatch"] is True and h3["pred_consistent"] is None and len(warned) == 1

@@ -225,11 +225,11 @@ def test_checkpoints_found_by_step_and_chosen(tmp_path):
 
 def test_the_trainer_plots_its_online_probes(run_dir):
     """``python -m entprobe.train --probe-every 1``: entprobe_over_steps.csv / .png in --out, a row per
-    probed step with the numbers the log history holds (step 1 has no Adam state: not probed)."""
+    probed step with the numbers the log history holds (step 1 too: AdamW's first step is probed)."""
     rows = OS.read_csv(run_dir / "entprobe_over_steps.csv")
     state = json.loads((run_dir / "checkpoint-3" / "trainer_state.json").read_text())
     logged = {e["step"]: e for e in state["log_history"] if "entprobe/deltaH_pred" in e}
-    assert [r["step"] for r in rows] == sorted(logged) == [2, 3]
+    assert [r["step"] for r in rows] == sorted(logged) == [1, 2, 3]
     for r in rows:
         e = logged[r["step"]]
         assert r["status"] == "ok" and r["deltaH_pred"] == pytest.approx(e["entprobe/deltaH_pred"], rel=1e-12)

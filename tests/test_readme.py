@@ -60,9 +60,8 @@ def test_trl_snippet_runs_verbatim(tmp_path):
 
 
 def test_loop_snippet_runs_verbatim(tmp_path):
-    """Use 3: 8 steps of a plain loop, the rollouts probe every 2 steps (the first step has no Adam
-    state yet, so it is not probed: steps 2, 4, 6, 8), each with its forecast of H 5 steps ahead and
-    the guard's lr factor in its range."""
+    """Use 3: 8 steps of a plain loop, the rollouts probe every 2 steps (steps 2, 4, 6, 8), each
+    with its forecast of H 5 steps ahead and the guard's lr factor in its range."""
     rows = run_verbatim(snippet("EntropyGuard"), tmp_path)
     assert [r[0] for r in rows] == ["2", "4", "6", "8"], rows
     for step, pred, se, forecast, factor in rows:

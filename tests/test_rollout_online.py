@@ -38,7 +38,7 @@ def test_entprobe_train_with_rollouts_leaves_the_trajectory_alone(tmp_path):
         keys = ("loss", "reward", "entropy", "grad_norm")
         assert [[h[k] for k in keys] for h in plain] == [[h[k] for k in keys] for h in probed]
         logged = [h for h in probed if "entprobe/deltaH_pred" in h]
-        assert [h["step"] for h in logged] == [2, 3]  # step 1: no Adam state yet
+        assert [h["step"] for h in logged] == [1, 2, 3]  # step 1 too: AdamW's first step has a closed form
         for h in logged:
             assert math.isfinite(h["entprobe/deltaH_pred"]) and h["entprobe/SE_deltaH_pred"] > 0
             assert "entprobe/deltaH_true" not in h  # nothing measured
@@ -100,7 +100,7 @@ def test_trl_callback_reads_the_step_s_batch_and_its_entropy_is_trl_s(tmp_path):
     for a, b in zip(plain.model.parameters(), tr.model.parameters()):
         assert torch.equal(a, b)
     logged = {h["step"]: h for h in tr.state.log_history if "entropy" in h}
-    assert [r["step"] for r in cb.history] == [2, 3, 4]
+    assert [r["step"] for r in cb.history] == [1, 2, 3, 4]  # step 1 too: AdamW's first step is probed
     for r in cb.history:
         tol = 256 * torch.finfo(torch.float32).eps * logged[r["step"]]["entropy"]
         assert abs(r["H_orig"] - logged[r["step"]]["entropy"]) <= tol, (r["H_orig"], logged[r["step"]]["entropy"])
@@ -127,7 +127,7 @@ def test_docs_snippets_run(tmp_path):
           "task": load_task(TrainArgs(out="")), "sampling": SamplingConfig(max_new_tokens=4), "torch": torch,
           "sample_batch": sample_batch, "draw_prompt_indices": draw_prompt_indices, "policy_loss": policy_loss}
     exec(loop.replace("every=10", "every=1"), ns)
-    assert [r["step"] for r in ns["probe"].history] == [2, 3]
+    assert [r["step"] for r in ns["probe"].history] == [1, 2, 3]
     assert all(math.isfinite(r["forecast_H_k10"]) for r in ns["probe"].history)
     pytest.importorskip("trl")
     from online_probe import trainer_parts
@@ -158,7 +158,7 @@ def test_trl_losses_that_couple_the_prompts_are_split_as_the_trainer_computes_th
     cb = EntropyProbeCallback(tr, every_n_steps=1, source="rollouts")
     tr.add_callback(cb)
     tr.train()
-    assert [r["step"] for r in cb.history] == [2, 3]
+    assert [r["step"] for r in cb.history] == [1, 2, 3]
     for r in cb.history:
         assert r["rollouts/grad_residual"] < 1e3 * torch.finfo(torch.float32).eps
         assert math.isfinite(r["deltaH_pred"]) and r["SE_deltaH_pred"] > 0

@@ -49,7 +49,7 @@ def test_checkpoints_are_in_trainer_layout_with_the_probe_in_their_log(run_out):
             assert {"loss", "reward", "entropy", "learning_rate"} <= set(entry), entry
             assert all(math.isfinite(entry[k]) for k in ("loss", "reward", "entropy"))
         probed = [e["step"] for e in state.log_history if "entprobe/deltaH_pred" in e]
-        assert probed == [2]  # probe-every 2: step 2 (step 1 has no Adam state yet)
+        assert probed == [2]  # probe-every 2: step 2 (step 1 is not a multiple of 2)
         e = state.log_history[1]
         assert e["entprobe/SE_deltaH_pred"] > 0 and math.isfinite(e["entprobe/deltaH_true"])
         # the closed-form update the probe predicted from is the step the trainer took

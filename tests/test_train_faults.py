@@ -137,7 +137,7 @@ def test_trainer_rollouts_run_prints_and_tables_the_numbers_it_logged(tmp_path):
     state = __import__("json").loads((out / "checkpoint-3" / "trainer_state.json").read_text())
     logged = {e["step"]: e for e in state["log_history"] if "entprobe/deltaH_pred" in e}
     printed = {int(x.split()[2][:-1]): x for x in lines if re.match(r"\[entprobe\] step \d+: predicted ", x)}
-    assert sorted(printed) == sorted(logged) == [2, 3]
+    assert sorted(printed) == sorted(logged) == [1, 2, 3]
     rows = {r["step"]: r for r in OS.read_csv(out / "entprobe_over_steps.csv")}
     for step, e in logged.items():
         x = printed[step]

@@ -8,11 +8,14 @@ same zero gradient still moves the weights (momentum): that probe runs in full.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from conftest import committed_batches, compose_cfg
 from entprobe.cli.probe_job import run
+from entprobe.integrations.step_lines import probe_line
 from entprobe.math import paramvec as pv
 from entprobe.reporting.verdict import flags, verdict_lines
 
@@ -99,3 +102,123 @@ def test_the_paired_line_is_the_t_test_with_its_degrees_of_freedom(z, ok, df, sa
 
     r = {"z_true_minus_pred": z, "pred_consistent": ok, **({"df_true_minus_pred": df} if df else {})}
     assert paired_test(r) == said
+
+
+# ---------------------------------------------------------------- the online probe (source="rollouts")
+def _tied_step(make_optimizer, steps_before: int = 0, seed: int = 3):
+    """The built-in model and ``make_optimizer(model)`` after ``steps_before`` real steps, and a
+    batch of 8 prompts x 4 whose every group is tied (all advantages 0: the DR-GRPO gradient in
+    ``.grad`` is exactly 0), plus the same batch with its own advantages (a normal step)."""
+
+    from entprobe.checkpoints.default_checkpoint import policy_loss
+    from entprobe.config import SamplingConfig
+    from entprobe.integrations.grpo_trainer import TrainArgs, load_policy, load_task
+    from entprobe.rollouts.sampling import draw_prompt_indices, sample_batch
+
+    model, tok = load_policy(TrainArgs(out=""))
+    task = load_task(TrainArgs(out=""))
+    opt = make_optimizer(model)
+
+    def batch_at(s):
+        return sample_batch(model, tok, task, draw_prompt_indices(len(task.prompts), 8, s), 4,
+                            SamplingConfig(max_new_tokens=4), s, "dr_grpo", 1e-6)
+    for s in range(steps_before):
+        opt.zero_grad()
+        policy_loss(model, batch_at(100 + s), "dr_grpo").backward()
+        opt.step()
+    normal = batch_at(seed)
+    assert bool((normal.advantages != 0).any())  # the same prompts' own groups are not all tied
+    tied = dataclasses.replace(normal, advantages=torch.zeros_like(normal.advantages))
+
+    def load(batch):  # the batch's gradient into .grad, as the loop has it before optimizer.step()
+        opt.zero_grad()
+        policy_loss(model, batch, "dr_grpo").backward()
+        return batch
+    return model, tok, opt, load, normal, tied
+
+
+def _probe(model, tok, opt, step, batch, between=None):
+    from entprobe.integrations import OnlineProbe
+
+    probe = OnlineProbe(model, opt, tok, None, every=1, source="rollouts")
+    assert probe.before_step(step, rollouts=batch)
+    passes = dict(probe._ctx.stats.passes)
+    if between is not None:
+        between()
+    opt.step()
+    return probe, probe.after_step(), passes
+
+
+@pytest.mark.parametrize("which", ["adamw_first_step", "sgd"])
+def test_a_tied_step_with_nothing_carried_is_free_and_says_so(which):
+    """Every group tied (gradient exactly 0) and nothing carried (AdamW's first step: m = v = 0; SGD
+    without momentum) and no weight decay: the update is exactly 0, so the probe runs no pass at all
+    (H from the sampler's records), predicts 0 exactly with SE 0 (``update_zero``, the step line says
+    so), and checks that the step left theta as it was; a changed parameter is flagged."""
+    make = (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0)) if which.startswith("adamw") \
+        else (lambda m: torch.optim.SGD(m.parameters(), lr=1e-2))
+    model, tok, opt, load, normal, tied = _tied_step(make, steps_before=0 if which.startswith("adamw") else 2)
+    theta = [p.detach().clone() for p in model.parameters()]
+    load(tied)
+    assert all(not p.grad.any() for p in model.parameters())  # the gradient is exactly 0
+    probe, m, passes = _probe(model, tok, opt, 1, tied)
+    assert passes.get("backward", 0) == 0 and passes.get("forward", 0) == 0  # no pass at all
+    assert all(torch.equal(p, t) for p, t in zip(model.parameters(), theta))  # the step moved nothing
+    h = probe.history[0]
+    assert h["update_zero"] is True and h["gradient_zero"] is True
+    assert m["entprobe/update_zero"] == 1.0 and m["entprobe/deltaH_pred"] == 0.0 and m["entprobe/SE_deltaH_pred"] == 0.0
+    assert h["ci95_pred_low"] == h["ci95_pred_high"] == 0.0 and h["deltaH1_step"] == 0.0
+    assert h["step_mismatch"] is False and "pred_consistent" not in h
+    # a parameter changed between before_step and optimizer.step(): not the step predicted (the
+    # optimizer still carries nothing: its first step moved nothing)
+    load(tied)
+
+    def nudge():
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[0] += 0.01
+    with pytest.warns(UserWarning, match="the update was exactly 0"):
+        moved, _, _ = _probe(model, tok, opt, 2, tied, between=nudge)
+    assert moved.history[0]["step_mismatch"] is True and moved.history[0]["pred_consistent"] is None
+    with torch.no_grad():  # theta back where the batch was sampled
+        for p, t in zip(model.parameters(), theta):
+            p.copy_(t)
+    # a batch without the sampler's records (TRL's): one forward without a graph per response, no backward
+    load(tied)
+    bare, _, bare_passes = _probe(model, tok, opt, 3, dataclasses.replace(tied, sampler_entropy=None))
+    assert bare_passes == {"forward": tied.B * tied.G} and bare.history[0]["update_zero"] is True
+    # H: the sampler's token entropies (token_mean), as a full probe's forward finds them on the same
+    # batch: fp32 logits of a 4-token response, the two paths' roundings (~1e2 eps32 of H)
+    load(normal)
+    full, _, full_passes = _probe(model, tok, opt, 4, normal)
+    tied_groups = int((normal.advantages == 0).all(-1).sum())  # a prompt of equal rewards takes no Y backward
+    assert tied_groups < normal.B and full.history[0].get("update_zero") is None
+    assert full_passes["backward"] == (2 * normal.B - tied_groups) * normal.G
+    H0, H1 = h["H_rollouts"], full.history[0]["H_rollouts"]
+    assert abs(H0 - H1) <= 1e2 * torch.finfo(torch.float32).eps * abs(H1), (H0, H1)
+    assert abs(bare.history[0]["H_rollouts"] - H1) <= 1e2 * torch.finfo(torch.float32).eps * abs(H1)
+    line = probe_line(1, m, "rollouts", H0)
+    assert "predicted 0 exactly from the step's rollouts" in line and "the update is exactly zero" in line
+
+
+@pytest.mark.parametrize("carried", ["weight_decay", "momentum"])
+def test_a_tied_step_that_still_moves_takes_no_y_pass(carried):
+    """Every group tied (gradient exactly 0) but something still moves theta: AdamW's first step with
+    weight decay (the change is ``-Xbar . (-lr wd theta)``) or AdamW with momentum carried (two steps
+    in, no decay). Only X is formed: one forward and one backward per response, no Y backward (a normal
+    step: two); the prediction is all the moving part's (the gradient part 0 exactly) and equals the
+    first-order change of the step taken, ``deltaH1_step``, within the step check's rounding bound."""
+    wd, before = (0.1, 0) if carried == "weight_decay" else (0.0, 2)
+    model, tok, opt, load, normal, tied = _tied_step(
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=wd), steps_before=before)
+    load(tied)
+    probe, m, passes = _probe(model, tok, opt, before + 1, tied)
+    B, G = tied.B, tied.G
+    assert passes["backward"] == B * G and passes["forward"] == B * G  # X alone
+    h = probe.history[0]
+    assert h["gradient_zero"] is True and h["update_zero"] is False and m["entprobe/gradient_zero"] == 1.0
+    assert h["deltaH_pred_gradient"] == 0.0
+    other = "momentum" if carried == "weight_decay" else "weight_decay"
+    assert h.get(f"deltaH_pred_{other}", 0.0) == 0.0 and h[f"deltaH_pred_{carried}"] != 0.0
+    assert h["step_mismatch"] is False
+    assert abs(h["deltaH_pred"] - h["deltaH1_step"]) <= h["step_check/tol"], (h["deltaH_pred"], h["deltaH1_step"])
+    assert "every group tied: the gradient is 0" in probe_line(1, m, "rollouts", h["H_rollouts"])

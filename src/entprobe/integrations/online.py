@@ -9,7 +9,7 @@ entropy change before ``optimizer.step()`` and measure it after.
         metrics = probe.after_step()                   # measure: {"entprobe/deltaH_true": ..., ...} or None
         optimizer.zero_grad()
 
-``before_step`` (on steps that are multiples of ``every``, once the optimizer has Adam state):
+``before_step`` (on steps that are multiples of ``every``, from the optimizer's first step):
 samples a held-out batch E at theta (B_E prompts, G responses: responses the step is not fit to),
 builds the update AdamW will apply to the gradient now in ``.grad`` (closed form: the optimizer's
 own lr, betas, eps, decay and state; ``stages.prediction.build_step_model``) and predicts
@@ -27,8 +27,9 @@ snapshot restored bit-exactly: an optimizer whose ``step`` is not torch's own Ad
 subclass overriding it included, and SGD with momentum). After the step, the step taken is checked
 against the one predicted on the prediction's Xbar (``_check_step``): another step (parameters or
 ``.grad`` changed between the calls) is flagged ``step_mismatch``, ``pred_consistent`` None, warned
-once. Adam's first step (no state yet) is recorded in ``skipped``, warned once; SGD is probed from
-its first. ``held_out`` may also be a callable ``step -> RolloutBatch`` that
+once. AdamW's first step is probed like any other: without state its moments are zeros at step 0,
+so the closed form is ``-lr g / (|g| + eps) - lr wd theta`` (math/adamw.py). ``held_out`` may also be
+a callable ``step -> RolloutBatch`` that
 samples at the current parameters (the TRL callback passes the trainer's own generation).
 
 ``source="rollouts"`` (``before_step(step, rollouts=batch)``, ``batch`` the RolloutBatch the gradient in
@@ -61,7 +62,7 @@ from entprobe.math.importance import psis_backend
 from entprobe.checkpoints.optim_state import OptimizerStateError
 from entprobe.tasks.prompt_ids import prompt_kwargs
 from entprobe.rollouts.sampling import RolloutBatch, draw_prompt_indices, sample_batch
-from entprobe.integrations.online_checks import check_every, check_rollouts, step_check
+from entprobe.integrations.online_checks import check_every, check_rollouts, step_check, still_check, theta_sum
 from entprobe.pipeline.stages.ground_truth import (eval_at_current, importance_estimates, token_side,
                                                    token_side_needed, true_change)
 from entprobe.pipeline.stages.x_spec import functional_value
@@ -89,7 +90,7 @@ LOGGED = ("deltaH_pred", "SE_deltaH_pred", "ci95_pred_low", "ci95_pred_high", "d
           "rounding_true_minus_pred", "lr_floor_true_minus_pred",
           "deltaH_pred_gradient", "deltaH_pred_momentum", "deltaH_pred_weight_decay", "deltaH1_step",
           "H_orig", "H_rollouts", "ESS_frac", "lr", "time_s", "step", "step_mismatch",
-          "SE_deltaH_pred_expected", "deltaH_pred_E",
+          "SE_deltaH_pred_expected", "deltaH_pred_E", "gradient_zero", "update_zero",
           *(f"forecast_H_k{k}{s}" for k in HORIZONS for s in ("", "_low", "_high")))
 # the online probe's default functional: token_mean, the mean over generated tokens of the
 # full-vocabulary entropy, which TRL logs as ``entropy`` and verl as ``actor/entropy``
@@ -199,21 +200,14 @@ class OnlineProbe:
         self.history: list[dict] = []
         self.skipped: list[tuple[int, str]] = []
         self._pending: _Pending | None = None
-        self._warned_mismatch = self._warned_first = False
+        self._warned_mismatch = False
         self.filter = RunFilter()  # source="rollouts": the forecast over the run (integrations/online_filter.py)
         psis_backend()  # its one-time import (~1 s) here, not inside the training loop's first probe
 
     def due(self, step: int) -> bool:
-        """Whether ``before_step(step)`` probes: every ``every`` steps, except Adam's first step (no
-        state yet: ``before_step`` records it in ``skipped``, warned once). SGD keeps no state: it is
-        probed from its first step."""
-        return step % self.every == 0 and not self._adam_without_state()
-
-    def _adam_without_state(self) -> bool:
-        """Adam/AdamW (or a subclass) before its first step: no ``exp_avg_sq`` for any parameter."""
-        opt = self.optimizer
-        return isinstance(opt, torch.optim.Adam) and not any(
-            "exp_avg_sq" in (opt.state.get(p) or {}) for g in opt.param_groups for p in g["params"])
+        """Whether ``before_step(step)`` probes: every ``every`` steps, from the optimizer's first
+        (AdamW without state yet steps from zero moments, in closed form like any other step)."""
+        return step % self.every == 0
 
     def _sample(self, step: int) -> RolloutBatch:
         if callable(self.held_out) and not isinstance(self.held_out, Task):
@@ -230,14 +224,6 @@ class OnlineProbe:
         ``clip_grad_norm_`` returned; needed when ``max_grad_norm`` clipped it). Returns whether it
         predicted (``due``)."""
         self._pending = None
-        if step % self.every == 0 and self._adam_without_state():
-            reason = (f"step {step} is not probed: the optimizer ({type(self.optimizer).__name__}) has not taken a "
-                      "step yet (no Adam state); the probe starts with its second step, its first due one after")
-            self.skipped.append((step, reason))
-            if not self._warned_first:
-                self._warned_first = True
-                warnings.warn(f"entprobe: {reason}", stacklevel=2)
-            return False
         if not self.due(step):
             return False
         if self.source == "rollouts" and not isinstance(rollouts, RolloutBatch):
@@ -262,13 +248,6 @@ class OnlineProbe:
         Ybar = [-p.grad.detach().float() for _, p in trainable]  # the step's gradient, before it is set aside
         with left_as_it_was(model, self.optimizer, None) as callers_modes:
             ctx = probe_context(cfg, model, Ybar[0].device, _autocast(cfg, Ybar[0].device))
-            callers_modes()  # sampled as the loop samples (a trainer's generation reads model.training)
-            with ctx.phase("sample_E"):
-                E = self._sample(step) if self.held_out is not None else None
-            model.eval()
-            if E is not None and E.temperature != cfg.sampling.temperature:
-                raise ConfigError(f"held-out E was sampled at temperature {E.temperature}, the probe's log-probs "
-                                  f"use sampling.temperature={cfg.sampling.temperature}: make them agree")
             with ctx.phase("geometry"):
                 # the update comes from the optimizer itself (closed form, or its step on a snapshot):
                 # no preconditioner P, and none of the parameter-sized passes that build its
@@ -284,6 +263,14 @@ class OnlineProbe:
                 res["H_rollouts"] = H
                 ro.forecast = forecast_inputs(ro, geo.optimizer, ctx.params, Ybar)
                 res.update(self.filter.on_probe(step, ro.forecast, geo.lr))
+            still = self.source == "rollouts" and Xbar is None  # an update exactly 0: nothing to measure
+            callers_modes()  # sampled as the loop samples (a trainer's generation reads model.training)
+            with ctx.phase("sample_E"):
+                E = self._sample(step) if self.held_out is not None and not still else None
+            model.eval()
+            if E is not None and E.temperature != cfg.sampling.temperature:
+                raise ConfigError(f"held-out E was sampled at temperature {E.temperature}, the probe's log-probs "
+                                  f"use sampling.temperature={cfg.sampling.temperature}: make them agree")
             pred = predict_on_held_out(ctx, E, update, cfg.probe, with_entropy=False, total_only=True) \
                 if E is not None else None
             del Ybar
@@ -294,11 +281,15 @@ class OnlineProbe:
             elif pred is not None:  # the measured side's own prediction on E, paired with it
                 res.update({"deltaH_pred_E": pred.res["deltaH_pred"], "SE_deltaH_pred_E": pred.res["SE_deltaH_pred"],
                             "measure/B_E": E.B})
-            x_theta = pv.dot(Xbar, [p.detach() for p in ctx.params], dtype=torch.float64)  # no copy of theta
-            with ctx.phase("step_check"):  # the predicted step's Xbar . Delta theta, to check the step taken
-                step_dot, step_mag = update_dots(ctx, update, Xbar)
-                x_theta_abs = sum(float(torch.dot(x.reshape(-1).double().abs(), p.detach().reshape(-1).double().abs()))
-                                  for x, p in zip(Xbar, ctx.params))
+            if still:  # theta_plus must be theta: the parameters' own sum is checked (online_checks.still_check)
+                x_theta, step_dot, step_mag, x_theta_abs = theta_sum(ctx.params), 0.0, 0.0, 0.0
+            else:
+                x_theta = pv.dot(Xbar, [p.detach() for p in ctx.params], dtype=torch.float64)  # no copy of theta
+                with ctx.phase("step_check"):  # the predicted step's Xbar . Delta theta, to check the step taken
+                    step_dot, step_mag = update_dots(ctx, update, Xbar)
+                    x_theta_abs = sum(float(torch.dot(x.reshape(-1).double().abs(),
+                                                      p.detach().reshape(-1).double().abs()))
+                                      for x, p in zip(Xbar, ctx.params))
             del update
         res.update({"lr": geo.lr, "step": step})
         u = max(torch.finfo(t).eps / 2 for t in {p.dtype for p in ctx.params} | {
@@ -318,12 +309,15 @@ class OnlineProbe:
         with left_as_it_was(self.model, self.optimizer, None):
             if E is not None:
                 res.update(self._measure(ctx, pend))
-            x_after = pv.dot(pend.Xbar, [p.detach() for p in ctx.params], dtype=torch.float64)
-        # -Xbar . (theta_plus - theta): the real step. Both dots in fp64 (exact products of fp32 or bf16
-        # numbers): their difference is the step's dot to ~1e-16 of |Xbar| |theta|, where fp32 dots lost
-        # up to 3e-4 (their rounding, ~6e-8 of them, is not small next to the step's dot)
-        res["deltaH1_step"] = -(x_after - pend.x_dot_theta)
-        res.update(self._check_step(pend, res["deltaH1_step"]))
+            if pend.Xbar is None:  # an update exactly 0 (source="rollouts"): was theta left as it was?
+                res.update(still_check(pend.x_dot_theta, theta_sum(ctx.params)))
+                self._warn_mismatch(pend, res, 3)
+            else:  # -Xbar . (theta_plus - theta): the real step. Both dots in fp64 (exact products of fp32
+                # or bf16 numbers): their difference is the step's dot to ~1e-16 of |Xbar| |theta|, where fp32
+                # dots lost up to 3e-4 (their rounding, ~6e-8 of them, is not small next to the step's dot)
+                x_after = pv.dot(pend.Xbar, [p.detach() for p in ctx.params], dtype=torch.float64)
+                res["deltaH1_step"] = -(x_after - pend.x_dot_theta)
+                res.update(self._check_step(pend, res["deltaH1_step"]))
         res["time_s"] = self._t + _now() - t0
         res["cpu_time_s"] = self._cpu + time.process_time() - c0
         res.update({f"time/{k}_s": v for k, v in ctx.stats.seconds.items()})
@@ -337,13 +331,16 @@ class OnlineProbe:
         prediction's Xbar); a mismatch is warned once."""
         out = step_check(-pend.step_dot, taken, pend.u, pend.x_theta_abs, pend.step_mag,
                          sum(p.numel() for p in self._ctx.params))
+        self._warn_mismatch(pend, out, 4)
+        return out
+
+    def _warn_mismatch(self, pend: _Pending, out: dict, stacklevel: int) -> None:
         if out["step_mismatch"] and not self._warned_mismatch:
             self._warned_mismatch = True
             warnings.warn(f"entprobe: step {pend.step}: {out['pred_consistent_reason']}; the prediction was of "
                           "another step, so pred_consistent is None. Does the optimizer's step differ from torch's "
                           "AdamW/SGD, or did the parameters or .grad change between before_step and "
-                          "optimizer.step()?", stacklevel=3)
-        return out
+                          "optimizer.step()?", stacklevel=stacklevel)
 
     def _measure(self, ctx, pend: _Pending) -> dict:
         """The importance-sampling estimate of the step's change on E and its paired difference with

@@ -50,3 +50,24 @@ def step_check(predicted: float, taken: float, u: float, x_theta_abs: float, ste
         f"{predicted:.6g} for the update before_step computed (relative difference {rel:.3g}, rounding allows "
         f"{tol:.3g})")})
     return out
+
+
+def theta_sum(params) -> float:
+    """``sum_i theta_i`` over every parameter, in fp64 (summed the same way each call: a parameter
+    left as it was gives the same bits)."""
+    return float(torch.stack([torch.sum(p.detach(), dtype=torch.float64) for p in params]).sum())
+
+
+def still_check(before: float, after: float) -> dict:
+    """The step taken against an update predicted to be exactly 0 (``source="rollouts"``, every
+    group tied, nothing carried, no decay): ``theta_plus = theta`` leaves the parameters' fp64 sum
+    (``theta_sum``) bit for bit as it was; any other step is flagged as ``step_check`` flags it.
+    ``deltaH1_step`` is 0 exactly when it holds (NaN otherwise: no Xbar was formed to dot the step with)."""
+    diff = after - before
+    out = {"deltaH1_step": 0.0 if diff == 0 else math.nan, "step_check/predicted": 0.0, "step_check/diff": diff,
+           "step_check/tol": 0.0, "step_mismatch": diff != 0}
+    if out["step_mismatch"]:
+        out.update({"step_mismatch_rel": math.inf, "pred_consistent": None, "pred_consistent_reason": (
+            f"the step taken is not the one predicted: the update was exactly 0 (every group tied, nothing "
+            f"carried), but the parameters' sum moved by {diff:.6g}")})
+    return out

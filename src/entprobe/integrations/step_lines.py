@@ -53,7 +53,10 @@ def predicted_text(m: Mapping, source: str, H: float, at_used_lr: bool = False) 
     batch = f"from {ROLLOUTS}" if source == "rollouts" else f"on {HELD_OUT}"
     h = f" (H {H:.3g})" if math.isfinite(H) else ""
     lr = " at that lr" if at_used_lr else ""
-    return f"predicted {_pm(_g(m, 'deltaH_pred'), _g(m, 'SE_deltaH_pred'))}{lr} {batch}{h}"
+    if _g(m, "update_zero") == 1:
+        return f"predicted 0 exactly {batch}{h}: the update is exactly zero (every group tied, nothing carried)"
+    tied = "; every group tied: the gradient is 0, only momentum and weight decay move" if _g(m, "gradient_zero") == 1 else ""
+    return f"predicted {_pm(_g(m, 'deltaH_pred'), _g(m, 'SE_deltaH_pred'))}{lr} {batch}{h}{tied}"
 
 
 def probe_line(step: int, m: Mapping, source: str = "held_out", H_rollouts: float | None = None,

@@ -198,3 +198,7 @@ class StepModel:
     # the closed forms: ``dots_with(x) -> (x . Delta theta, sum_i |x_i| sum_part |Delta theta_part,i|)`` in
     # fp64 without writing the update out (the online probe's check of the step taken; None: write it)
     dots_with: Callable[[list[torch.Tensor]], tuple[float, float]] | None = None
+    # the closed forms: whether the update at a zero gradient is exactly 0 but for the weight decay (nothing
+    # carried: SGD without momentum; AdamW whose every m is 0, e.g. before its first step), read off the
+    # optimizer's state without writing the update (None: write it and look)
+    carries_nothing: Callable[[], bool] | None = None

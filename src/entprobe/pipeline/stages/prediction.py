@@ -263,9 +263,14 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
         total = reduce_shards(total)
         return float(total[0]), float(total[1])
 
+    def carries_nothing() -> bool:  # at a zero gradient SGD has no momentum part; AdamW's, -(lr/bc1) b1 m / D
+        ms = [(optimizer.state.get(p) or {}).get("exp_avg") for p in ctx.params] if adam else []  # (D >= eps > 0)
+        nonzero = torch.tensor(float(sum(int(torch.count_nonzero(local(m))) for m in ms if m is not None)))
+        return all(float(g.get("eps", 1.0)) > 0 for g in optimizer.param_groups) and float(reduce_shards(nonzero)) == 0
+
     return StepModel(names, lambda outs: run_chunks(outs, update), jacobian_times_into,
                      "adamw_closed_form" if adam else "sgd_closed_form", facts, unit_dots if s == 1.0 else None,
-                     dots_with)
+                     dots_with, carries_nothing)
 
 
 def update_dots(ctx: ProbeContext, step: StepModel, xs: pv.Buffer) -> tuple[float, float]:

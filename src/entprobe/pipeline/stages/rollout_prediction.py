@@ -14,6 +14,11 @@ What each number estimates (docs/rollouts.md):
   gradient part's: the other parts do not depend on the batch's Y);
 - ``deltaH_pred_plain``: ``-Xbar . Delta theta``, biased by each prompt's own X_n . Y_n;
 - ``H_orig`` +- ``SE_H_orig``: the functional at theta on the batch (token_mean: TRL's ``entropy``).
+
+A step whose gradient is exactly 0 (every group tied: all advantages 0) takes no Y backward
+(rollout_passes.py); ``gradient_zero`` says so. When the update is exactly 0 as well (nothing carried:
+AdamW's first step or SGD without momentum, and no weight decay), nothing moves: ``update_zero``,
+every prediction 0 with SE 0, and no pass at all (``still_prediction``: H from the sampler's records).
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from entprobe.math.rollout_ustat import (CrossPrompt, KernelTerms, clip_coeffici
                                          kernel_terms, standard_errors, unit_mean_rows, zero_terms)
 from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.pipeline.stages.rollout_passes import rollout_passes
+from entprobe.pipeline.stages.zero_update import update_is_zero
 from entprobe.pipeline.stages.x_spec import XSpec
 from entprobe.rollouts import objectives as ob
 from entprobe.rollouts.sampling import RolloutBatch
@@ -49,7 +55,7 @@ class RolloutPrediction:
     kt: KernelTerms  # the gradient part's kernel terms (b: the Y side of a fresh step)
     h_units: torch.Tensor  # [B] per-prompt linearised values of H (mean: H_orig)
     B: int
-    Xbar: pv.Buffer  # the batch's mean X (model device)
+    Xbar: pv.Buffer | None  # the batch's mean X (model device); None: an update exactly 0 (still_prediction)
     forecast: ForecastInputs | None = None  # set by the caller (forecast_inputs)
     H_max: tuple[float, float] = (math.inf, math.inf)  # the population's and the logged H's largest value (entropy_range)
 
@@ -97,6 +103,10 @@ def predict_on_rollouts(ctx: ProbeContext, batch: RolloutBatch, step: StepModel,
     (its Y_n), ``step_at(y')`` the update's model at another gradient input."""
     y_norm = pv.norm(y)
     c = clip_of(y_norm, max_grad_norm, grad_norm)
+    # every group tied (y exactly 0), nothing carried (momentum part 0) and no decay: nothing moves
+    if y_norm == 0.0 and "weight_decay" not in step.names and (
+            step.carries_nothing() if step.carries_nothing is not None else update_is_zero(ctx, step, y)):
+        return still_prediction(ctx, batch, step)
     rp = rollout_passes(ctx, batch, step, step_at, y, c, max_grad_norm, budget_mb)
     residual = rp.residual / rp.y_norm if rp.y_norm > 0 else (0.0 if rp.ybar_norm == 0 else math.inf)
     if not residual <= GRADIENT_MISMATCH:
@@ -126,9 +136,41 @@ def predict_on_rollouts(ctx: ProbeContext, batch: RolloutBatch, step: StepModel,
     res["ci95_pred_expected_low"], res["ci95_pred_expected_high"] = est.interval(whole.U, se["SE_expected"], B - 1)
     if len(names) > 1:
         res.update({f"deltaH_pred_{k}": p.U for k, p in parts.items()})
+    if y_norm == 0.0:  # no Y backward was taken (rollout_passes): what moved is the momentum and the decay
+        res.update({"gradient_zero": True, "update_zero": False})
     h = functional_units(ctx.x, rp.S, rp.entropy, batch.response_mask)
     res["H_orig"], res["SE_H_orig"] = float(h.mean()), math.sqrt(est.mean_variance(h))
     return RolloutPrediction(res, parts, kt, h, B, rp.Xbar)
+
+
+def still_prediction(ctx: ProbeContext, batch: RolloutBatch, step: StepModel) -> RolloutPrediction:
+    """The prediction of an update that is exactly 0 (gradient 0, nothing carried, no decay):
+    ``theta_plus = theta``, so the change is 0 exactly for any X, with SE 0 (each part too), and no
+    pass is needed. H at theta (``H_orig``, the forecast's start) from the sampler's records
+    (``sampler_entropy`` and ``sampler_logprobs``, which entprobe's sampler keeps), else from one
+    forward without a graph per prompt. ``Xbar`` is None: the check of the step taken compares the
+    parameters themselves (integrations/online_checks.py)."""
+    if batch.sampler_entropy is not None:
+        S, ent = batch.S_sampler, batch.sampler_entropy
+    else:
+        with ctx.phase("rollouts_units"), torch.no_grad():
+            fwd = [ctx.forward_S(batch.select(n), f"source=rollouts, prompt {n}", with_entropy=ctx.x.entropy)
+                   for n in range(batch.B)]
+        S = torch.cat([f.S.detach().cpu() for f in fwd])
+        ent = torch.cat([f.ent.detach().cpu() for f in fwd]) if fwd[0].ent is not None else None
+    zero = torch.zeros(batch.B, dtype=torch.float64)
+    cp = CrossPrompt(0.0, zero, zero)
+    parts = {name: cp for name in step.names}
+    res = {"source": "rollouts", "deltaH_pred": 0.0, "pred/step_model": step.kind, "deltaH_pred_plain": 0.0,
+           "rollouts/B": batch.B, "rollouts/G": batch.G, "rollouts/clip_coef": 1.0, "rollouts/grad_residual": 0.0,
+           "SE_deltaH_pred": 0.0, "SE_deltaH_pred_expected": 0.0, "SE_deltaH_pred_plugin": 0.0, "B_E": batch.B,
+           "G": batch.G, "ci95_pred_low": 0.0, "ci95_pred_high": 0.0, "ci95_pred_expected_low": 0.0,
+           "ci95_pred_expected_high": 0.0, "gradient_zero": True, "update_zero": True}
+    if len(step.names) > 1:
+        res.update({f"deltaH_pred_{k}": 0.0 for k in step.names})
+    h = functional_units(ctx.x, S, ent, batch.response_mask)
+    res["H_orig"], res["SE_H_orig"] = float(h.mean()), math.sqrt(est.mean_variance(h))
+    return RolloutPrediction(res, parts, zero_terms(zero), h, batch.B, None)
 
 
 def rollouts_prediction(ctx: ProbeContext, cfg: EntprobeConfig, batch: RolloutBatch, step: StepModel, step_at,
