@@ -91,7 +91,7 @@ def cost_line(history: list[dict], train_s: float, every: int) -> str:
 class EntropyProbeCallback(TrainerCallback):
     """Predict and measure the entropy change of every ``every_n_steps``-th optimizer step of a
     ``GRPOTrainer`` (module docstring). ``overrides``: the online probe's config keys
-    (``integrations.online.ONLINE_KEYS``; G, temperature, top_k and top_p are the trainer's).
+    (``integrations.online_config.ONLINE_KEYS``; G, temperature, top_k and top_p are the trainer's).
     ``source="rollouts"``: predict from the step's own generation batch (``OnlineProbe``'s
     ``source``; the loss is the trainer's, ``trl_rollouts.trl_objective``), no generation for the
     prediction; ``measure=True`` also samples a fresh E of ``batch.B_E`` prompts to measure the step

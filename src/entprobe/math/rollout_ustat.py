@@ -33,7 +33,8 @@ delete-1 jackknife SE of the *expected* step's change
 (both sides: the X_n and the step's own sampling, as single_batch mode's). For the step actually
 taken (its Y fixed), the error is the X side's, ``-(Xbar - E X) . Delta theta`` to leading order:
 SE ``sd(t_n) / sqrt(B)`` with ``t_n = -X_n . Delta theta(y_{-n})`` the unit's own term
-(``mean t_n = deltaH_pred``).
+(``mean t_n = deltaH_pred``), plus at second order the covariance of each pair of prompts with its
+swap, which the own terms do not carry (``pair_variance``: a prompt's X and Y share its responses).
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class UnitDots(NamedTuple):
     yjx: torch.Tensor  # Y_n . J Xbar
     xjyn: torch.Tensor  # X_n . J Y_n
     e_loo: torch.Tensor  # [B, parts] X_n . Delta theta_part(y_{-n}), the update without prompt n
+    pairs: torch.Tensor | None = None  # [B, B] X_n . J Y_m (None: not computed, see ``pair_variance``)
 
 
 def leave_one_out(ybar: torch.Tensor, Y: torch.Tensor, k: float, B: int) -> torch.Tensor:
@@ -141,11 +143,83 @@ def zero_terms(like: torch.Tensor) -> KernelTerms:
     return KernelTerms(z, z, z)
 
 
-def standard_errors(cp: CrossPrompt) -> dict:
-    """``SE_step`` (the step taken: the X side, ``sqrt(Var(mean t))``) and the jackknife and plug-in
-    SEs of the U-statistic (``SE_expected``: the expected step's change, both sides)."""
+MAX_SPLITS = 256  # halves averaged by ``pair_variance`` (all of them up to B = 11)
+
+
+def half_splits(B: int) -> torch.Tensor:
+    """Boolean masks [S, B] of splits of B units into two halves (sizes floor(B/2), ceil(B/2)), unit 0
+    always in the first: every split up to ``MAX_SPLITS`` of them, else ``MAX_SPLITS`` drawn with a
+    fixed seed (the same for every batch of B)."""
+    import itertools
+
+    half = B // 2
+    n_all = math.comb(B - 1, half - 1)
+    if n_all <= MAX_SPLITS:
+        combos = [(0,) + c for c in itertools.combinations(range(1, B), half - 1)]
+    else:
+        gen = torch.Generator().manual_seed(B)
+        combos = [(0,) + tuple((1 + torch.randperm(B - 1, generator=gen)[:half - 1]).tolist()) for _ in range(MAX_SPLITS)]
+    masks = torch.zeros((len(combos), B), dtype=torch.bool)
+    for i, c in enumerate(combos):
+        masks[i, list(c)] = True
+    return masks
+
+
+def _double_centred(Z: torch.Tensor) -> torch.Tensor:
+    """Each [..., n, m] block minus its row and column means plus its grand mean."""
+    return Z - Z.mean(-2, keepdim=True) - Z.mean(-1, keepdim=True) + Z.mean((-2, -1), keepdim=True)
+
+
+def pair_variance(dots: UnitDots, y_norm: float, c: float, rho: float, coupling: torch.Tensor | None) -> float:
+    """The part of ``Var(deltaH_pred - deltaH_step)`` (the error against the step taken) that the
+    prompts' own terms miss. To second order the error is
+
+        -(1/B) sum_n (X_n - E X) . Delta theta  -  1/(B(B-1)) sum_{n != m} h_nm,   h_nm = (X_n - E X) . K (Ytilde_m - E Ytilde)
+
+    and the spread of the own terms ``t_n`` carries the first sum and the second's ``E h_nm^2`` (through
+    the other prompts' noise in ``Delta theta(y_{-n})``), not the covariance of a pair with its swap,
+    ``E[h_nm h_mn] = tr(K C K C)`` with ``C = Cov(X_n, Ytilde_n)`` (large when a prompt's X and Y come
+    from the same responses):
+
+        V_pair = tr(K C K C) / (B (B - 1)).
+
+    ``tr(K C K C)`` is a product of two covariances: estimated without bias from two disjoint halves
+    a, b of the batch, ``tr(K C_a K C_b)`` with each half's own sample covariance,
+    ``sum_{n in a, m in b} M^ab_nm M^ba_mn / ((|a| - 1)(|b| - 1))``, ``M^ab_nm = (X_n - Xbar_a) . K
+    (Ytilde_m - Ytilde_b)`` (the a x b block of ``A_nm = X_n . K Ytilde_m``, doubly centred), averaged
+    over the splits of ``half_splits`` (centring on the whole batch's means instead would add each
+    prompt's own X_n . K Y_n, whose mean is not 0: several times the term on the exact model).
+    ``A_nm = c [P_nm - k_m X_n.J Ybar - rho (X_n.J yhat)(yhat.Ytilde_m)]`` from ``P_nm = X_n . J Y_m``
+    (``dots.pairs``), ``X_n.J Ybar = X_n.Jy / c``, ``X_n.J yhat = X_n.Jy / |y|`` and ``yhat.Ytilde_m =
+    Y_m.y / |y| - k_m |y| / c`` (kernel_terms' K). 0 without ``dots.pairs`` or below 4 prompts."""
+    if dots.pairs is None or dots.pairs.shape[0] < 4:
+        return 0.0
+    P = dots.pairs.double().cpu()
+    B = P.shape[0]
+    k = torch.zeros(B, dtype=torch.float64) if coupling is None else coupling.cpu().double()
+    xjy = dots.xjy.double().cpu()
+    A = P - xjy[:, None] * k[None, :] / c
+    if rho:
+        yhat_yt = dots.yy.double().cpu() / y_norm - k * y_norm / c
+        A = A - rho * (xjy / y_norm)[:, None] * yhat_yt[None, :]
+    A = c * A
+    splits = half_splits(B)
+    order = torch.argsort((~splits).to(torch.int8), dim=1, stable=True)  # each split's half a, then b
+    na = int(splits[0].sum())
+    ia, ib = order[:, :na], order[:, na:]
+    Mab = _double_centred(A[ia[:, :, None], ib[:, None, :]])  # [S, |a|, |b|]
+    Mba = _double_centred(A[ib[:, :, None], ia[:, None, :]])  # [S, |b|, |a|]
+    trace = (Mab * Mba.transpose(1, 2)).sum((1, 2)) / ((na - 1) * (B - na - 1))
+    return float(trace.mean()) / (B * (B - 1))
+
+
+def standard_errors(cp: CrossPrompt, pair_var: float = 0.0) -> dict:
+    """``SE_step`` (the step taken: the X side, ``sqrt(Var(mean t) + V_pair)``, ``pair_variance``
+    floored at 0) and the jackknife and plug-in SEs of the U-statistic (``SE_expected``: the mean
+    change of a fresh batch's step, both sides)."""
     _, se_plugin, _, se_jack = row_statistics(cp.U, cp.rows)
-    return {"SE_step": math.sqrt(est.mean_variance(cp.own)), "SE_expected": se_jack, "SE_plugin": se_plugin}
+    return {"SE_step": math.sqrt(est.mean_variance(cp.own) + max(pair_var, 0.0)), "SE_expected": se_jack,
+            "SE_plugin": se_plugin}
 
 
 def unit_mean_rows(f: torch.Tensor) -> torch.Tensor:

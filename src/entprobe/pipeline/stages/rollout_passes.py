@@ -75,6 +75,19 @@ def keeps_y(ctx: ProbeContext, B: int, budget_mb: float) -> bool:
     return B * per <= budget_mb * 2**20
 
 
+def pair_copies(ctx: ProbeContext, n_y: int, B: int, budget_mb: float) -> torch.dtype | None:
+    """The dtype the B prompts' X_n are kept in for the pairs ``X_n . J Y_m`` (``rollout_ustat.pair_variance``)
+    beside the n_y kept Y_n: the gradients' own when both fit ``budget_mb``, else bf16 (a variance
+    term: bf16's 3 digits are plenty) when that fits, else None (no pair term)."""
+    per = sum(p.numel() * p.element_size() for p in ctx.params)
+    free = budget_mb * 2**20 - n_y * per
+    if B * per <= free:
+        return ctx.params[0].dtype if ctx.params else None
+    if B * sum(p.numel() * 2 for p in ctx.params) <= free:
+        return torch.bfloat16
+    return None
+
+
 def _loo_weights(c: float, k: float, B: int) -> tuple[float, float]:
     """``(a, b)`` with the step's gradient input without prompt n ``Ybar_{-n} = a y - b Y_n``:
     ``((B + k_n) Ybar - Y_n) / (B - 1)`` with ``Ybar = y / c`` (``rollout_ustat.leave_one_out``)."""
@@ -148,6 +161,9 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
     # Y backward, and (uncoupled objectives) the same update without it as every other such prompt
     zero_y = [not bool(ctx.y_weights(unit, "cpu").any()) for _, unit in batch.microbatches(1)]
     keep = keeps_y(ctx, B - sum(zero_y), budget_mb)
+    pair_dtype = pair_copies(ctx, B - sum(zero_y), B, budget_mb) if keep else None
+    kept_x: dict[int, pv.Buffer] = {}
+    pairs = torch.zeros((B, B), dtype=torch.float64)
     Xsum = [torch.zeros_like(t) for t in jdiag]
     rows, loo, yy, xjyn, kept = [None] * B, [None] * B, [None] * B, [None] * B, {}
     S_all, ent_all = [None] * B, [None] * B
@@ -175,6 +191,12 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
                     Y = _take_grads(ctx)
             ctx.stats.count("backward", (1 if zero_y[n] else 2) * unit.G)
             yy[n] = zero if Y is None else _dot(Y, y)
+            if pair_dtype is not None:  # X_n . J Y_m and X_m . J Y_n with every prompt m before it
+                for m_, Xm in kept_x.items():
+                    if m_ in kept:
+                        pairs[n, m_] = float(_dot(X, kept[m_], jdiag))
+                    if Y is not None:
+                        pairs[m_, n] = float(_dot(Xm, Y, jdiag))
             for a_, t in zip(Xsum, X):
                 a_.add_(t.to(a_.dtype))
             if fused:
@@ -195,16 +217,17 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
                 if Y is None:
                     xjyn[n] = zero
                 else:
-                    for x_, j_ in zip(X, jdiag):  # X is not needed any more: J X in place, then (J X) . Y
-                        x_.mul_(j_.to(x_.dtype))
-                    xjyn[n] = _dot(X, Y)
+                    xjyn[n] = _dot(X, Y, jdiag)
             if Y is not None and keep:
                 kept[n] = Y
+            if pair_dtype is not None:
+                pairs[n, n] = float(xjyn[n])
+                kept_x[n] = X if pair_dtype == X[0].dtype else [t.to(pair_dtype) for t in X]
             S_all[n] = fwd.S.detach().cpu()
             if fwd.ent is not None:
                 ent_all[n] = fwd.ent.detach().cpu()
             del X, Y, fwd, x_loss
-    del loo_set, y_loo
+    del loo_set, y_loo, kept_x
     Xbar = pv.scale_(Xsum, 1.0 / B)
     if fused:  # Xbar . each part, before J's buffer takes J Xbar
         step_dots = [float(v) for v in step.unit_dots(Xbar, None, 1.0, 0.0, jdiag)[[_SLOT[p] for p in step.names]]]
@@ -228,7 +251,8 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
     e = rows[:, 1:]
     e_loo = e.clone()
     e_loo[:, [step.names.index(p) for p in moving]] = torch.stack(loo).cpu()
-    dots = UnitDots(e, rows[:, 0], torch.stack(yy).cpu(), yjx.cpu(), torch.stack(xjyn).cpu(), e_loo)
+    dots = UnitDots(e, rows[:, 0], torch.stack(yy).cpu(), yjx.cpu(), torch.stack(xjyn).cpu(), e_loo,
+                    pairs if pair_dtype is not None else None)
     residual = sum(float(torch.linalg.vector_norm(yt - c * Yt.to(yt.device, yt.dtype), dtype=torch.float64)) ** 2
                    for yt, Yt in zip(y, Ybar)) ** 0.5
     return RolloutPasses(dots, step_dots, pv.norm(Ybar), float(_dot(Ybar, y)), pv.norm(y), torch.cat(S_all),

@@ -35,7 +35,7 @@ from entprobe.math import token_functionals as tf
 from entprobe.math.adamw import StepModel
 from entprobe.math.forecast import ForecastInputs
 from entprobe.math.rollout_ustat import (CrossPrompt, KernelTerms, clip_coefficient, clip_projection, cross_prompt,
-                                         kernel_terms, standard_errors, unit_mean_rows, zero_terms)
+                                         kernel_terms, pair_variance, standard_errors, unit_mean_rows, zero_terms)
 from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.pipeline.stages.rollout_passes import rollout_passes
 from entprobe.pipeline.stages.zero_update import update_is_zero
@@ -125,11 +125,13 @@ def predict_on_rollouts(ctx: ProbeContext, batch: RolloutBatch, step: StepModel,
     for j, name in enumerate(names):  # the linearised Y-dependence is the gradient part's
         parts[name] = cross_prompt(d.e_loo[:, j], d.e[:, j], kt if name == "gradient" else zero_terms(d.e[:, j]))
     whole = cross_prompt(d.e_loo.sum(1), d.e.sum(1), kt)
-    se = standard_errors(whole)
+    rho = clip_projection(rp.ybar_norm, max_grad_norm)
+    se = standard_errors(whole, pair_variance(d, rp.y_norm, c, rho, ctx.objective.coupling))
     B = batch.B
     res = {"source": "rollouts", "deltaH_pred": whole.U, "pred/step_model": step.kind,
            "deltaH_pred_plain": -sum(rp.step_dots), "rollouts/B": B, "rollouts/G": batch.G,
            "rollouts/clip_coef": c, "rollouts/grad_residual": residual, "rollouts/kept_y": rp.kept_y,
+           "rollouts/pair_term": d.pairs is not None,
            "SE_deltaH_pred": se["SE_step"], "SE_deltaH_pred_expected": se["SE_expected"],
            "SE_deltaH_pred_plugin": se["SE_plugin"], "B_E": B, "G": batch.G}
     res["ci95_pred_low"], res["ci95_pred_high"] = est.interval(whole.U, se["SE_step"], B - 1)
