@@ -6,8 +6,9 @@ population's first-order change of the token_mean entropy by the step the optimi
 ``grad H . Delta theta`` with grad H the exact gradient of the functional (every response enumerated)
 and Delta theta torch's own AdamW step on a snapshot (restored after).
 
-Measured on this machine (docs/rollouts.md): coverage of ``ci95_pred`` 0.94-0.96 at B = 8, G = 4
-(100-300 batches each over three optimizer states and with clipping at 1.0) and at G = 2, B = 16.
+Measured (docs/rollouts.md): coverage of ``ci95_pred`` 0.958 at B = 8, G = 4 on these 240 batches
+(0.94-0.96 without the pair term, over three optimizer states, clipped or not); at G = 2 0.920 on 300
+(0.913 without it), below the 93% this test asks at G = 4.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import copy
 import math
 import warnings
 
+import pytest
 import torch
 
 from entprobe.checkpoints.default_checkpoint import policy_loss
@@ -71,6 +73,7 @@ def _draws(B: int, G: int, N: int, lr: float = 1e-5):
     return setup, first_step, torch.tensor(out, dtype=torch.float64)
 
 
+@pytest.mark.slow
 def test_ci95_pred_covers_the_step_taken_at_b8():
     """240 batches of B = 8 x G = 4: ``deltaH_pred`` minus the target has mean 0 (|z| < 3), and
     ``ci95_pred`` holds the target in 92-98.5% of them (binomial SE 1.4% at 95%). The target's
