@@ -117,7 +117,7 @@ def test_a_resumed_run_forecasts_as_the_uninterrupted_one(tmp_path):
     whole, cut = [], []
     train(TrainArgs(out=str(tmp_path / "whole"), **args), log=lambda line: None, on_step=whole.append)
     shutil.copytree(tmp_path / "whole" / "checkpoint-6", tmp_path / "cut" / "checkpoint-6")
-    assert saved_probe_state(tmp_path / "cut" / "checkpoint-6")["filter"]["n_observed"] == 5  # steps 2..6
+    assert saved_probe_state(tmp_path / "cut" / "checkpoint-6")["filter"]["n_observed"] == 6  # steps 1..6 (step 1 is probed)
     train(TrainArgs(out=str(tmp_path / "cut"), resume="last", **args), log=lambda line: None, on_step=cut.append)
     keys = [k for k in whole[-1] if k.startswith("entprobe/forecast_H_k")]
     assert keys and [s["step"] for s in cut] == [7, 8]
