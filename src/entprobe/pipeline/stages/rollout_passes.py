@@ -76,7 +76,7 @@ def keeps_y(ctx: ProbeContext, B: int, budget_mb: float) -> bool:
 
 
 def pair_copies(ctx: ProbeContext, n_y: int, B: int, budget_mb: float) -> torch.dtype | None:
-    """The dtype the B prompts' X_n are kept in for the pairs ``X_n . J Y_m`` (``rollout_ustat.pair_variance``)
+    """The dtype the B prompts' J X_n are kept in for the pairs ``X_n . J Y_m`` (``rollout_ustat.pair_variance``)
     beside the n_y kept Y_n: the gradients' own when both fit ``budget_mb``, else bf16 (a variance
     term: bf16's 3 digits are plenty) when that fits, else None (no pair term)."""
     per = sum(p.numel() * p.element_size() for p in ctx.params)
@@ -162,7 +162,7 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
     zero_y = [not bool(ctx.y_weights(unit, "cpu").any()) for _, unit in batch.microbatches(1)]
     keep = keeps_y(ctx, B - sum(zero_y), budget_mb)
     pair_dtype = pair_copies(ctx, B - sum(zero_y), B, budget_mb) if keep else None
-    kept_x: dict[int, pv.Buffer] = {}
+    kept_jx: dict[int, pv.Buffer] = {}  # J X_n of the prompts so far, for the pairs
     pairs = torch.zeros((B, B), dtype=torch.float64)
     Xsum = [torch.zeros_like(t) for t in jdiag]
     rows, loo, yy, xjyn, kept = [None] * B, [None] * B, [None] * B, [None] * B, {}
@@ -191,12 +191,14 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
                     Y = _take_grads(ctx)
             ctx.stats.count("backward", (1 if zero_y[n] else 2) * unit.G)
             yy[n] = zero if Y is None else _dot(Y, y)
-            if pair_dtype is not None:  # X_n . J Y_m and X_m . J Y_n with every prompt m before it
-                for m_, Xm in kept_x.items():
+            if pair_dtype is not None:  # (J X_n) . Y_m and (J X_m) . Y_n with every prompt m before it
+                jx_n = [(j * x.to(j.dtype)).to(pair_dtype) for j, x in zip(jdiag, X)]
+                for m_, jx_m in kept_jx.items():
                     if m_ in kept:
-                        pairs[n, m_] = float(_dot(X, kept[m_], jdiag))
+                        pairs[n, m_] = float(_dot(jx_n, kept[m_]))
                     if Y is not None:
-                        pairs[m_, n] = float(_dot(Xm, Y, jdiag))
+                        pairs[m_, n] = float(_dot(jx_m, Y))
+                kept_jx[n] = jx_n
             for a_, t in zip(Xsum, X):
                 a_.add_(t.to(a_.dtype))
             if fused:
@@ -222,12 +224,11 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
                 kept[n] = Y
             if pair_dtype is not None:
                 pairs[n, n] = float(xjyn[n])
-                kept_x[n] = X if pair_dtype == X[0].dtype else [t.to(pair_dtype) for t in X]
             S_all[n] = fwd.S.detach().cpu()
             if fwd.ent is not None:
                 ent_all[n] = fwd.ent.detach().cpu()
             del X, Y, fwd, x_loss
-    del loo_set, y_loo, kept_x
+    del loo_set, y_loo, kept_jx
     Xbar = pv.scale_(Xsum, 1.0 / B)
     if fused:  # Xbar . each part, before J's buffer takes J Xbar
         step_dots = [float(v) for v in step.unit_dots(Xbar, None, 1.0, 0.0, jdiag)[[_SLOT[p] for p in step.names]]]
