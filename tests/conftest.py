@@ -24,6 +24,14 @@ from omegaconf import DictConfig
 
 from entprobe.config import register_configs
 
+# Under pytest-xdist (pyproject's ``-n 2``: one worker per core) each worker computes on one thread, and
+# so do the commands it launches: two workers of two threads each on two cores would only contend.
+# The second pass of .ci/run (``-m numerics``, one process) keeps torch's several threads, on the
+# portable kernels: between the two passes the bounds meet both reduction orders and both code paths.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
 CONF_DIR = Path(str(resources.files("entprobe") / "conf"))
 
 # Small and quiet: what every test run shares unless it overrides a key itself (later overrides win).
@@ -63,8 +71,11 @@ def compose_cfg(tmp_path: str | Path, *overrides: str, return_hydra_config: bool
 @pytest.fixture(scope="session", autouse=True)
 def entprobe_cache(tmp_path_factory) -> Path:
     """The default-checkpoint cache: $ENTPROBE_CACHE if set, else one temporary folder per session."""
-    if not os.environ.get("ENTPROBE_CACHE"):
-        os.environ["ENTPROBE_CACHE"] = str(tmp_path_factory.mktemp("entprobe_cache"))
+    if not os.environ.get("ENTPROBE_CACHE"):  # xdist's workers share one (the build is locked: one builds it)
+        root = tmp_path_factory.getbasetemp()
+        root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+        (root / "entprobe_cache").mkdir(exist_ok=True)
+        os.environ["ENTPROBE_CACHE"] = str(root / "entprobe_cache")
     return Path(os.environ["ENTPROBE_CACHE"])
 
 
