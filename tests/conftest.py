@@ -79,6 +79,20 @@ def entprobe_cache(tmp_path_factory) -> Path:
     return Path(os.environ["ENTPROBE_CACHE"])
 
 
+@pytest.fixture(autouse=True)
+def no_leaked_log_files():
+    """A job run in-process (the CLI's ``main()``) leaves Hydra's ``main.log`` handler on the root
+    logger; once the test's folder is gone, the next test in this process that logs fails on it. Close
+    and drop the file handlers a test added (which tests share a process depends on xdist's split)."""
+    import logging
+    root = logging.getLogger()
+    before = set(root.handlers)
+    yield
+    for h in [h for h in root.handlers if h not in before and isinstance(h, logging.FileHandler)]:
+        root.removeHandler(h)
+        h.close()
+
+
 @pytest.fixture
 def cfg(tmp_path) -> DictConfig:
     """The shrunk default config writing into this test's tmp_path."""

@@ -259,16 +259,20 @@ def test_slow_documented_commands_run_verbatim(tmp_path):
 
 
 def test_ci_runs_the_readme_tests_then_the_numerics_tests_on_another_code_path():
-    """.ci/run runs the README's test command first, then the tests marked ``numerics`` (registered
-    in pyproject.toml) again under ATen's portable kernels on one thread."""
+    """.ci/run runs the README's test command first (pyproject's xdist workers, one thread each), then
+    the tests marked ``numerics`` (registered in pyproject.toml) again in one process under ATen's
+    portable kernels on torch's several threads: two code paths and two reduction orders."""
     import tomllib
 
     lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
              if line.strip() and not line.lstrip().startswith("#")]
     readme = next(i for i, line in enumerate(lines) if line.endswith("./scripts/setup.sh && .venv/bin/python -m pytest"))
-    again = next(i for i, line in enumerate(lines) if line.endswith("-m pytest -m numerics"))
-    assert readme < again and "ATEN_CPU_CAPABILITY=default" in lines[again] and "OMP_NUM_THREADS=1" in lines[again]
-    markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
+    again = next(i for i, line in enumerate(lines) if line.endswith("-m pytest -m numerics -n 0"))
+    assert readme < again and "ATEN_CPU_CAPABILITY=default" in lines[again] and "OMP_NUM_THREADS" not in lines[again]
+    ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert "-n 2" in ini["addopts"]  # the first pass: two workers, each on one thread (tests/conftest.py)
+    assert 'os.environ.setdefault("OMP_NUM_THREADS", "1")' in (ROOT / "tests" / "conftest.py").read_text()
+    markers = ini["markers"]
     assert any(m.startswith("numerics:") for m in markers)
     marked = sum(p.read_text().count("pytest.mark.numerics") for p in (ROOT / "tests").glob("test_*.py"))
     assert marked >= 8  # the tests of derived rounding bounds: a handful, a few minutes together
