@@ -1,4 +1,4 @@
-"""Gradient clipping in closed form (math/adamw.py, ``prediction._closed_form``): the update of
+"""Gradient clipping in closed form (math/adamw.py, ``step_model._closed_form``): the update of
 ``torch.nn.utils.clip_grad_norm_(params, c)`` then ``AdamW.step()`` (or ``SGD.step()``) is the
 closed form at ``s Ybar``, ``s = min(1, c / (||Ybar|| + 1e-6))``, and the gradient of
 ``x . Delta theta(Ybar)`` (the U side of the SE) carries the rank-one term of ds/dy.

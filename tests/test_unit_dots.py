@@ -75,7 +75,7 @@ def test_unit_dots_in_fp32_match_fp64_to_fp32_rounding():
 
 @pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.SGD], ids=["adamw", "sgd"])
 def test_step_models_unit_dots_over_groups_chunks_and_a_stateless_parameter(opt_cls):
-    """``StepModel.unit_dots`` of the closed forms (prediction._closed_form): over two param groups of
+    """``StepModel.unit_dots`` of the closed forms (step_model._closed_form): over two param groups of
     different hyper-parameters, small parameters concatenated into one chunk, and a parameter AdamW
     never stepped, it equals the written-out update at Ybar and at ``alpha Ybar - beta Y`` dotted with X,
     and ``X . J Ybar``, ``X . J Y`` with J from ``jacobian_times_into``."""
