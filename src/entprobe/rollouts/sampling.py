@@ -17,6 +17,7 @@ from entprobe.runtime import distributed as D
 from entprobe.runtime.atomic_io import torch_save_atomic
 from entprobe.runtime.input_files import InputFileError, load_torch_file
 from entprobe.runtime.progress import TokenRate
+from entprobe.rollouts import coupled_uniforms as cu
 from entprobe.rollouts.logprobs import position_ids_from_mask
 from entprobe.tasks.prompt_ids import encode_prompts
 from entprobe.tasks.base import score_rows
@@ -24,7 +25,7 @@ from entprobe.tasks.base import score_rows
 
 ABSURD = 1e6  # |advantage| or |reward| beyond it: a corrupt file, not a reward scale
 LOGP_TOL = 1e-5  # a log-probability above it is not one (log_softmax is <= 0 up to rounding)
-OPTIONAL_FIELDS = ("temperature", "sampler_entropy")  # a saved batch may lack these
+OPTIONAL_FIELDS = ("temperature", "sampler_entropy", "coupling_blocks")  # a saved batch may lack these
 
 
 @dataclass
@@ -40,6 +41,10 @@ class RolloutBatch:
     # [B, G, T] fp32 entropy of the sampling distribution log_softmax(logits/temp) at each generated
     # position, recorded while sampling (None: not recorded, e.g. batches saved before it was)
     sampler_entropy: torch.Tensor | None = None
+    # [B, G] long: the block of each response under sampling.coupling (responses of one block are
+    # coupled, of different blocks independent; X's baselines then come from the other blocks,
+    # rollouts/coupled_uniforms.py). None: every response independent
+    coupling_blocks: torch.Tensor | None = None
 
     @property
     def B(self) -> int:
@@ -143,6 +148,10 @@ class RolloutBatch:
         if h is not None and (tuple(h.shape) != (B, G, T) or not h.dtype.is_floating_point
                               or not bool(h.isfinite().all()) or bool((h < -LOGP_TOL).any())):
             return f"sampler_entropy must be finite entropies >= 0 of shape [B, G, T] = {(B, G, T)}"
+        c = self.coupling_blocks
+        if c is not None and (tuple(c.shape) != (B, G) or c.dtype.is_floating_point or (B and bool(
+                (c == c[:, :1]).all(-1).any()))):
+            return f"coupling_blocks must be integer block ids [B, G] = {(B, G)}, >= 2 blocks a prompt"
         return None
 
     def stats(self, prefix: str) -> dict[str, float]:
@@ -268,7 +277,7 @@ def _kv_cache(out):
 def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eos_id: int,
              pad_id: int, temperature: float, top_k: int, top_p: float,
              seed: int, device, first_prompt: int = 0, stop_together: bool = False,
-             on_tokens=None) -> tuple[list[list[int]], list[list[int]], list[list[float]], list[list[float]]]:
+             on_tokens=None, coupling=None) -> tuple[list[list[int]], list[list[int]], list[list[float]], list[list[float]]]:
     """Sample G responses per prompt with a KV cache; returns per-row prompt ids, response ids,
     per-token ``log_softmax(logits / temperature)`` of each sampled token and the entropy of that
     distribution at each position (rows = prompt-major).
@@ -281,12 +290,15 @@ def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eo
     ``stop_together``: every rank of the process group runs as many forward calls (the loop ends
     when every rank's rows are done), as a model sharded with FSDP2 needs (each call all-gathers).
     ``on_tokens(n)``: called after each decoding step with the number of tokens it sampled (a
-    progress bar's tokens per second). Runs under ``no_grad``: no pass here needs a graph, and
+    progress bar's tokens per second). ``coupling``: a ``coupled_uniforms.Coupling`` (None: every
+    response independent, as above): a prompt's responses then take coupled uniforms, each response's
+    marginal exact (rollouts/coupled_uniforms.py). Runs under ``no_grad``: no pass here needs a graph, and
     with autograd on every decoding step's graph would stay alive until the loop ends."""
     rows = [p for p in prompt_ids for _ in range(G)]
     N, P = len(rows), max(len(p) for p in rows)
     r = torch.arange(N)
     keys = row_keys(seed, first_prompt + r // G, r % G)
+    pkeys = None if coupling is None else cu.perm_keys(seed, first_prompt + r // G, r % G)
     ids = torch.full((N, P), pad_id, dtype=torch.long)
     mask = torch.zeros((N, P), dtype=torch.long)
     for i, p in enumerate(rows):
@@ -303,7 +315,8 @@ def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eo
         logp = (logits / temperature).log_softmax(-1)
         ents.append(-(logp.exp() * logp).sum(-1))
         probs = filter_logits(logp, top_k, top_p).softmax(-1)
-        nxt = inverse_cdf(probs, keyed_uniforms(keys, step))
+        nxt = (inverse_cdf(probs, keyed_uniforms(keys, step)) if coupling is None
+               else cu.draw(probs, keys, pkeys, step, coupling, G))
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         toks.append(torch.where(done, -1, nxt))
         lps.append(logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1))
@@ -355,14 +368,16 @@ def assemble(prompts: list[list[int]], responses: list[list[int]], logprobs: lis
 def sample_batch(model, tokenizer, task, prompt_index: torch.Tensor, G: int, sampling, seed: int,
                  advantage: str, adv_eps: float, chat_template: str = "auto",
                  system_prompt: str | None = None, progress: str | None = None, style: str = "entprobe",
-                 template_kwargs: dict | None = None, stop_together: bool = False) -> RolloutBatch:
+                 template_kwargs: dict | None = None, stop_together: bool = False,
+                 coupling=None) -> RolloutBatch:
     """Sample G responses for each prompt in ``prompt_index`` (reproducible from ``seed``; each
     response from its own stream keyed by its prompt's position in ``prompt_index``, see
     ``generate``: the first k prompts draw the same responses whatever follows them), the
     prompts tokenized under the convention ``style`` (``prompt_ids``), the rewards the task's
     (``tasks.score_rows``: its reward functions called once on the whole batch). ``stop_together``:
     see ``generate`` (every rank must then sample the same number of prompts). ``progress``: the
-    label of a progress bar over the prompts, with the tokens sampled per second (None: no bar)."""
+    label of a progress bar over the prompts, with the tokens sampled per second (None: no bar).
+    ``coupling``: coupled draws within each prompt (``coupled_uniforms.coupling_spec``; None: independent)."""
     if sampling.top_k or sampling.top_p < 1.0:
         warnings.warn("truncated sampling (top_k/top_p) draws from a distribution other than "
                       "pi_theta: every entropy estimator is biased. Use top_k=0, top_p=1 for "
@@ -383,7 +398,7 @@ def sample_batch(model, tokenizer, task, prompt_index: torch.Tensor, G: int, sam
                                  style, template_kwargs)
             p, r, l, h = generate(model, ids, G, sampling.max_new_tokens, eos, pad, sampling.temperature,
                                   sampling.top_k, sampling.top_p, seed, device, first_prompt=s,
-                                  stop_together=stop_together, on_tokens=bar.tokens)
+                                  stop_together=stop_together, on_tokens=bar.tokens, coupling=coupling)
             all_p += p; all_r += r; all_l += l; all_h += h
             bar.prompts(len(texts))
     finally:
@@ -394,7 +409,9 @@ def sample_batch(model, tokenizer, task, prompt_index: torch.Tensor, G: int, sam
     texts = [tokenizer.decode(r, skip_special_tokens=True) for r in all_r]
     rewards = score_rows(task, rows, texts, all_r).to(torch.float32).view(len(idx), G)
     adv = group_advantages(rewards, advantage, adv_eps)
-    return RolloutBatch(ids, att, resp, lp, rewards, adv, prompt_index.clone(), float(sampling.temperature), ent)
+    blocks = None if coupling is None else cu.coupling_blocks(len(idx), G, coupling.block)
+    return RolloutBatch(ids, att, resp, lp, rewards, adv, prompt_index.clone(), float(sampling.temperature), ent,
+                        blocks)
 
 
 def draw_prompt_indices(num_prompts: int, B: int, seed: int) -> torch.Tensor:
