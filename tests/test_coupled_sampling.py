@@ -215,3 +215,18 @@ def test_saved_batch_keeps_its_blocks(tmp_path, setup):
     back = RolloutBatch.load(tmp_path / "E.pt")
     assert torch.equal(back.coupling_blocks, torch.tensor([[0, 0, 1, 1]] * 3))
     assert "coupling_blocks" in dataclasses.replace(back, coupling_blocks=torch.zeros(3, 4, dtype=torch.long)).problem()
+
+
+DOC_COMMAND = "python -m entprobe.main sampling.coupling=stratified importance.enabled=false"
+
+
+def test_documented_coupling_command_runs(tmp_path):
+    """docs/sampling.md's command (on the test config's small batches, G = 4): the whole two-batch
+    prediction runs on a coupled E (blocks saved with it), U independent (no coupling_U)."""
+    from entprobe.cli.probe_job import run
+
+    overrides = DOC_COMMAND.split()[3:]
+    res = run(compose_cfg(tmp_path, *overrides, f"batch.save={tmp_path / 'b'}"))
+    assert math.isfinite(res["deltaH_pred"]) and res["SE_deltaH_pred"] > 0
+    E, U = (RolloutBatch.load(tmp_path / "b" / f) for f in ("E.pt", "U.pt"))
+    assert torch.equal(E.coupling_blocks[0], torch.tensor([0, 0, 1, 1])) and U.coupling_blocks is None

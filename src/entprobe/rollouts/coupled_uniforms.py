@@ -13,7 +13,7 @@ A prompt's G responses are split into ``G / k`` blocks of k (``sampling.coupling
 
 Blocks, prompts and positions take independent hashes: prompts stay independent (SEs over prompts
 stay valid) and responses of different blocks are independent. Every uniform is a counter-based
-hash of (seed, prompt position, response, t) as the independent sampler's (``sampling.row_keys``),
+hash of (seed, prompt position, response, t) as the independent sampler's (``streams.row_keys``),
 so the draws do not depend on the batch layout. With ``coupling_order=probability`` (default) the
 inverse CDF runs over the tokens sorted by probability (a choice per position and prefix, so each
 marginal stays exact): neighbouring strata then pick the same or similarly likely tokens even
@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from entprobe.rollouts.streams import inverse_cdf, keyed_uniforms, row_keys
 
 MODES = ("none", "stratified", "antithetic")
 ORDERS = ("probability", "vocab")
@@ -65,6 +67,16 @@ def coupling_spec(sampling, G: int, batch: str = "E") -> Coupling | None:
 def coupling_blocks(B: int, G: int, block: int) -> torch.Tensor:
     """``RolloutBatch.coupling_blocks`` [B, G]: response g's block ``g // k``."""
     return (torch.arange(G) // block).expand(B, G).clone()
+
+
+def blocks_problem(c: torch.Tensor | None, B: int, G: int) -> str | None:
+    """What makes a batch's ``coupling_blocks`` unusable (None: nothing, or no blocks): not integer
+    ids of shape [B, G], or a prompt with a single block (its baselines would have no response)."""
+    if c is None:
+        return None
+    if tuple(c.shape) != (B, G) or c.dtype.is_floating_point or (B and bool((c == c[:, :1]).all(-1).any())):
+        return f"coupling_blocks must be integer block ids [B, G] = {(B, G)}, >= 2 blocks a prompt"
+    return None
 
 
 def coupling_errors(cfg) -> list[tuple[str, str]]:
@@ -125,15 +137,11 @@ def antithetic(v: torch.Tensor) -> torch.Tensor:
 
 def perm_keys(seed: int, prompt_pos: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
     """The keys of the permutation hashes: ``row_keys`` streams no response uses."""
-    from entprobe.rollouts.sampling import row_keys
-
     return row_keys(seed, prompt_pos, response + PERM_STREAM)
 
 
 def coupled_uniforms(keys: torch.Tensor, pkeys: torch.Tensor, step: int, c: Coupling, G: int) -> torch.Tensor:
     """The uniforms [N] of draw ``step`` for rows in prompt-major order, G a prompt."""
-    from entprobe.rollouts.sampling import keyed_uniforms
-
     v = keyed_uniforms(keys, step).view(-1, G)
     if c.mode == "antithetic":
         return antithetic(v).reshape(-1)
@@ -143,16 +151,12 @@ def coupled_uniforms(keys: torch.Tensor, pkeys: torch.Tensor, step: int, c: Coup
 def sorted_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """``inverse_cdf`` over each row's tokens in descending probability (ties in vocabulary order),
     mapped back to token ids: the same distribution, another u -> token map."""
-    from entprobe.rollouts.sampling import inverse_cdf
-
     p, order = probs.sort(dim=-1, descending=True, stable=True)
     return order.gather(-1, inverse_cdf(p, u).unsqueeze(-1)).squeeze(-1)
 
 
 def draw(probs: torch.Tensor, keys: torch.Tensor, pkeys: torch.Tensor, step: int, c: Coupling, G: int) -> torch.Tensor:
     """Tokens [N] of draw ``step`` under coupling ``c``."""
-    from entprobe.rollouts.sampling import inverse_cdf
-
     u = coupled_uniforms(keys, pkeys, step, c, G)
     return sorted_inverse_cdf(probs, u) if c.order == "probability" else inverse_cdf(probs, u)
 

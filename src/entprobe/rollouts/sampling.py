@@ -18,6 +18,7 @@ from entprobe.runtime.atomic_io import torch_save_atomic
 from entprobe.runtime.input_files import InputFileError, load_torch_file
 from entprobe.runtime.progress import TokenRate
 from entprobe.rollouts import coupled_uniforms as cu
+from entprobe.rollouts.streams import inverse_cdf, keyed_uniforms, row_keys  # noqa: F401 (re-exported)
 from entprobe.rollouts.logprobs import position_ids_from_mask
 from entprobe.tasks.prompt_ids import encode_prompts
 from entprobe.tasks.base import score_rows
@@ -41,9 +42,7 @@ class RolloutBatch:
     # [B, G, T] fp32 entropy of the sampling distribution log_softmax(logits/temp) at each generated
     # position, recorded while sampling (None: not recorded, e.g. batches saved before it was)
     sampler_entropy: torch.Tensor | None = None
-    # [B, G] long: the block of each response under sampling.coupling (responses of one block are
-    # coupled, of different blocks independent; X's baselines then come from the other blocks,
-    # rollouts/coupled_uniforms.py). None: every response independent
+    # [B, G] long: each response's block under sampling.coupling (coupled_uniforms.py); None: independent
     coupling_blocks: torch.Tensor | None = None
 
     @property
@@ -148,11 +147,7 @@ class RolloutBatch:
         if h is not None and (tuple(h.shape) != (B, G, T) or not h.dtype.is_floating_point
                               or not bool(h.isfinite().all()) or bool((h < -LOGP_TOL).any())):
             return f"sampler_entropy must be finite entropies >= 0 of shape [B, G, T] = {(B, G, T)}"
-        c = self.coupling_blocks
-        if c is not None and (tuple(c.shape) != (B, G) or c.dtype.is_floating_point or (B and bool(
-                (c == c[:, :1]).all(-1).any()))):
-            return f"coupling_blocks must be integer block ids [B, G] = {(B, G)}, >= 2 blocks a prompt"
-        return None
+        return cu.blocks_problem(self.coupling_blocks, B, G)
 
     def stats(self, prefix: str) -> dict[str, float]:
         """Reward mean/std, fraction of groups with zero reward variance, mean generated length."""
@@ -208,50 +203,6 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         drop = cum - sorted_logits.softmax(-1) > top_p  # keep the token that crosses top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), -math.inf)
     return logits
-
-
-_M32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``(x * c) mod 2**32`` for int64 ``0 <= x < 2**32``, in halves so no product leaves int64."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's finaliser (a bijection of 32-bit words with full avalanche), in int64."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-def row_keys(seed: int, prompt_pos: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
-    """The 32-bit key [N] of each row's stream: a hash of (seed, the prompt's position in the
-    batch, the response's index in its group). Integer arithmetic only: the same on every machine."""
-    seed = int(seed) % (1 << 64)
-    h = _mix32(torch.full_like(prompt_pos, seed & _M32) ^ 0x2545F491)
-    for word in (torch.full_like(prompt_pos, seed >> 32), prompt_pos, response):
-        h = _mix32((h + 0x9E3779B9) & _M32 ^ (word & _M32))
-    return h
-
-
-def keyed_uniforms(keys: torch.Tensor, step: int) -> torch.Tensor:
-    """One float64 uniform in [0, 1) per row for draw ``step``: 53 bits from two hashes of
-    (row key, step, word). Row r's value depends on its key and the step only (counter-based)."""
-    s = _mix32(keys ^ _mix32(torch.full_like(keys, (int(step) * 2 + 1) & _M32)))
-    hi, lo = _mix32(s ^ 0x68E31DA4), _mix32(s ^ 0xB5297A4D)
-    return ((hi >> 5) * 67108864 + (lo >> 6)).double() / 9007199254740992.0  # (27 bits * 2^26 + 26) / 2^53
-
-
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Token [N] drawn from each row of ``probs`` [N, V] (unnormalised, >= 0) by its uniform ``u``
-    [N]: the first index whose float64 cumulative sum exceeds ``u * total``. A zero-probability
-    entry never is that index (its cumulative sum equals the one before it)."""
-    cdf = probs.double().cumsum(-1)
-    target = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 def kv_cache_key(model) -> str:
