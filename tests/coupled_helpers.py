@@ -93,3 +93,65 @@ def copies(setup: ExactSetup, m: int) -> torch.Tensor:
 
 
 MAX_TOKENS = MAX_NEW
+
+
+# ----------------------------------------------------------------------------- an antithetic pair, exactly
+def _next_token_probs(setup: ExactSetup, prompt_ids: list[int], prefix: tuple, cache: dict) -> torch.Tensor:
+    key = tuple(prompt_ids) + (-1,) + prefix
+    if key not in cache:
+        with torch.no_grad():
+            ids = torch.tensor([list(prompt_ids) + list(prefix)])
+            cache[key] = setup.model(input_ids=ids).logits[0, -1].double().softmax(-1)
+    return cache[key]
+
+
+def _edges(p: torch.Tensor, order: str) -> tuple[list[float], list[int]]:
+    """The inverse CDF's cell edges and tokens: token ``toks[i]`` for u in ``[c[i-1], c[i])``."""
+    toks = p.sort(dim=-1, descending=True, stable=True).indices.tolist() if order == "probability" else list(range(len(p)))
+    c, acc = [], 0.0
+    for t in toks:
+        acc += float(p[t])
+        c.append(acc)
+    return c, toks
+
+
+def _pick(c: list[float], toks: list[int], u: float) -> int:
+    for ci, t in zip(c, toks):
+        if u < ci:
+            return t
+    return toks[-1]
+
+
+def antithetic_pair_law(setup: ExactSetup, prompt: str, order: str = "probability") -> dict:
+    """The exact joint law ``{(response a, response b): probability}`` of an antithetic pair
+    (``u_b = 1 - u_a`` at every position) for ``prompt``: at each position [0, 1) is cut at both
+    responses' inverse-CDF edges and each piece gives one token pair (a response that has ended
+    draws nothing more; the other then draws from its own distribution)."""
+    from entprobe.tasks.prompt_ids import encode_prompts
+
+    pid, eos, cache = encode_prompts(setup.tokenizer, [prompt], "never")[0], setup.tokenizer.eos_token_id, {}
+    law: dict = {}
+
+    def done(r):
+        return len(r) == MAX_NEW or (len(r) > 0 and r[-1] == eos)
+
+    def walk(a: tuple, b: tuple, prob: float):
+        if done(a) and done(b):
+            law[(a, b)] = law.get((a, b), 0.0) + prob
+            return
+        if done(a) or done(b):
+            live, other = (b, a) if done(a) else (a, b)
+            for t, q in enumerate(_next_token_probs(setup, pid, live, cache).tolist()):
+                if q > 0:
+                    walk(*((other, live + (t,)) if done(a) else (live + (t,), other)), prob * q)
+            return
+        ca, ta = _edges(_next_token_probs(setup, pid, a, cache), order)
+        cb, tb = _edges(_next_token_probs(setup, pid, b, cache), order)
+        cuts = sorted({0.0, 1.0, *[min(x, 1.0) for x in ca], *[max(1.0 - x, 0.0) for x in cb]})
+        for lo, hi in zip(cuts, cuts[1:]):
+            if hi > lo:
+                mid = (lo + hi) / 2
+                walk(a + (_pick(ca, ta, mid),), b + (_pick(cb, tb, 1 - mid),), prob * (hi - lo))
+
+    walk((), (), 1.0)
+    return law

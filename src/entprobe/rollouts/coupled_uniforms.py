@@ -162,14 +162,18 @@ def draw(probs: torch.Tensor, keys: torch.Tensor, pkeys: torch.Tensor, step: int
 
 
 # ----------------------------------------------------------------------------- cross-fit baselines
-def cross_block_matrix(blocks: torch.Tensor, dtype) -> torch.Tensor:
-    """``M[n, g, h] = 1`` where responses g and h of prompt n lie in different blocks [B, G, G]."""
+def cross_block_matrix(blocks: torch.Tensor, dtype, shape=None) -> torch.Tensor:
+    """``M[n, g, h] = 1`` where responses g and h of prompt n lie in different blocks [B, G, G]
+    (``shape``: the [B, G] of the values it will average, checked: a unit's values against the whole
+    batch's blocks would broadcast silently)."""
+    if shape is not None and tuple(blocks.shape) != tuple(shape):
+        raise ValueError(f"coupling_blocks {tuple(blocks.shape)} do not match the values' [B, G] {tuple(shape)}")
     return (blocks.unsqueeze(-1) != blocks.unsqueeze(-2)).to(dtype)
 
 
 def cross_block_mean(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """``b[n, g] = mean of x[n, h] over h outside g's block`` [B, G]: independent of response g."""
-    M = cross_block_matrix(blocks.to(x.device), x.dtype)
+    M = cross_block_matrix(blocks.to(x.device), x.dtype, x.shape)
     return (M @ x.unsqueeze(-1)).squeeze(-1) / M.sum(-1)
 
 
@@ -181,7 +185,7 @@ def cross_block_centred(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 def cross_block_alive_mean(x: torch.Tensor, m: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """``b[n,g,t] = mean of x[n,h,t] over h outside g's block with m[n,h,t] = 1`` (0 where none is
     generating at t), times ``m[n,g,t]`` (the cross-fit of ``alive_loo_mean``)."""
-    M = cross_block_matrix(blocks.to(x.device), x.dtype)
+    M = cross_block_matrix(blocks.to(x.device), x.dtype, x.shape[:2])
     others = M @ (x * m)
     count = M @ m
     return torch.where(count > 0, others / count.clamp(min=1), torch.zeros_like(others)) * m

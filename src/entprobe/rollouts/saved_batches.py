@@ -181,8 +181,9 @@ def resave_overrides(cfg: EntprobeConfig) -> str:
     """The overrides that sample the batches ``cfg`` loads again, into a new folder: every scalar
     key of ``sampled_keys`` at its value and ``batch.save=DIR`` (the task and the model are the
     command line's own, kept as they are)."""
+    off = cfg.sampling.coupling == "none"  # the coupling keys then say nothing: left out
     keys = [f"{key}={want}" for name, (key, want) in sampled_keys(cfg).items()
-            if name not in ("task", "E_drawn") and want is not None]
+            if name not in ("task", "E_drawn") and want is not None and not (off and name.startswith("coupling"))]
     return " ".join(keys + ["batch.save=DIR"])
 
 
