@@ -269,3 +269,15 @@ def test_exact_antithetic_pair_marginals_and_baseline_bias(setup, order):
         scale = float((p * (S * dS).abs()).sum()) + float((p * S.abs()).sum()) * float((p * dS.abs()).sum())
         # the gradients carry fp32 rounding (HF runs the norms in fp32 even in an fp64 model)
         assert abs(cross - target) < 4 * torch.finfo(torch.float32).eps * scale, (p_i, cross, target)
+
+
+def test_coupled_batches_passed_in_are_refused_where_they_would_bias(tmp_path, setup):
+    """E batches that carry coupling_blocks (loaded, or passed to entprobe.probe) face the same
+    refusals as sampling.coupling, whatever the sampling keys say."""
+    from entprobe.cli.probe_job import to_typed
+
+    E = _sample(setup, torch.arange(3), 4, STRAT2)
+    with pytest.raises(ConfigError, match=r"^importance.enabled: E's responses are coupled"):
+        cu.check_batch(to_typed(compose_cfg(tmp_path)), E)
+    cu.check_batch(to_typed(compose_cfg(tmp_path, "importance.enabled=false")), E)
+    cu.check_batch(to_typed(compose_cfg(tmp_path)), dataclasses.replace(E, coupling_blocks=None))

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from entprobe.config import ConfigError
+from entprobe.math import token_functionals as tf
 from entprobe.rollouts.streams import inverse_cdf, keyed_uniforms, row_keys
 
 MODES = ("none", "stratified", "antithetic")
@@ -81,7 +83,7 @@ def blocks_problem(c: torch.Tensor | None, B: int, G: int) -> str | None:
 
 def coupling_errors(cfg) -> list[tuple[str, str]]:
     """``(key, message)`` for every setting ``sampling.coupling`` cannot be used with (empty: fine)."""
-    s, b, p, i = cfg.sampling, cfg.batch, cfg.probe, cfg.importance
+    s, b = cfg.sampling, cfg.batch
     mode = str(getattr(s, "coupling", "none"))
     if mode not in MODES:
         return [("sampling.coupling", f"is {mode!r}; use none, stratified or antithetic")]
@@ -97,20 +99,32 @@ def coupling_errors(cfg) -> list[tuple[str, str]]:
                     f"{mode} coupling splits each prompt's batch.G={G} responses into blocks of "
                     f"sampling.coupling_block={k}: it must divide G into >= 2 blocks of >= 2 (each response's "
                     "baseline comes from the other blocks): use G >= 4 and a divisor k with 2 <= k <= G/2"))
-    why = f"sampling.coupling={mode} couples a prompt's responses, which biases "
+    return out + restriction_errors(cfg, f"sampling.coupling={mode} couples a prompt's responses, which biases ")
+
+
+def restriction_errors(cfg, why: str) -> list[tuple[str, str]]:
+    """The settings whose estimates coupled E responses would bias (``why`` starts each message)."""
+    p, out = cfg.probe, []
     if p.weighting_mode.value == "dr_grpo":
         out.append(("probe.weighting_mode", why + "dr_grpo's functional (it couples the group through Lmax, "
                     "so its target itself changes): use sequence, per_token_avg, token_mean or seq_mean_token_mean"))
-    if i.enabled:
+    if cfg.importance.enabled:
         out.append(("importance.enabled", why + "the measured change (its baselines are leave-one-out within "
                     "a prompt, not cross-fitted): set importance.enabled=false (prediction only) or "
                     "sampling.coupling=none"))
     if p.cross_fit:
         out.append(("probe.cross_fit", why + "its X half / Y half split: set probe.cross_fit=false"))
     if p.mode.value != "two_batch":
-        out.append(("probe.mode", f"sampling.coupling={mode} applies to E, which single_batch does not draw "
-                    "on its own: use probe.mode=two_batch"))
+        out.append(("probe.mode", why + "single_batch's estimates (E is U there): use probe.mode=two_batch"))
     return out
+
+
+def check_batch(cfg, E) -> None:
+    """ConfigError when E's responses are coupled (``coupling_blocks``: loaded or passed in) under a
+    setting they would bias (``restriction_errors``)."""
+    if getattr(E, "coupling_blocks", None) is not None:
+        for key, msg in restriction_errors(cfg, "E's responses are coupled (its coupling_blocks), which biases ")[:1]:
+            raise ConfigError(f"{key}: {msg}")
 
 
 # ----------------------------------------------------------------------------- the uniforms
@@ -213,8 +227,6 @@ def crossfit_token_coeffs(mode: str, H: torch.Tensor, m: torch.Tensor, blocks: t
     ``a = -c(f) m / G``, ``e = -m / (G L)`` (f = sum_t H_t / L); otherwise (Rao-Blackwellised
     ``sequence`` / ``token_mean``) ``a = -(Q - b) m scale / G``, ``e = -m scale / G`` with
     ``Q = sum_{s>t} (H_s - kappa)`` and b its ``cross_block_alive_mean``."""
-    from entprobe.math import token_functionals as tf
-
     H, m = H.detach(), m.to(H.dtype)
     G = H.shape[-2]
     if mode == "seq_mean_token_mean":
