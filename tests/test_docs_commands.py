@@ -163,6 +163,11 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "task.reward=last_number 'task.system_prompt=\"Answer with just the number.\"'": ("slow", ""),
     # docs/uncertainty.md (the Rao-Blackwellised X's gain and the variance left)
     ".venv/bin/python benchmarks/bench_rao_blackwell.py": ("slow", ""),
+    # docs/sampling.md and docs/uncertainty.md (coupled draws within a prompt)
+    "python -m entprobe.main sampling.coupling=stratified importance.enabled=false":
+        ("run", "tests/test_coupled_sampling.py::test_documented_coupling_command_runs"),
+    "nice -n 10 .venv/bin/python benchmarks/bench_coupling.py": ("slow", ""),
+    "nice -n 10 .venv/bin/python benchmarks/bench_coupling.py --R 40 --G 8 --skip-exact": ("slow", ""),
     ".venv/bin/python benchmarks/bench_rao_blackwell.py --model smollm2 --ckpt /tmp/smollm2_adamw --max-new 32 256 "
     "--reps 0": ("slow", ""),
     "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --model smollm2 --steps 50 --lr 3e-4 --B 4 --B-E 4 "

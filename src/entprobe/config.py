@@ -163,6 +163,10 @@ class SamplingConfig:
     top_p: float = 1.0
     max_new_tokens: int = 4
     gen_microbatch_prompts: int = 16
+    coupling: str = "none"  # none | stratified | antithetic: coupled draws within a prompt (coupled_uniforms.py)
+    coupling_block: int = 0  # responses per coupled block (0: G // 2; antithetic: 2)
+    coupling_order: str = "probability"  # probability | vocab: the coupled inverse CDF's token order
+    coupling_U: bool = False  # couple U too (the step's own noise falls, and its expectation moves)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from entprobe.math.token_functionals import TOKEN_MODES
 from entprobe.pipeline.stages.x_spec import PER_DECISION_IS_MODES as PER_DECISION_ESTIMATORS, resolve_x_estimator
 from entprobe.config import (ConfigError, EntprobeConfig, ModelSource, ProbeMode, WeightingMode, structured,
                              what_if_errors)
+from entprobe.rollouts.coupled_uniforms import coupling_errors
 from entprobe.rollouts.objectives import config_errors
 from entprobe.tasks.prompt_ids import style_errors
 from entprobe.runtime.sharding import config_errors as sharding_errors, defaults_to_turn_off
@@ -88,6 +89,8 @@ def validate(cfg: Any) -> None:
     _require(0 < s.top_p <= 1, "sampling.top_p", "must be in (0, 1]")
     _require(s.max_new_tokens >= 1, "sampling.max_new_tokens", "must be >= 1")
     _require(s.gen_microbatch_prompts >= 1, "sampling.gen_microbatch_prompts", "must be >= 1")
+    for key, msg in coupling_errors(cfg)[:1]:
+        raise ConfigError(f"{key}: {msg}")
     _require(p.mb_size_prompts >= 1, "probe.mb_size_prompts", "must be >= 1")
     _require(p.jvp_mb_size_prompts is None or p.jvp_mb_size_prompts >= 1, "probe.jvp_mb_size_prompts",
              "must be >= 1 (or null: sized from nograd_memory_mb)")

@@ -29,6 +29,7 @@ from entprobe.pipeline.modes.two_batch import run_two_batch
 from entprobe.rollouts.objectives import prepare as prepare_objective
 from entprobe.reporting.tables import console_table
 from entprobe.reporting.markdown import write_report
+from entprobe.rollouts.coupled_uniforms import check_batch
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.pipeline.lr_share import ShareSource, stage12_share
 from entprobe.pipeline.stages.x_spec import x_spec
@@ -73,6 +74,7 @@ def probe_batches(cfg: EntprobeConfig, held: InMemory, E_all: RolloutBatch, U_al
     truth, one batch): the objective bound to U, this rank's shards, the mode's stages, batch and
     trainer-style statistics. Returns flat results (identical on every rank), without ``flags``."""
     lm, ctx, geo, pcfg = held.lm, held.ctx, held.geo, cfg.probe
+    check_batch(cfg, E_all)  # coupled responses (sampling.coupling) only where nothing they bias runs
     same = E_all is U_all
     U_all, ctx.objective = prepare_objective(cfg.objective, U_all, cfg.sampling.max_new_tokens)
     E_all = U_all if same else E_all

@@ -16,6 +16,7 @@ from entprobe.config import ConfigError, EntprobeConfig
 from entprobe.runtime.locks import file_lock
 from entprobe.checkpoints.preflight import CheckedInputs
 from entprobe.tasks.prompt_ids import prompt_kwargs
+from entprobe.rollouts.coupled_uniforms import coupling_spec
 from entprobe.rollouts.sampling import RolloutBatch, draw_prompt_indices, sample_batch
 from entprobe.pipeline.stages.context import ProbeContext
 
@@ -81,12 +82,14 @@ def sample_global(cfg: EntprobeConfig, lm, task, ctx: ProbeContext) -> tuple[Rol
             idx = draw_prompt_indices(len(task.prompts), B, seed)
             with ctx.phase(f"sample_{label}"):
                 whole = sample_batch(lm.model, lm.tokenizer, task, idx, b.G, s, seed, b.advantage.value, b.adv_eps,
-                                     stop_together=True, progress=bar(label), **prompt_kwargs(cfg, lm.source))
+                                     stop_together=True, progress=bar(label), coupling=coupling_spec(s, b.G, label),
+                                     **prompt_kwargs(cfg, lm.source))
             return D.broadcast_object(whole)  # rank 0's draws on every rank, whatever the rounding
         idx = draw_prompt_indices(len(task.prompts), B, seed).tensor_split(D.world())[D.rank()]
         with ctx.phase(f"sample_{label}"):
             mine = sample_batch(lm.model, lm.tokenizer, task, idx, b.G, s, rank_seed(seed), b.advantage.value,
-                                b.adv_eps, progress=bar(label), **prompt_kwargs(cfg, lm.source))
+                                b.adv_eps, progress=bar(label), coupling=coupling_spec(s, b.G, label),
+                                **prompt_kwargs(cfg, lm.source))
         return concat_batches(D.gather_objects(mine), lm.tokenizer.pad_token_id) if D.is_dist() else mine
 
     # single_batch measures its step on a fresh E too (responses the step was not fit to)

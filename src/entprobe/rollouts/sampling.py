@@ -17,6 +17,8 @@ from entprobe.runtime import distributed as D
 from entprobe.runtime.atomic_io import torch_save_atomic
 from entprobe.runtime.input_files import InputFileError, load_torch_file
 from entprobe.runtime.progress import TokenRate
+from entprobe.rollouts import coupled_uniforms as cu
+from entprobe.rollouts.streams import inverse_cdf, keyed_uniforms, row_keys  # noqa: F401 (re-exported)
 from entprobe.rollouts.logprobs import position_ids_from_mask
 from entprobe.tasks.prompt_ids import encode_prompts
 from entprobe.tasks.base import score_rows
@@ -24,7 +26,7 @@ from entprobe.tasks.base import score_rows
 
 ABSURD = 1e6  # |advantage| or |reward| beyond it: a corrupt file, not a reward scale
 LOGP_TOL = 1e-5  # a log-probability above it is not one (log_softmax is <= 0 up to rounding)
-OPTIONAL_FIELDS = ("temperature", "sampler_entropy")  # a saved batch may lack these
+OPTIONAL_FIELDS = ("temperature", "sampler_entropy", "coupling_blocks")  # a saved batch may lack these
 
 
 @dataclass
@@ -40,6 +42,8 @@ class RolloutBatch:
     # [B, G, T] fp32 entropy of the sampling distribution log_softmax(logits/temp) at each generated
     # position, recorded while sampling (None: not recorded, e.g. batches saved before it was)
     sampler_entropy: torch.Tensor | None = None
+    # [B, G] long: each response's block under sampling.coupling (coupled_uniforms.py); None: independent
+    coupling_blocks: torch.Tensor | None = None
 
     @property
     def B(self) -> int:
@@ -143,7 +147,7 @@ class RolloutBatch:
         if h is not None and (tuple(h.shape) != (B, G, T) or not h.dtype.is_floating_point
                               or not bool(h.isfinite().all()) or bool((h < -LOGP_TOL).any())):
             return f"sampler_entropy must be finite entropies >= 0 of shape [B, G, T] = {(B, G, T)}"
-        return None
+        return cu.blocks_problem(self.coupling_blocks, B, G)
 
     def stats(self, prefix: str) -> dict[str, float]:
         """Reward mean/std, fraction of groups with zero reward variance, mean generated length."""
@@ -201,50 +205,6 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-_M32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``(x * c) mod 2**32`` for int64 ``0 <= x < 2**32``, in halves so no product leaves int64."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's finaliser (a bijection of 32-bit words with full avalanche), in int64."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-def row_keys(seed: int, prompt_pos: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
-    """The 32-bit key [N] of each row's stream: a hash of (seed, the prompt's position in the
-    batch, the response's index in its group). Integer arithmetic only: the same on every machine."""
-    seed = int(seed) % (1 << 64)
-    h = _mix32(torch.full_like(prompt_pos, seed & _M32) ^ 0x2545F491)
-    for word in (torch.full_like(prompt_pos, seed >> 32), prompt_pos, response):
-        h = _mix32((h + 0x9E3779B9) & _M32 ^ (word & _M32))
-    return h
-
-
-def keyed_uniforms(keys: torch.Tensor, step: int) -> torch.Tensor:
-    """One float64 uniform in [0, 1) per row for draw ``step``: 53 bits from two hashes of
-    (row key, step, word). Row r's value depends on its key and the step only (counter-based)."""
-    s = _mix32(keys ^ _mix32(torch.full_like(keys, (int(step) * 2 + 1) & _M32)))
-    hi, lo = _mix32(s ^ 0x68E31DA4), _mix32(s ^ 0xB5297A4D)
-    return ((hi >> 5) * 67108864 + (lo >> 6)).double() / 9007199254740992.0  # (27 bits * 2^26 + 26) / 2^53
-
-
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Token [N] drawn from each row of ``probs`` [N, V] (unnormalised, >= 0) by its uniform ``u``
-    [N]: the first index whose float64 cumulative sum exceeds ``u * total``. A zero-probability
-    entry never is that index (its cumulative sum equals the one before it)."""
-    cdf = probs.double().cumsum(-1)
-    target = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
-
-
 def kv_cache_key(model) -> str:
     """The forward's KV-cache argument: ``cache`` (transformers >= 5.2x, where ``past_key_values``
     is deprecated) or ``past_key_values`` (earlier releases)."""
@@ -268,7 +228,7 @@ def _kv_cache(out):
 def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eos_id: int,
              pad_id: int, temperature: float, top_k: int, top_p: float,
              seed: int, device, first_prompt: int = 0, stop_together: bool = False,
-             on_tokens=None) -> tuple[list[list[int]], list[list[int]], list[list[float]], list[list[float]]]:
+             on_tokens=None, coupling=None) -> tuple[list[list[int]], list[list[int]], list[list[float]], list[list[float]]]:
     """Sample G responses per prompt with a KV cache; returns per-row prompt ids, response ids,
     per-token ``log_softmax(logits / temperature)`` of each sampled token and the entropy of that
     distribution at each position (rows = prompt-major).
@@ -281,12 +241,15 @@ def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eo
     ``stop_together``: every rank of the process group runs as many forward calls (the loop ends
     when every rank's rows are done), as a model sharded with FSDP2 needs (each call all-gathers).
     ``on_tokens(n)``: called after each decoding step with the number of tokens it sampled (a
-    progress bar's tokens per second). Runs under ``no_grad``: no pass here needs a graph, and
+    progress bar's tokens per second). ``coupling``: a ``coupled_uniforms.Coupling`` (None: every
+    response independent, as above): a prompt's responses then take coupled uniforms, each response's
+    marginal exact (rollouts/coupled_uniforms.py). Runs under ``no_grad``: no pass here needs a graph, and
     with autograd on every decoding step's graph would stay alive until the loop ends."""
     rows = [p for p in prompt_ids for _ in range(G)]
     N, P = len(rows), max(len(p) for p in rows)
     r = torch.arange(N)
     keys = row_keys(seed, first_prompt + r // G, r % G)
+    pkeys = None if coupling is None else cu.perm_keys(seed, first_prompt + r // G, r % G)
     ids = torch.full((N, P), pad_id, dtype=torch.long)
     mask = torch.zeros((N, P), dtype=torch.long)
     for i, p in enumerate(rows):
@@ -303,7 +266,8 @@ def generate(model, prompt_ids: list[list[int]], G: int, max_new_tokens: int, eo
         logp = (logits / temperature).log_softmax(-1)
         ents.append(-(logp.exp() * logp).sum(-1))
         probs = filter_logits(logp, top_k, top_p).softmax(-1)
-        nxt = inverse_cdf(probs, keyed_uniforms(keys, step))
+        nxt = (inverse_cdf(probs, keyed_uniforms(keys, step)) if coupling is None
+               else cu.draw(probs, keys, pkeys, step, coupling, G))
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         toks.append(torch.where(done, -1, nxt))
         lps.append(logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1))
@@ -355,14 +319,16 @@ def assemble(prompts: list[list[int]], responses: list[list[int]], logprobs: lis
 def sample_batch(model, tokenizer, task, prompt_index: torch.Tensor, G: int, sampling, seed: int,
                  advantage: str, adv_eps: float, chat_template: str = "auto",
                  system_prompt: str | None = None, progress: str | None = None, style: str = "entprobe",
-                 template_kwargs: dict | None = None, stop_together: bool = False) -> RolloutBatch:
+                 template_kwargs: dict | None = None, stop_together: bool = False,
+                 coupling=None) -> RolloutBatch:
     """Sample G responses for each prompt in ``prompt_index`` (reproducible from ``seed``; each
     response from its own stream keyed by its prompt's position in ``prompt_index``, see
     ``generate``: the first k prompts draw the same responses whatever follows them), the
     prompts tokenized under the convention ``style`` (``prompt_ids``), the rewards the task's
     (``tasks.score_rows``: its reward functions called once on the whole batch). ``stop_together``:
     see ``generate`` (every rank must then sample the same number of prompts). ``progress``: the
-    label of a progress bar over the prompts, with the tokens sampled per second (None: no bar)."""
+    label of a progress bar over the prompts, with the tokens sampled per second (None: no bar).
+    ``coupling``: coupled draws within each prompt (``coupled_uniforms.coupling_spec``; None: independent)."""
     if sampling.top_k or sampling.top_p < 1.0:
         warnings.warn("truncated sampling (top_k/top_p) draws from a distribution other than "
                       "pi_theta: every entropy estimator is biased. Use top_k=0, top_p=1 for "
@@ -383,7 +349,7 @@ def sample_batch(model, tokenizer, task, prompt_index: torch.Tensor, G: int, sam
                                  style, template_kwargs)
             p, r, l, h = generate(model, ids, G, sampling.max_new_tokens, eos, pad, sampling.temperature,
                                   sampling.top_k, sampling.top_p, seed, device, first_prompt=s,
-                                  stop_together=stop_together, on_tokens=bar.tokens)
+                                  stop_together=stop_together, on_tokens=bar.tokens, coupling=coupling)
             all_p += p; all_r += r; all_l += l; all_h += h
             bar.prompts(len(texts))
     finally:
@@ -394,7 +360,9 @@ def sample_batch(model, tokenizer, task, prompt_index: torch.Tensor, G: int, sam
     texts = [tokenizer.decode(r, skip_special_tokens=True) for r in all_r]
     rewards = score_rows(task, rows, texts, all_r).to(torch.float32).view(len(idx), G)
     adv = group_advantages(rewards, advantage, adv_eps)
-    return RolloutBatch(ids, att, resp, lp, rewards, adv, prompt_index.clone(), float(sampling.temperature), ent)
+    blocks = None if coupling is None else cu.coupling_blocks(len(idx), G, coupling.block)
+    return RolloutBatch(ids, att, resp, lp, rewards, adv, prompt_index.clone(), float(sampling.temperature), ent,
+                        blocks)
 
 
 def draw_prompt_indices(num_prompts: int, B: int, seed: int) -> torch.Tensor:

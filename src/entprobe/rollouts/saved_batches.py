@@ -156,7 +156,8 @@ def sampled_keys(cfg: EntprobeConfig) -> dict:
     ``tokenize`` resolved by the objective: the objective changes the batches only through it),
     ``sampling.temperature`` / ``top_k`` / ``top_p`` / ``max_new_tokens``, ``batch.G`` / ``B_E`` /
     ``B_U`` / ``seed_E`` / ``seed_U`` / ``advantage`` / ``adv_eps``, and whether E was drawn on its
-    own (``two_batch`` or importance sampling) or is U (``E_drawn``).
+    own (``two_batch`` or importance sampling) or is U (``E_drawn``), and ``sampling.coupling`` /
+    ``coupling_block`` / ``coupling_order`` / ``coupling_U`` (folders saved before them: independent draws).
 
     Left out on purpose: ``sampling.gen_microbatch_prompts``, ``model.dtype`` / ``device`` /
     ``attn_implementation`` and the world size (each response draws from its own keyed stream:
@@ -170,15 +171,19 @@ def sampled_keys(cfg: EntprobeConfig) -> dict:
             "max_new_tokens": ("sampling.max_new_tokens", s.max_new_tokens), "G": ("batch.G", b.G),
             "B_E": ("batch.B_E", b.B_E), "B_U": ("batch.B_U", b.B_U), "seed_E": ("batch.seed_E", b.seed_E),
             "seed_U": ("batch.seed_U", b.seed_U), "advantage": ("batch.advantage", b.advantage.value),
-            "adv_eps": ("batch.adv_eps", b.adv_eps), "E_drawn": ("probe.mode", e_drawn(cfg))}
+            "adv_eps": ("batch.adv_eps", b.adv_eps), "E_drawn": ("probe.mode", e_drawn(cfg)),
+            "coupling": ("sampling.coupling", s.coupling), "coupling_block": ("sampling.coupling_block",
+            s.coupling_block), "coupling_order": ("sampling.coupling_order", s.coupling_order),
+            "coupling_U": ("sampling.coupling_U", s.coupling_U)}
 
 
 def resave_overrides(cfg: EntprobeConfig) -> str:
     """The overrides that sample the batches ``cfg`` loads again, into a new folder: every scalar
     key of ``sampled_keys`` at its value and ``batch.save=DIR`` (the task and the model are the
     command line's own, kept as they are)."""
+    off = cfg.sampling.coupling == "none"  # the coupling keys then say nothing: left out
     keys = [f"{key}={want}" for name, (key, want) in sampled_keys(cfg).items()
-            if name not in ("task", "E_drawn") and want is not None]
+            if name not in ("task", "E_drawn") and want is not None and not (off and name.startswith("coupling"))]
     return " ".join(keys + ["batch.save=DIR"])
 
 

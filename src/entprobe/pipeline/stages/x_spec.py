@@ -18,6 +18,7 @@ import torch
 from entprobe.config import ConfigError
 from entprobe.math import estimators as est
 from entprobe.math import token_functionals as tf
+from entprobe.rollouts import coupled_uniforms as cu
 from entprobe.rollouts.sampling import RolloutBatch
 
 
@@ -79,12 +80,16 @@ class XSpec:
     def weights(self, S: torch.Tensor, mb: RolloutBatch) -> torch.Tensor:
         """Response weights w [b, G] (score form only)."""
         L, Lmax = mb.gen_lengths.to(S.device), mb.Lmax.to(S.device)
+        if getattr(mb, "coupling_blocks", None) is not None:  # coupled responses: cross-fit baselines
+            return cu.crossfit_weights(self.mode, S, L, mb.coupling_blocks, self.kappa, self.scale)
         if self.mode == "token_mean":
             return tf.score_token_mean_weights(S.detach(), L, self.kappa, self.scale)
         return est.x_unit_coeffs(S, L, Lmax, self.mode)
 
     def token_coeffs(self, ent: torch.Tensor, mb: RolloutBatch) -> tf.TokenCoeffs:
         m = mb.response_mask.to(ent.device, ent.dtype)
+        if getattr(mb, "coupling_blocks", None) is not None:  # coupled responses: cross-fit baselines
+            return cu.crossfit_token_coeffs(self.mode, ent, m, mb.coupling_blocks, self.kappa, self.scale)
         if self.mode == "seq_mean_token_mean":
             return tf.seq_mean_token_mean_coeffs(ent, m)
         return tf.rao_blackwell_coeffs(ent, m, self.kappa, self.scale)
