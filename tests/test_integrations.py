@@ -188,6 +188,8 @@ def test_callback_refuses_what_it_cannot_probe(tmp_path):
         EntropyProbeCallback(tr, **{"objective.loss_type": "grpo"})
     with pytest.raises(ConfigError, match="batch.G: is your trainer's"):
         EntropyProbeCallback(tr, batch={"G": 8})
+    with pytest.raises(ConfigError, match="sampling.coupling: the online probe draws its held-out E independently"):
+        EntropyProbeCallback(tr, sampling={"coupling": "stratified"})  # else ignored in silence
     with pytest.raises(TypeError, match="pass config .* or overrides"):  # the callback's config is made once
         OnlineProbe(tr.model, tr.optimizer, None, lambda step: None, config=EntropyProbeCallback(tr).cfg,
                     batch={"B_E": 4})

@@ -39,6 +39,10 @@ def online_config(overrides: Mapping[str, Any], fixed: Mapping[str, Any] | None 
         if not any(key == k or key.startswith(k + ".") for k in keys):
             raise ConfigError(f"{key}: does not apply to the online probe, which predicts the step your training "
                               f"loop takes (its gradient, optimizer and lr); it reads {', '.join(keys)}")
+        if key.startswith("sampling.coupling"):  # the sampler of E here draws each response on its own stream
+            raise ConfigError(f"{key}: the online probe draws its held-out E independently and the step's own batch "
+                              "comes from your trainer; coupled draws are for the command line's prediction-only "
+                              "runs (importance.enabled=false): leave sampling.coupling out here")
         if fixed and key in fixed:
             raise ConfigError(f"{key}: is your trainer's ({fixed[key]!r} there); the probe samples as it does")
     merged = {**dict(overrides), **dict(fixed or {})}
