@@ -408,9 +408,11 @@ class EntropyGuardCallback(EntropyProbeCallback):
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         step = state.global_step + 1
         knob = self.guard.rule.entropy_coef_max is not None
+        rollouts = self.step_rollouts(step)
         if knob:  # the coefficient this step's loss used (TRL's); the one decided is its loss's from the next step
             self.guard.entropy_coef = float(self.trainer.entropy_coef)
-        self.guard.before_step(step, **self.step_rollouts(step))
+            rollouts.pop("entropy_coef", None)  # the guard passes its own
+        self.guard.before_step(step, **rollouts)
         if knob:
             self.trainer.entropy_coef = self.guard.entropy_coef
 
