@@ -138,3 +138,52 @@ def test_trl_layouts_the_knob_cannot_model_are_refused_before_training(tmp_path,
         G.EntropyGuardCallback(trainer, every_n_steps=1, **{"source": "rollouts", **kw},
                                guard={"floor": 1.0, "entropy_coef_max": 0.5})
     assert "\n" not in str(e.value) and str(e.value).startswith("EntropyGuard: entropy_coef_max=0.5")
+
+
+def _token_mean_entropy(model, batch):
+    """TRL's bonus term: the mean per-token full-vocabulary entropy over the batch's completion tokens."""
+    from entprobe.rollouts.logprobs import token_logprobs
+
+    ids, att, resp = batch.flat(next(model.parameters()).device)
+    tl = token_logprobs(model, ids, att, resp, batch.temperature, with_entropy="grad")
+    return tl.entropy.sum() / resp.sum()
+
+
+def test_plain_loop_probe_needs_the_coefficient_in_force_and_the_guard_sets_the_next():
+    """The built-in model, entprobe's DR-GRPO loss minus c H (c = 1: the bonus is most of the gradient):
+    told c, the probe predicts the step (its objective reproduces .grad); told nothing, its check refuses
+    the gradient as another loss's. The guard passes its own coefficient and sets the next step's."""
+    from conftest import rollout_loop_parts
+    from entprobe.integrations.online import OnlineProbe
+
+    model, tok, task, opt, step_batch = rollout_loop_parts()
+
+    def bonus_batch(seed, c):
+        batch = step_batch(seed)  # the policy loss's gradient in .grad
+        (-c * _token_mean_entropy(model, batch)).backward()
+        return batch
+
+    probe = OnlineProbe(model, opt, tok, None, every=1, source="rollouts")
+    batch = bonus_batch(1, 1.0)
+    with pytest.raises(ConfigError, match="is not the objective entprobe's on the batch"):
+        probe.before_step(2, rollouts=batch)
+    assert probe.before_step(2, rollouts=batch, entropy_coef=1.0)
+    assert probe._pending.res["entropy_coef"] == 1.0 and probe._pending.res["rollouts/grad_residual"] < 1e-4
+    with pytest.raises(ConfigError, match="entropy_coef=-1.0: the entropy bonus's coefficient"):
+        probe.before_step(2, rollouts=batch, entropy_coef=-1.0)
+
+    guard = G.EntropyGuard(OnlineProbe(model, opt, tok, None, every=1, source="rollouts"), floor=10.0,
+                           entropy_coef_max=2.0, entropy_coef=1.0)
+    batch = bonus_batch(2, guard.entropy_coef)
+    guard.before_step(2, rollouts=batch)
+    opt.step()
+    m = guard.after_step()
+    d = guard.decisions[-1]
+    assert m["entprobe/entropy_coef"] == 1.0 and m["entprobe/guard_entropy_coef"] == guard.entropy_coef == d.coef.coef
+    assert math.isfinite(d.coef.effect) and d.coef.SE > 0 and m["entprobe/guard_bonus_effect"] == d.coef.effect
+    state = guard.state_dict()
+    assert state["entropy_coef"] == guard.entropy_coef
+    with pytest.raises(ConfigError, match=r"'entropy_coef' 3.0 is not in \[0, entropy_coef_max\] = \[0, 2\]"):
+        guard.load_state_dict({**state, "entropy_coef": 3.0})
+    with pytest.raises(ConfigError, match="use OnlineProbe\\(..., source='rollouts'\\)"):
+        G.EntropyGuard(OnlineProbe(model, opt, tok, task, every=1), floor=1.0, entropy_coef_max=1.0)
