@@ -181,6 +181,8 @@ def test_plain_loop_probe_needs_the_coefficient_in_force_and_the_guard_sets_the_
     d = guard.decisions[-1]
     assert m["entprobe/entropy_coef"] == 1.0 and m["entprobe/guard_entropy_coef"] == guard.entropy_coef == d.coef.coef
     assert math.isfinite(d.coef.effect) and d.coef.SE > 0 and m["entprobe/guard_bonus_effect"] == d.coef.effect
+    with pytest.raises(ConfigError, match="the guard passes its own coefficient"):
+        guard.before_step(3, rollouts=batch, entropy_coef=0.5)
     state = guard.state_dict()
     assert state["entropy_coef"] == guard.entropy_coef
     with pytest.raises(ConfigError, match=r"'entropy_coef' 3.0 is not in \[0, entropy_coef_max\] = \[0, 2\]"):

@@ -64,7 +64,7 @@ import time
 from dataclasses import dataclass
 
 from entprobe.config import ConfigError
-from entprobe.integrations.guard_bonus import check_trl_bonus, coef_call, coef_error
+from entprobe.integrations.guard_bonus import check_trl_bonus, coef_call, coef_error, coef_text, loaded_coef
 from entprobe.integrations.guard_params import INTEGER_PARAMS, MAX_HORIZON, PARAM_RANGES, param_error  # noqa: F401
 from entprobe.integrations.guard_forecast import forecast_call
 from entprobe.integrations.online import OnlineProbe
@@ -138,12 +138,6 @@ class Decision:
         fc += f"; {coef_text(self.coef)}" if self.coef is not None else ""
         return (f"entprobe guard: step {self.step}: lr x{self.factor:.3g}, {self.action} (predicted "
                 f"{self.deltaH_pred:+.3g} +- {self.SE:.2g} nats at the scheduler's lr, H {self.H:.3g}{limits}{fc})")
-
-
-def coef_text(call) -> str:
-    """``entropy_coef 0.02 -> 0.05 (raise; bonus effect +1.2e-01 +- 3e-02 a unit)``."""
-    return (f"entropy_coef {call.prev:.3g} -> {call.coef:.3g} ({call.action}; bonus effect {call.effect:+.2e} +- "
-            f"{call.SE:.1e} a unit)")
 
 
 def band_edge(H: float, floor: float | None, max_decay: float | None) -> float | None:
@@ -286,12 +280,8 @@ class EntropyGuard:
                               f"= [{lo:g}, {hi:g}]: the state was saved by a guard with another range, or edited; "
                               "resume with the guard's own min_factor / max_factor, or from another checkpoint")
         self.factor = float(f)
-        c = state.get("entropy_coef", 0.0 if self.rule.entropy_coef_max is not None else None)
-        if c is not None and self.rule.entropy_coef_max is not None:
-            if isinstance(c, bool) or not isinstance(c, numbers.Real) or not 0 <= c <= self.rule.entropy_coef_max:
-                raise ConfigError(f"EntropyGuard state: 'entropy_coef' {c!r} is not in [0, entropy_coef_max] = "
-                                  f"[0, {self.rule.entropy_coef_max:g}]: resume with the guard's own entropy_coef_max")
-            self.entropy_coef = float(c)
+        if self.rule.entropy_coef_max is not None:
+            self.entropy_coef = loaded_coef(state, self.rule.entropy_coef_max)
         if "probe" in state:  # a state saved before the forecast's filter has none
             self.probe.load_state_dict(state["probe"])
 
@@ -304,6 +294,9 @@ class EntropyGuard:
         self.restore_lr()  # a step whose optimizer.step() raised never reached after_step: no factor on a factor
         self._decision = None
         knob = self.rule.entropy_coef_max is not None
+        if knob and "entropy_coef" in rollouts:
+            raise ConfigError("EntropyGuard.before_step: with entropy_coef_max the guard passes its own coefficient "
+                              "(guard.entropy_coef, the one your loss must use): leave entropy_coef out")
         bonus = {"entropy_coef": self.entropy_coef, "bonus_effect": True} if knob else {}
         if probe.before_step(step, **rollouts, **bonus):
             p = probe.pending

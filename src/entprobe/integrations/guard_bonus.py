@@ -20,6 +20,7 @@ scheduler's lr. With ``d`` the prediction at ``c_now`` and ``edge`` the band's e
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -87,6 +88,22 @@ def coef_call(rule, p, c_now: float, edge: float | None) -> CoefCall:
         H_ahead = [(k, f["H"]) for k, f in fcs]
     return decide_coef(c_now, rule.entropy_coef_max, p.deltaH_pred, p.SE, edge, p.bonus_effect, p.SE_bonus_effect,
                        rule.z, rule.recovery, crossing, rule.floor, H_ahead)
+
+
+def coef_text(call) -> str:
+    """``entropy_coef 0.02 -> 0.05 (raise; bonus effect +1.2e-01 +- 3e-02 a unit)``."""
+    return (f"entropy_coef {call.prev:.3g} -> {call.coef:.3g} ({call.action}; bonus effect {call.effect:+.2e} +- "
+            f"{call.SE:.1e} a unit)")
+
+
+def loaded_coef(state: dict, c_max: float) -> float:
+    """The coefficient of a saved guard state (``EntropyGuard.state_dict``; 0 in a state saved without the
+    knob), refused when no guard with this ``entropy_coef_max`` could have set it."""
+    c = state.get("entropy_coef", 0.0)
+    if isinstance(c, bool) or not isinstance(c, numbers.Real) or not 0 <= c <= c_max:
+        raise ConfigError(f"EntropyGuard state: 'entropy_coef' {c!r} is not in [0, entropy_coef_max] = [0, {c_max:g}]: "
+                          "resume with the guard's own entropy_coef_max")
+    return float(c)
 
 
 def coef_error(entropy_coef_max, start, floor, max_decay) -> str | None:
