@@ -50,6 +50,10 @@ A resumed run continues with the factor in force when its checkpoint was written
 ``load_state_dict()`` in a plain loop (save it beside the optimizer's); ``EntropyGuardCallback``
 keeps it in the checkpoint's ``trainer_state.json`` (``stateful_callbacks[STATE_KEY]``) and reads it
 back when TRL resumes.
+
+With ``entropy_coef_max`` (needs ``source="rollouts"``) the guard also sets the coefficient of an entropy
+bonus in the loss, ``L_policy - c H``, for the coming steps (guard_bonus.py): ``guard.entropy_coef`` is the
+c your loss must use from the next step on (``EntropyGuardCallback`` writes TRL's ``trainer.entropy_coef``).
 """
 from __future__ import annotations
 
@@ -60,6 +64,8 @@ import time
 from dataclasses import dataclass
 
 from entprobe.config import ConfigError
+from entprobe.integrations.guard_bonus import check_trl_bonus, coef_call, coef_error, coef_text, loaded_coef
+from entprobe.integrations.guard_params import INTEGER_PARAMS, MAX_HORIZON, PARAM_RANGES, param_error  # noqa: F401
 from entprobe.integrations.guard_forecast import forecast_call
 from entprobe.integrations.online import OnlineProbe
 from entprobe.integrations.step_lines import probe_line
@@ -83,6 +89,8 @@ class GuardRule:
     max_factor: float = 1.0
     recovery: float = 1.5
     horizon: int | None = None  # steps ahead the forecast must stay above the floor (guard_forecast.py)
+    entropy_coef_max: float | None = None  # the entropy bonus knob's largest coefficient (None: off; guard_bonus.py)
+    entropy_coef: float | None = None  # its starting coefficient (None: 0, or TRL's GRPOConfig.entropy_coef)
 
     def __post_init__(self):
         for name, value in dataclasses.asdict(self).items():
@@ -95,50 +103,9 @@ class GuardRule:
             raise ConfigError("EntropyGuard: give floor, max_decay or target_deltaH (what to hold entropy to)")
         if self.horizon is not None and self.floor is None:
             raise ConfigError(f"EntropyGuard: horizon={self.horizon} keeps the forecast above the floor: give floor")
-
-
-# the horizon's largest value: each decision reads the forecast of every k = 1..K (its cost grows with
-# K: ~12 ms at K = 100 on one core), and the forecast is first order at theta from one step's batch,
-# checked to 10 steps ahead (docs/forecast.md): a horizon beyond 100 steps extrapolates a tangent
-MAX_HORIZON = 100
-INTEGER_PARAMS = ("horizon",)
-
-
-# each parameter's range (GuardRule): (may be None, test of a finite number, what it must be)
-PARAM_RANGES = {
-    "floor": (True, lambda v: v >= 0, "the lowest entropy to hold, in nats: a finite number >= 0 (entropy is "
-              "never negative, so a floor below 0 never acts)"),
-    "max_decay": (True, lambda v: v >= 0, "the largest entropy decrease per step, in nats: a finite number >= 0 "
-                  "(0: no decrease allowed)"),
-    "target_deltaH": (True, lambda v: v != 0, "the change to steer each step to, in nats: a finite nonzero number "
-                      "(no lr > 0 scales a nonzero predicted change to 0; max_decay=0 allows no decrease)"),
-    "z": (False, lambda v: v >= 0, "the resolution a prediction needs before the guard acts: a finite number >= 0"),
-    "min_factor": (False, lambda v: 0 < v <= 1, "the smallest lr factor: a number in (0, 1]"),
-    "max_factor": (False, lambda v: v >= 1, "the largest lr factor: a finite number >= 1"),
-    "recovery": (False, lambda v: v > 1, "the factor's geometric return to 1 per probe: a finite number > 1"),
-    "horizon": (True, lambda v: 1 <= v <= MAX_HORIZON, "the steps ahead the entropy forecast must stay above "
-                f"the floor: an integer from 1 to {MAX_HORIZON} (the forecast is first order, checked to 10 steps "
-                "ahead, and each decision computes every step up to it)"),
-}
-
-
-def param_error(name: str, value, leave_out: str = "None to leave it out") -> str | None:
-    """What is wrong with ``value`` for the guard's parameter ``name`` (``PARAM_RANGES``): not a
-    number (a string, a bool, ...), not an integer for ``INTEGER_PARAMS`` (``horizon``: 5, not 5.0),
-    not finite, out of range; None when it is fine. ``leave_out``: how the caller leaves an optional
-    parameter out (said with its range)."""
-    optional, ok, what = PARAM_RANGES[name]
-    what += f" (or {leave_out})" if optional else ""
-    if value is None:
-        return None if optional else f"must be {what}"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return f"is a {type(value).__name__}, not a number; give {what}"
-    if name in INTEGER_PARAMS and not isinstance(value, numbers.Integral):
-        return f"is a {type(value).__name__}, not an integer; give {what}"
-    finite = isinstance(value, numbers.Integral) or math.isfinite(value)  # (10**400 has no float)
-    if not (finite and ok(value)):  # NaN compares False: a guard that never acts
-        return f"must be {what}"
-    return None
+        error = coef_error(self.entropy_coef_max, self.entropy_coef, self.floor, self.max_decay)
+        if error:
+            raise ConfigError(f"EntropyGuard: {error}")
 
 
 @dataclass
@@ -154,6 +121,7 @@ class Decision:
     H: float = math.nan
     edge: float | None = None
     forecast: object = None  # guard_forecast.ForecastCall the rule acted on (horizon=K)
+    coef: object = None  # guard_bonus.CoefCall: the entropy bonus's coefficient for the next steps (entropy_coef_max)
 
     @property
     def code(self) -> int:
@@ -167,6 +135,7 @@ class Decision:
         limits = "".join(f", {k} {v:g}" for k, v in (("floor", rule.floor), ("max_decay", rule.max_decay),
                                                      ("target_deltaH", rule.target_deltaH)) if v is not None)
         fc = f"; {self.forecast.text(rule.floor)}" if self.forecast is not None else ""
+        fc += f"; {coef_text(self.coef)}" if self.coef is not None else ""
         return (f"entprobe guard: step {self.step}: lr x{self.factor:.3g}, {self.action} (predicted "
                 f"{self.deltaH_pred:+.3g} +- {self.SE:.2g} nats at the scheduler's lr, H {self.H:.3g}{limits}{fc})")
 
@@ -266,9 +235,15 @@ class EntropyGuard:
 
     def __init__(self, probe: OnlineProbe, floor: float | None = None, max_decay: float | None = None,
                  target_deltaH: float | None = None, z: float = 1.96, min_factor: float = 0.05,
-                 max_factor: float = 1.0, recovery: float = 1.5, horizon: int | None = None):
+                 max_factor: float = 1.0, recovery: float = 1.5, horizon: int | None = None,
+                 entropy_coef_max: float | None = None, entropy_coef: float | None = None):
         self.probe = probe
-        self.rule = GuardRule(floor, max_decay, target_deltaH, z, min_factor, max_factor, recovery, horizon)
+        self.rule = GuardRule(floor, max_decay, target_deltaH, z, min_factor, max_factor, recovery, horizon,
+                              entropy_coef_max, entropy_coef)
+        if entropy_coef_max is not None and getattr(probe, "source", "held_out") != "rollouts":
+            raise ConfigError(f"EntropyGuard: entropy_coef_max={entropy_coef_max} sets the entropy bonus from its "
+                              "effect on the step's own batch: use OnlineProbe(..., source='rollouts')")
+        self.entropy_coef = float(self.rule.entropy_coef or 0.0)  # the loss's coefficient from the next step on
         if horizon is not None and getattr(probe, "source", "held_out") != "rollouts":
             raise ConfigError(f"EntropyGuard: horizon={horizon} acts on the entropy forecast, which the online probe "
                               "makes from the step's own batch: use OnlineProbe(..., source='rollouts')")
@@ -289,6 +264,7 @@ class EntropyGuard:
         holds until the next probe), the step of the last decision, and with ``horizon`` the probe's
         (the forecast's filter over the run: ``OnlineProbe.state_dict``)."""
         return {"factor": self.factor, "decided_at": self.decisions[-1].step if self.decisions else None,
+                **({"entropy_coef": self.entropy_coef} if self.rule.entropy_coef_max is not None else {}),
                 **({"probe": self.probe.state_dict()} if self.rule.horizon else {})}  # the forecast's filter
 
     def load_state_dict(self, state: dict) -> None:
@@ -304,6 +280,8 @@ class EntropyGuard:
                               f"= [{lo:g}, {hi:g}]: the state was saved by a guard with another range, or edited; "
                               "resume with the guard's own min_factor / max_factor, or from another checkpoint")
         self.factor = float(f)
+        if self.rule.entropy_coef_max is not None:
+            self.entropy_coef = loaded_coef(state, self.rule.entropy_coef_max)
         if "probe" in state:  # a state saved before the forecast's filter has none
             self.probe.load_state_dict(state["probe"])
 
@@ -315,9 +293,17 @@ class EntropyGuard:
         t0, probe = time.perf_counter(), self.probe
         self.restore_lr()  # a step whose optimizer.step() raised never reached after_step: no factor on a factor
         self._decision = None
-        if probe.before_step(step, **rollouts):
+        knob = self.rule.entropy_coef_max is not None
+        if knob and "entropy_coef" in rollouts:
+            raise ConfigError("EntropyGuard.before_step: with entropy_coef_max the guard passes its own coefficient "
+                              "(guard.entropy_coef, the one your loss must use): leave entropy_coef out")
+        bonus = {"entropy_coef": self.entropy_coef, "bonus_effect": True} if knob else {}
+        if probe.before_step(step, **rollouts, **bonus):
             p = probe.pending
             dec = decide_with_forecast(self.rule, step, p, self.factor)
+            if knob:  # the coefficient for the next steps, from the same prediction (at the scheduler's lr)
+                dec.coef = coef_call(self.rule, p, self.entropy_coef, band_edge(p.H, self.rule.floor, self.rule.max_decay))
+                self.entropy_coef = dec.coef.coef
             self.factor, self._decision = dec.factor, dec
             self.decisions.append(dec)
             probe.rescale_pending(dec.factor)
@@ -352,6 +338,10 @@ class EntropyGuard:
         out = dict(self.probe.after_step() or {})
         out["entprobe/guard_lr_factor"] = self.factor
         out["entprobe/guard_lr"] = self.lrs[-1][1][0] if self.lrs else math.nan
+        if self.rule.entropy_coef_max is not None:  # the coefficient for the next steps, and the effect it acted on
+            out["entprobe/guard_entropy_coef"] = self.entropy_coef
+            if self._decision is not None:
+                out["entprobe/guard_bonus_effect"] = self._decision.coef.effect
         if self._decision is not None:
             out["entprobe/guard_action"] = float(self._decision.code)
             fc = self._decision.forecast
@@ -382,7 +372,11 @@ class EntropyGuardCallback(EntropyProbeCallback):
     def __init__(self, trainer, every_n_steps: int = 1, guard: dict | None = None, **overrides):
         super().__init__(trainer, every_n_steps, **overrides)
         self.guard_kwargs = dict(guard or {})
-        GuardRule(**self.guard_kwargs)  # bad parameters fail here, before training
+        rule = GuardRule(**self.guard_kwargs)  # bad parameters fail here, before training
+        if rule.entropy_coef_max is not None:
+            check_trl_bonus(trainer, self.source, rule)
+            self.guard_kwargs.setdefault("entropy_coef", float(trainer.args.entropy_coef))
+            GuardRule(**self.guard_kwargs)  # TRL's own entropy_coef as the start: at most the max
         self.guard: EntropyGuard | None = None
 
     @property
@@ -400,18 +394,29 @@ class EntropyGuardCallback(EntropyProbeCallback):
             if state.is_world_process_zero:
                 print(f"entprobe: EntropyGuard resumed at step {state.global_step} with lr factor "
                       f"{self.guard.factor:.4g} (trainer_state.json)", flush=True)
+        if self.guard.rule.entropy_coef_max is not None:  # TRL's bonus on from the first step, at the guard's c
+            self.trainer._entropy_bonus_enabled = True
+            self.trainer.entropy_coef = self.guard.entropy_coef
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         step = state.global_step + 1
-        self.guard.before_step(step, **self.step_rollouts(step))
+        knob = self.guard.rule.entropy_coef_max is not None
+        rollouts = self.step_rollouts(step)
+        if knob:  # the coefficient this step's loss used (TRL's); the one decided is its loss's from the next step
+            self.guard.entropy_coef = float(self.trainer.entropy_coef)
+            rollouts.pop("entropy_coef", None)  # the guard passes its own
+        self.guard.before_step(step, **rollouts)
+        if knob:
+            self.trainer.entropy_coef = self.guard.entropy_coef
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         dec = self.guard._decision  # the step's, before after_step measures it
         metrics = self.guard.after_step()
         self._to_log.update(metrics)
         if dec is not None and state.is_world_process_zero:  # one line a guarded step, at the lr it used
+            coef = f"; {coef_text(dec.coef)}" if dec.coef is not None else ""
             print("entprobe: " + probe_line(dec.step, metrics, self.source, metrics.get("entprobe/H_rollouts"), dec,
-                                            self.guard.rule), flush=True)
+                                            self.guard.rule) + coef, flush=True)
 
     def on_step_end(self, args, state, control, **kwargs):
         state.stateful_callbacks[STATE_KEY] = self.guard.state_dict()  # saved with the checkpoint, if one follows

@@ -45,6 +45,7 @@ and their paired difference); None measures nothing (``deltaH1_step`` is still r
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -82,6 +83,7 @@ LOGGED = ("deltaH_pred", "SE_deltaH_pred", "ci95_pred_low", "ci95_pred_high", "d
           "deltaH_pred_gradient", "deltaH_pred_momentum", "deltaH_pred_weight_decay", "deltaH1_step",
           "H_orig", "H_rollouts", "ESS_frac", "lr", "time_s", "step", "step_mismatch",
           "SE_deltaH_pred_expected", "deltaH_pred_E", "gradient_zero", "update_zero",
+          "entropy_coef", "bonus_effect", "SE_bonus_effect",
           *(f"forecast_H_k{k}{s}" for k in HORIZONS for s in ("", "_low", "_high")))
 
 
@@ -117,6 +119,9 @@ class PendingPrediction:
     lr: float
     # source="rollouts": ``forecast(k, factor)``, math/forecast.py's forecast k steps ahead at factor x lr
     forecast: Callable[[int, float], dict] | None = None
+    # before_step(..., bonus_effect=True): the entropy change per unit of entropy-bonus coefficient, at ``lr``
+    bonus_effect: float = float("nan")
+    SE_bonus_effect: float = float("nan")
 
 
 class OnlineProbe:
@@ -182,12 +187,16 @@ class OnlineProbe:
         return sample_batch(self.model, self.tokenizer, self.held_out, idx, b.G, s, b.seed_E + step,
                             "dr_grpo", b.adv_eps, **prompt_kwargs(self.cfg, "memory"))
 
-    def before_step(self, step: int, rollouts: RolloutBatch | None = None, grad_norm: float | None = None) -> bool:
+    def before_step(self, step: int, rollouts: RolloutBatch | None = None, grad_norm: float | None = None,
+                    entropy_coef: float = 0.0, bonus_effect: bool = False) -> bool:
         """Call with the step's gradient in ``.grad``, before ``optimizer.step()``; with
         ``source="rollouts"``, ``rollouts`` is the batch that gradient was computed on (its
         advantages as the loss used them) and ``grad_norm`` the gradient's norm before clipping (what
-        ``clip_grad_norm_`` returned; needed when ``max_grad_norm`` clipped it). Returns whether it
-        predicted (``due``)."""
+        ``clip_grad_norm_`` returned; needed when ``max_grad_norm`` clipped it). ``entropy_coef``: the
+        coefficient c of TRL's entropy bonus in the loss that gradient came from (``L_policy - c H``; 0:
+        none); ``bonus_effect``: also predict the change per unit of c (source="rollouts";
+        stages/rollout_bonus.py). Returns whether it predicted (``due``)."""
+        check_bonus_args(entropy_coef, bonus_effect, self.source)
         self._pending = None
         if not self.due(step):
             return False
@@ -221,7 +230,8 @@ class OnlineProbe:
                 update = build_step_model(ctx, geo.optimizer, geo.lr, Ybar, geo.P, "optimizer", None)
             if self.source == "rollouts":
                 ro = rollouts_prediction(ctx, cfg, rollouts, update, lambda y: build_step_model(
-                    ctx, geo.optimizer, geo.lr, y, geo.P, "optimizer", None), Ybar, self.max_grad_norm, grad_norm)
+                    ctx, geo.optimizer, geo.lr, y, geo.P, "optimizer", None), Ybar, self.max_grad_norm, grad_norm,
+                    float(entropy_coef), bonus_effect)
                 res, Xbar, H = dict(ro.res), ro.Xbar, ro.res["H_orig"]
                 # the step's batch's entropy, where the forecasts start: kept under its own name, since a
                 # measurement on a held-out E logs E's entropy as H_orig after the step
@@ -334,7 +344,9 @@ class OnlineProbe:
         res = pend.res
         fi = pend.rollouts.forecast if pend.rollouts is not None else None
         at = self.filter.forecast_at if fi is not None else None
-        return PendingPrediction(pend.step, res["deltaH_pred"], res["SE_deltaH_pred"], pend.H, res["lr"], at)
+        nan = float("nan")
+        return PendingPrediction(pend.step, res["deltaH_pred"], res["SE_deltaH_pred"], pend.H, res["lr"], at,
+                                 res.get("bonus_effect", nan), res.get("SE_bonus_effect", nan))
 
     def observe_entropy(self, step: int, H: float) -> None:
         """The entropy your trainer logged at ``step`` (its batch's, in the probe's units: token_mean is
@@ -370,6 +382,15 @@ class OnlineProbe:
             pend.res.update(self.filter.rescale(factor))
         if pend.pred is not None:
             pend.pred.e = pend.pred.e * factor
+
+
+def check_bonus_args(entropy_coef, bonus_effect: bool, source: str) -> None:
+    """``before_step``'s entropy-bonus arguments: a finite coefficient >= 0; its effect only from the step's batch."""
+    if isinstance(entropy_coef, bool) or not isinstance(entropy_coef, numbers.Real) or not 0 <= entropy_coef < float("inf"):
+        raise ConfigError(f"entropy_coef={entropy_coef!r}: the entropy bonus's coefficient in your loss, a finite number >= 0")
+    if bonus_effect and source != "rollouts":
+        raise ConfigError("bonus_effect=True: the bonus's effect is read from the step's own batch; use "
+                          "OnlineProbe(..., source='rollouts')")
 
 
 def _now() -> float:

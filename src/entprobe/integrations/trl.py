@@ -36,7 +36,7 @@ from entprobe.config import ConfigError
 from entprobe.math.importance import psis_backend
 from entprobe.integrations.online import SOURCES, OnlineProbe, online_config
 from entprobe.integrations.online_checks import check_every
-from entprobe.integrations.trl_rollouts import StepBatch, trl_objective, trl_rollout_batch
+from entprobe.integrations.trl_rollouts import StepBatch, trl_entropy_coef, trl_objective, trl_rollout_batch
 from entprobe.reporting.over_steps import merged_history, write_history
 from entprobe.rollouts.sampling import RolloutBatch
 
@@ -168,7 +168,7 @@ class EntropyProbeCallback(TrainerCallback):
             return {}
         sb = self.step_batch
         return {"rollouts": sb.batch(self.trainer.num_generations, self.cfg.sampling.temperature),
-                "grad_norm": sb.grad_norm}
+                "grad_norm": sb.grad_norm, "entropy_coef": trl_entropy_coef(self.trainer)}
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         step = state.global_step + 1  # the step about to be taken

@@ -64,6 +64,24 @@ def trl_objective(trainer) -> dict:
     return out
 
 
+def trl_entropy_coef(trainer) -> float:
+    """The coefficient of TRL's entropy bonus in the loss of the step just computed (``L_policy - c H``): 0
+    when the bonus is off, ``entropy_coef`` (TRL 1.16), under ``use_adaptive_entropy`` only while the last
+    step's entropy was at or below ``entropy_target`` (TRL's gate). A bonus with gradient accumulation is
+    refused: TRL takes its mean over each micro-batch's tokens, which the probe does not split."""
+    if not getattr(trainer, "_entropy_bonus_enabled", False):
+        return 0.0
+    a = trainer.args
+    c = float(trainer.entropy_coef)
+    if getattr(a, "use_adaptive_entropy", False) and not trainer._last_world_entropy <= a.entropy_target:
+        c = 0.0
+    if c != 0.0 and a.gradient_accumulation_steps != 1:
+        raise ConfigError(f"GRPOConfig.gradient_accumulation_steps={a.gradient_accumulation_steps} with an entropy bonus "
+                          f"(entropy_coef={c:g}): source='rollouts' needs one micro-batch a step; use 1, or "
+                          "source='held_out'")
+    return c
+
+
 class StepBatch:
     """The trainer's last generation batch (``batch``), its rewards and the last pre-clip gradient
     norm (``grad_norm``), recorded by wrappers of the trainer's methods (module docstring)."""

@@ -301,3 +301,31 @@ def prepare(ocfg, U, max_new_tokens: int):
     if A is not None:
         U = replace(U, advantages=A.to(U.advantages.dtype))
     return U, bind(ocfg, U.rewards, U.gen_lengths, max_new_tokens)
+
+
+# ---------------------------------------------------------------- TRL's entropy bonus (GRPOConfig.entropy_coef)
+@dataclass(frozen=True)
+class EntropyBonus:
+    """TRL's entropy bonus in the step's loss, ``L = L_policy - coef H_bonus`` with ``H_bonus = sum_{n,g,t}
+    m H / T`` the token mean of the per-position (full-vocabulary) entropy H over the step's masked
+    completion tokens m (``T = sum m``; one micro-batch a step). Prompt n's share of ``-grad L``, as a
+    unit (``Ybar = mean_n Y_n``): ``Y_n^bonus = coef grad(sum_{g,t} m H[n]) / Tbar`` with ``Tbar = T / B``.
+    ``Tbar`` is fixed at the batch's: the ratio's dependence on prompt n's tokens is the coupling
+    ``k_n = T_n / Tbar - 1`` (``token_coupling``), the objective's own for a token-mean loss, else folded
+    into the units (stages/rollout_bonus.py)."""
+    coef: float
+    Tbar: float
+
+    def y_loss(self, ent: torch.Tensor) -> torch.Tensor:
+        """``(coef / Tbar) sum ent``: its gradient is the units' bonus part ``sum_n Y_n^bonus`` (``ent`` [b, G, T]
+        differentiable, 0 off the completion tokens)."""
+        return (self.coef / self.Tbar) * ent.sum()
+
+
+def entropy_bonus(coef: float, response_mask: torch.Tensor) -> EntropyBonus | None:
+    """The bonus at coefficient ``coef`` on a batch whose completion tokens are ``response_mask`` [B, G, T];
+    None at ``coef == 0`` (the loss has no bonus: nothing changes)."""
+    if coef == 0:
+        return None
+    B = response_mask.shape[0]
+    return EntropyBonus(float(coef), float(response_mask.double().sum()) / B)

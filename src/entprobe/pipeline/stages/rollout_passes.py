@@ -18,6 +18,12 @@ reproduces the trainer's gradient) need no further pass. Otherwise pass 2 (phase
 Y pass again with the projection onto ``J Xbar`` (``accumulate``'s per-unit projections and sum).
 Cost: 1 forward + 2 backward per sequence (+ 1 + 1 without the kept Y_n); a prompt whose Y weights
 are all 0 takes no Y backward.
+
+With TRL's entropy bonus in the loss (``bonus``: coefficient c > 0, stages/rollout_bonus.py) each Y_n adds
+prompt n's share of ``-c grad H_bonus`` (the forward's entropies differentiable), no prompt is a zero-Y
+one, and ``gH = grad H_bonus`` comes first (phase ``rollouts_bonus``: one forward + backward a sequence);
+``bonus_effect=True`` (the guard's coefficient knob) also gives ``b_n = -X_n . J gH`` per prompt (one dot
+each). Without either, nothing of this runs.
 """
 from __future__ import annotations
 
@@ -34,6 +40,8 @@ from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.pipeline.stages.accumulate import accumulate, check_grads, prepare_x, y_loss_of
 from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.pipeline.stages.prediction import directions
+from entprobe.pipeline.stages import rollout_bonus as rb
+from entprobe.rollouts import objectives as ob
 
 
 @dataclass
@@ -48,6 +56,7 @@ class RolloutPasses:
     kept_y: bool  # Y_n kept (no pass 2)
     Xbar: pv.Buffer  # mean of the batch's X_n (model device)
     residual: float  # |y - c Ybar|, the gradient the objective does not account for
+    bonus_units: torch.Tensor | None = None  # [B] b_n = -X_n . J gH (bonus_effect=True)
 
 
 def _dot(a: pv.Buffer, b: pv.Buffer, c: pv.Buffer | None = None) -> torch.Tensor:
@@ -127,11 +136,14 @@ def _loo_coefficients(yY: float, y2: float, Y2: float, c: float, k: float, B: in
 
 
 def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step_at: Callable[[pv.Buffer], StepModel],
-                   y: pv.Buffer, c: float, max_grad_norm: float | None, budget_mb: float) -> RolloutPasses:
+                   y: pv.Buffer, c: float, max_grad_norm: float | None, budget_mb: float,
+                   bonus: ob.EntropyBonus | None = None, bonus_effect: bool = False) -> RolloutPasses:
     """The per-prompt dots of the batch the optimizer is about to step on (module docstring).
     ``y``: the step's gradient input (minus ``.grad``, on the model's device), ``c`` its clip
     coefficient (``y = c Ybar``, 1 unclipped), ``max_grad_norm`` the trainer's clipping;
-    ``step_at(y')``: the update's model at another gradient input (the update without prompt n)."""
+    ``step_at(y')``: the update's model at another gradient input (the update without prompt n);
+    ``bonus``: the entropy bonus in the trainer's loss (None: none), ``bonus_effect``: also the
+    per-prompt effect of the bonus per unit coefficient (module docstring)."""
     if step.jacobian_times_into is None:
         raise ValueError(f"source=rollouts needs the update's Jacobian in closed form (AdamW or SGD without "
                          f"clipping inside the optimizer); the step model here is {step.kind}")
@@ -157,9 +169,18 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
             loo_set = pv.empty_directions(len(moving), jdiag, dev, jdiag[0].dtype)
             y_loo = [torch.empty_like(t) for t in jdiag]
     y2 = pv.norm(y) ** 2 if fused and max_grad_norm else 0.0
+    gH = jgh = None
+    if bonus is not None or bonus_effect:
+        with ctx.phase("rollouts_bonus"):
+            gH = rb.bonus_gradient(ctx, batch)
+            jgh = [j * g.to(j.dtype) for j, g in zip(jdiag, gH)] if bonus_effect else None
+    fold = bonus is not None and rb.folds(ctx.objective)
+    k_tok = [float(v) for v in ob.token_coupling(batch.gen_lengths)] if fold else None
+    with_entropy = "grad" if bonus is not None else ctx.x.entropy
+    bonus_units = torch.zeros(B, dtype=torch.float64) if bonus_effect else None
     # a prompt whose Y weights are all 0 (every advantage 0: a group of equal rewards) has Y_n = 0: no
     # Y backward, and (uncoupled objectives) the same update without it as every other such prompt
-    zero_y = [not bool(ctx.y_weights(unit, "cpu").any()) for _, unit in batch.microbatches(1)]
+    zero_y = [bonus is None and not bool(ctx.y_weights(unit, "cpu").any()) for _, unit in batch.microbatches(1)]
     keep = keeps_y(ctx, B - sum(zero_y), budget_mb)
     pair_dtype = pair_copies(ctx, B - sum(zero_y), B, budget_mb) if keep else None
     kept_jx: dict[int, pv.Buffer] = {}  # J X_n of the prompts so far, for the pairs
@@ -176,7 +197,7 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
             unit = batch.select(n)
             what = f"source=rollouts, prompt {n}"
             with torch.enable_grad():
-                fwd = ctx.forward_S(unit, what, with_entropy=ctx.x.entropy)
+                fwd = ctx.forward_S(unit, what, with_entropy=with_entropy)
                 x_loss = ctx.x.loss(fwd, unit)
                 if not x_loss.requires_grad:
                     raise RuntimeError(f"{what}: the probe loss has no gradient path (autograd disabled, or "
@@ -186,11 +207,16 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
                 X = _take_grads(ctx)
                 Y = None
                 if not zero_y[n]:
-                    ctx.y_loss(fwd.S, unit).backward()
+                    y_loss = ctx.y_loss(fwd.S, unit)
+                    (y_loss if bonus is None else y_loss + bonus.y_loss(fwd.ent)).backward()
                     check_grads(ctx, f"{what} (Y)")
                     Y = _take_grads(ctx)
+                    if fold:
+                        rb.fold_bonus_(Y, gH, bonus.coef, k_tok[n])
             ctx.stats.count("backward", (1 if zero_y[n] else 2) * unit.G)
             yy[n] = zero if Y is None else _dot(Y, y)
+            if jgh is not None:
+                bonus_units[n] = -float(_dot(X, jgh))
             if pair_dtype is not None:  # (J X_n) . Y_m and (J X_m) . Y_n with every prompt m before it
                 jx_n = [(j * x.to(j.dtype)).to(pair_dtype) for j, x in zip(jdiag, X)]
                 for m_, jx_m in kept_jx.items():
@@ -228,7 +254,7 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
             if fwd.ent is not None:
                 ent_all[n] = fwd.ent.detach().cpu()
             del X, Y, fwd, x_loss
-    del loo_set, y_loo, kept_jx
+    del loo_set, y_loo, kept_jx, jgh
     Xbar = pv.scale_(Xsum, 1.0 / B)
     if fused:  # Xbar . each part, before J's buffer takes J Xbar
         step_dots = [float(v) for v in step.unit_dots(Xbar, None, 1.0, 0.0, jdiag)[[_SLOT[p] for p in step.names]]]
@@ -243,10 +269,15 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
                 a_.add_(t)
         kept.clear()
     else:
+        loss_of = y_loss_of(ctx) if bonus is None else (lambda fwd, mb: ctx.y_loss(fwd.S, mb) + bonus.y_loss(fwd.ent))
         with ctx.phase("rollouts_y"):
-            acc = accumulate(ctx, batch, y_loss_of(ctx), "source=rollouts, Y . J Xbar",
-                             directions=pv.stack_directions([jx], dev), unit_backward="loop")
+            acc = accumulate(ctx, batch, loss_of, "source=rollouts, Y . J Xbar",
+                             directions=pv.stack_directions([jx], dev), unit_backward="loop",
+                             with_entropy="grad" if bonus is not None else False)
         yjx, Ybar = acc.proj[:, 0].double(), acc.sum_buf
+        if fold:  # the folded units' projections: Y_n' . J Xbar = Y_n . J Xbar - c k_n gH . J Xbar (the sum unchanged)
+            g_jx = float(_dot(gH, jx))
+            yjx = yjx - bonus.coef * g_jx * torch.tensor(k_tok, dtype=torch.float64, device=yjx.device)
     Ybar = pv.scale_(Ybar, 1.0 / B)
     rows = torch.stack(rows).cpu()
     e = rows[:, 1:]
@@ -257,4 +288,4 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
     residual = sum(float(torch.linalg.vector_norm(yt - c * Yt.to(yt.device, yt.dtype), dtype=torch.float64)) ** 2
                    for yt, Yt in zip(y, Ybar)) ** 0.5
     return RolloutPasses(dots, step_dots, pv.norm(Ybar), float(_dot(Ybar, y)), pv.norm(y), torch.cat(S_all),
-                         torch.cat(ent_all) if ent_all[0] is not None else None, keep, Xbar, residual)
+                         torch.cat(ent_all) if ent_all[0] is not None else None, keep, Xbar, residual, bonus_units)

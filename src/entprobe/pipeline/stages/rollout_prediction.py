@@ -37,6 +37,7 @@ from entprobe.math.forecast import ForecastInputs
 from entprobe.math.rollout_ustat import (CrossPrompt, KernelTerms, clip_coefficient, clip_projection, cross_prompt,
                                          kernel_terms, pair_variance, standard_errors, unit_mean_rows, zero_terms)
 from entprobe.pipeline.stages.context import ProbeContext
+from entprobe.pipeline.stages import rollout_bonus as rb
 from entprobe.pipeline.stages.rollout_passes import rollout_passes
 from entprobe.pipeline.stages.zero_update import update_is_zero
 from entprobe.pipeline.stages.x_spec import XSpec
@@ -96,18 +97,21 @@ def clip_of(y_norm: float, max_grad_norm: float | None, grad_norm: float | None)
 
 
 def predict_on_rollouts(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step_at, y: pv.Buffer,
-                        max_grad_norm: float | None, grad_norm: float | None, budget_mb: float) -> RolloutPrediction:
+                        max_grad_norm: float | None, grad_norm: float | None, budget_mb: float,
+                        bonus: ob.EntropyBonus | None = None, bonus_effect: bool = False) -> RolloutPrediction:
     """The cross-prompt prediction of the step about to be taken on ``batch`` (module docstring):
     ``y`` is minus the gradient in ``.grad`` (after any clipping: ``max_grad_norm``, the trainer's,
     and ``grad_norm``, the norm before it), ``ctx.objective`` the trainer's loss bound to the batch
-    (its Y_n), ``step_at(y')`` the update's model at another gradient input."""
+    (its Y_n), ``step_at(y')`` the update's model at another gradient input; ``bonus``: TRL's entropy
+    bonus in that loss, ``bonus_effect``: also its effect per unit coefficient (``bonus_effect`` +-
+    ``SE_bonus_effect``, stages/rollout_bonus.py)."""
     y_norm = pv.norm(y)
     c = clip_of(y_norm, max_grad_norm, grad_norm)
     # every group tied (y exactly 0), nothing carried (momentum part 0) and no decay: nothing moves
     if y_norm == 0.0 and "weight_decay" not in step.names and (
             step.carries_nothing() if step.carries_nothing is not None else update_is_zero(ctx, step, y)):
         return still_prediction(ctx, batch, step)
-    rp = rollout_passes(ctx, batch, step, step_at, y, c, max_grad_norm, budget_mb)
+    rp = rollout_passes(ctx, batch, step, step_at, y, c, max_grad_norm, budget_mb, bonus, bonus_effect)
     residual = rp.residual / rp.y_norm if rp.y_norm > 0 else (0.0 if rp.ybar_norm == 0 else math.inf)
     if not residual <= GRADIENT_MISMATCH:
         scale = rp.ybar_dot_y / rp.ybar_norm ** 2 if rp.ybar_norm > 0 else math.nan
@@ -138,6 +142,8 @@ def predict_on_rollouts(ctx: ProbeContext, batch: RolloutBatch, step: StepModel,
     res["ci95_pred_expected_low"], res["ci95_pred_expected_high"] = est.interval(whole.U, se["SE_expected"], B - 1)
     if len(names) > 1:
         res.update({f"deltaH_pred_{k}": p.U for k, p in parts.items()})
+    if rp.bonus_units is not None:  # the bonus's effect per unit coefficient, at the scheduler's lr
+        res["bonus_effect"], res["SE_bonus_effect"] = rb.bonus_effect(rp.bonus_units)
     if y_norm == 0.0:  # no Y backward was taken (rollout_passes): what moved is the momentum and the decay
         res.update({"gradient_zero": True, "update_zero": False})
     h = functional_units(ctx.x, rp.S, rp.entropy, batch.response_mask)
@@ -176,16 +182,26 @@ def still_prediction(ctx: ProbeContext, batch: RolloutBatch, step: StepModel) ->
 
 
 def rollouts_prediction(ctx: ProbeContext, cfg: EntprobeConfig, batch: RolloutBatch, step: StepModel, step_at,
-                        y: pv.Buffer, max_grad_norm: float | None, grad_norm: float | None) -> RolloutPrediction:
+                        y: pv.Buffer, max_grad_norm: float | None, grad_norm: float | None,
+                        entropy_coef: float = 0.0, bonus_effect: bool = False) -> RolloutPrediction:
     """``predict_on_rollouts`` with the objective of ``cfg.objective`` bound to ``batch`` (its
-    advantages as given: the trainer's), checked to be a batch the probe can read."""
+    advantages as given: the trainer's), checked to be a batch the probe can read; ``entropy_coef``:
+    the coefficient of TRL's entropy bonus in the loss the gradient came from (0: none)."""
     if batch.temperature != cfg.sampling.temperature:
         raise ConfigError(f"source=rollouts: the batch was sampled at temperature {batch.temperature}, the probe's "
                           f"log-probs use sampling.temperature={cfg.sampling.temperature}: make them agree")
     if not bool(torch.isfinite(batch.advantages).all()):
         raise ValueError("source=rollouts: the batch's advantages hold NaN/Inf")
     ctx.objective = ob.bind(cfg.objective, batch.rewards, batch.gen_lengths, cfg.sampling.max_new_tokens)
-    ro = predict_on_rollouts(ctx, batch, step, step_at, y, max_grad_norm, grad_norm, cfg.probe.unit_grads_budget_mb)
+    bonus = ob.entropy_bonus(entropy_coef, batch.response_mask)
+    if bonus is not None:
+        batch_std = getattr(cfg.objective.preset, "value", cfg.objective.preset) == "trl" and \
+            ob.scale_rewards_choice(cfg.objective.scale_rewards) == "batch"
+        rb.check_bonus(ctx.objective, batch_std)
+    ro = predict_on_rollouts(ctx, batch, step, step_at, y, max_grad_norm, grad_norm, cfg.probe.unit_grads_budget_mb,
+                             bonus, bonus_effect)
+    if bonus is not None:
+        ro.res["entropy_coef"] = bonus.coef
     ro.H_max = entropy_range(ctx.x, logit_count(ctx.model), cfg.sampling.max_new_tokens)
     return ro
 
