@@ -33,12 +33,17 @@ def run(out: str, a, guard: dict | None, name: str = "") -> dict:
     from entprobe.integrations import EntropyGuardCallback, EntropyProbeCallback
 
     lr = a.lower_lr if name == "lower_lr" else a.lr
+    # trl_adaptive: TRL's own controller (Skywork's rule) with the floor as its target, the peer to beat
+    grpo = {"use_adaptive_entropy": True, "entropy_target": a.floor} if name == "trl_adaptive" else None
     tr = build_trainer(out, a.steps, lr=lr, prompts_per_step=a.B, seed=a.seed, model=a.model, max_new=a.max_new,
-                       question=a.model == "smollm2")
+                       question=a.model == "smollm2", grpo=grpo)
     probe = {"probe": {"weighting_mode": a.weighting_mode}}
     if name == "forecast":
         probe.update(source="rollouts", measure=a.measure)
         guard = {**guard, "horizon": a.horizon, "max_decay": None}
+    if name == "recommended":  # docs/guard.md's settings for a new run: rate limit, floor, horizon, the bonus knob
+        probe = {"source": "rollouts", "measure": a.measure}  # the online default functional, token_mean
+        guard = {**guard, "horizon": a.horizon, "entropy_coef_max": a.entropy_coef_max}
     if guard is None:
         cb = EntropyProbeCallback(tr, every_n_steps=a.probe_every, batch={"B_E": a.B_E}, **probe)
     else:
@@ -49,8 +54,9 @@ def run(out: str, a, guard: dict | None, name: str = "") -> dict:
     wall = time.perf_counter() - t0
     logs = [h for h in tr.state.log_history if "loss" in h]
     lrs = ([lr[0] for _, lr in cb.guard.lrs] if guard is not None else [h["learning_rate"] for h in logs])
+    coefs = [h.get("entropy_coef", 0.0) for h in logs]  # the bonus coefficient TRL's loss used at each step
     return {"logs": logs, "history": cb.history, "decisions": cb.decisions if guard is not None else [],
-            "lrs": lrs, "wall": wall,
+            "lrs": lrs, "coefs": coefs, "wall": wall,
             "probe_s": cb.guard.time_s if guard is not None else sum(r["time_s"] for r in cb.history)}
 
 
@@ -89,7 +95,13 @@ def figures(r: dict) -> dict:
             "reward_all": statistics.mean(h["reward"] for h in r["logs"]),
             "cuts": sum(d.action == "cut" for d in r["decisions"]), "moves": len(moves),
             "first_cut": next((d.step for d in r["decisions"] if d.action == "cut"), None),
-            "cost": r["probe_s"] / (r["wall"] - r["probe_s"])}
+            "cost": r["probe_s"] / (r["wall"] - r["probe_s"]),
+            "coef_max": max(r["coefs"], default=0.0), "coef_final": r["coefs"][-1] if r["coefs"] else 0.0,
+            "below_floor": sum(h["entropy"] < r["floor"] for h in r["logs"]) if r.get("floor") is not None else None,
+            # how closely entropy tracks the floor as a target once the first 20 steps are over (TRL's adaptive rule's
+            # entropy_target is the floor here): mean |H - floor| over steps 21 on
+            "track": (statistics.mean(abs(h - r["floor"]) for h in H[20:]) if len(H) > 20 and r.get("floor") is not None
+                      else math.nan)}
 
 
 def plot(runs: dict, a, path: str) -> None:
@@ -99,20 +111,21 @@ def plot(runs: dict, a, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(3, 1, figsize=(8, 8.5), sharex=True)
-    colors = {"unguarded": "tab:red", "guarded": "tab:blue", "forecast": "tab:green", "lower_lr": "tab:gray"}
+    colors = {"unguarded": "tab:red", "guarded": "tab:blue", "forecast": "tab:green", "lower_lr": "tab:gray",
+              "recommended": "tab:purple", "trl_adaptive": "tab:orange"}
     for name, r in runs.items():
         steps = [h["step"] for h in r["logs"]]
         c = colors[name]
         ax[0].plot(steps, [h["entropy"] for h in r["logs"]], color=c, label=f"{name}: token entropy of the step's completions")
         hist = [h for h in r["history"] if math.isfinite(h.get("H_orig", math.nan))]
-        where = "the step's own batch" if name == "forecast" else "held-out E"
+        where = "the step's own batch" if name in ("forecast", "recommended") else "held-out E"
         ax[0].plot([h["step"] for h in hist], [h["H_orig"] for h in hist], color=c, ls=":", lw=1.2,
                    label=f"{name}: probe's H on {where}")
         rew = [h["reward"] for h in r["logs"]]
         smooth = [statistics.mean(rew[max(0, i - 4):i + 1]) for i in range(len(rew))]
         ax[1].plot(steps, smooth, color=c, label=f"{name}: mean of the last 10 steps {statistics.mean(rew[-10:]):.3f}")
         ax[2].plot(range(1, len(r["lrs"]) + 1), r["lrs"], color=c, label=name, drawstyle="steps-mid")
-    for name in ("guarded", "forecast"):
+    for name in ("guarded", "forecast", "recommended"):
         cut_steps = [d.step for d in runs[name]["decisions"] if d.action == "cut"] if name in runs else []
         if cut_steps:
             ax[2].scatter(cut_steps, [runs[name]["lrs"][s - 1] for s in cut_steps], marker="v", color=colors[name],
@@ -163,10 +176,14 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=4, help="completion tokens per response")
     ap.add_argument("--runs", default="unguarded,guarded", help="which runs (a pilot: unguarded): unguarded, "
                     "guarded (the one-step rule on held-out E), forecast (the rule on the forecast: source='rollouts', "
-                    "--horizon), lower_lr (unguarded at --lower-lr)")
+                    "--horizon), lower_lr (unguarded at --lower-lr), recommended (docs/guard.md's settings for a new run: "
+                    "source='rollouts', floor, max_decay, --horizon, --entropy-coef-max), trl_adaptive (unguarded, TRL's "
+                    "use_adaptive_entropy with entropy_target = --floor)")
     ap.add_argument("--horizon", type=int, default=5, help="the forecast run's horizon (steps)")
     ap.add_argument("--measure", action="store_true", help="the forecast run also measures on a fresh E of --B-E")
     ap.add_argument("--lower-lr", type=float, default=1e-3, help="the lower_lr run's constant lr")
+    ap.add_argument("--entropy-coef-max", type=float, default=0.05, help="the recommended run's largest entropy "
+                    "bonus coefficient (EntropyGuard's entropy_coef_max)")
     ap.add_argument("--weighting-mode", default="dr_grpo", help="probe.weighting_mode (the documented figures: "
                     "dr_grpo; the online probe's default is token_mean)")
     ap.add_argument("--show", type=int, default=0, help="print the guard's first N decisions")
@@ -177,7 +194,8 @@ def main() -> None:
     runs = {}
     with tempfile.TemporaryDirectory() as out:
         for name in a.runs.split(","):
-            runs[name] = run(out, a, None if name in ("unguarded", "lower_lr") else guard, name)
+            runs[name] = run(out, a, None if name in ("unguarded", "lower_lr", "trl_adaptive") else guard, name)
+            runs[name]["floor"] = a.floor
             r = runs[name]  # as each run ends: a long run's figures are not lost to a later one's failure
             print(f"[{name}] done in {r['wall']:.0f} s: entropy by step "
                   + " ".join(f"{h['entropy']:.2f}" for h in r["logs"]), flush=True)
@@ -188,8 +206,10 @@ def main() -> None:
         print(f"  {name:>9}: entropy final (mean of last 5) {f['H_final']:.4f}, min {f['H_min']:.4f}; probe's H final "
               f"{f['probe_H_final']:.4f}, min {f['probe_H_min']:.4f}; reward last 10 steps {f['reward_end']:.3f} "
               f"(all steps {f['reward_all']:.3f}); guard cuts {f['cuts']} (first at step {f['first_cut']}), "
-              f"factor moves {f['moves']}; "
-              f"{'guard (probe included)' if name in ('guarded', 'forecast') else 'probe'} time {r['probe_s']:.1f} s = "
+              f"factor moves {f['moves']}; steps below the floor {f['below_floor']}, mean |H - floor| from step 21 "
+              f"{f['track']:.3f}; entropy bonus coefficient "
+              f"max {f['coef_max']:.3g}, final {f['coef_final']:.3g}; "
+              f"{'guard (probe included)' if name in ('guarded', 'forecast', 'recommended') else 'probe'} time {r['probe_s']:.1f} s = "
               f"{f['cost']:.0%} of the rest of the run's training time ({r['wall']:.1f} s in all)")
     for name, r in runs.items() if a.model != "default" else ():
         print(f"  {name:>9} entropy by step: " + " ".join(f"{h['entropy']:.2f}" for h in r["logs"]))
@@ -202,7 +222,7 @@ def main() -> None:
               f"{q['sign_resolved']:.1%} of the {q['both_resolved']} where both 95% intervals exclude 0")
         print(f"  coverage: paired 95% interval holds 0 in {q['paired_holds_0']:.1%}; measured inside the "
               f"prediction's 95% interval in {q['true_in_pred_ci']:.1%}")
-    for name in ("guarded", "forecast"):
+    for name in ("guarded", "forecast", "recommended"):
         for d in runs.get(name, {"decisions": []})["decisions"][:a.show]:
             print(f"  {name} step {d.step}: {d.action} x{d.factor:.3g}: {d.reason}")
     if a.json:
@@ -210,7 +230,8 @@ def main() -> None:
 
         keep = ("step", "entropy", "reward")
         Path(a.json).write_text(json.dumps({name: {
-            "logs": [{k: h[k] for k in keep if k in h} for h in r["logs"]], "lrs": r["lrs"], "wall_s": r["wall"],
+            "logs": [{k: h[k] for k in keep if k in h} for h in r["logs"]], "lrs": r["lrs"], "entropy_coef": r["coefs"],
+            "wall_s": r["wall"],
             "probe_s": r["probe_s"], "decisions": [[d.step, d.action, d.factor, d.reason] for d in r["decisions"]],
             "probes": [{k: v for k, v in h.items() if isinstance(v, (int, float, str, bool))} for h in r["history"]]}
             for name, r in runs.items()}, default=str))

@@ -56,13 +56,15 @@ def smollm2():
 
 
 def trainer_parts(out_dir: str, steps: int, seed: int = 0, lr: float = 1e-3, prompts_per_step: int = 8,
-                  G: int = 4, max_new: int = 4, model: str = "default", question: bool = False) -> dict:
+                  G: int = 4, max_new: int = 4, model: str = "default", question: bool = False,
+                  grpo: dict | None = None) -> dict:
     """What a GRPOTrainer on the built-in default checkpoint (or ``model="smollm2"``: SmolLM2-135M,
     the prompts as chat messages, so its chat template applies) and the arithmetic task takes
     (CPU): ``model``, ``tokenizer``, ``reward_fn`` (1 when a completion's first number is the
     answer), ``dataset`` (``prompt`` / ``answer``) and ``grpo_config``. ``question``: the prompts of
     ``task=arithmetic_question`` ("What is a + b?") scored on the completion's last number, which a
-    chat model answers (it writes "3 + 4 = 7")."""
+    chat model answers (it writes "3 + 4 = 7"). ``grpo``: more GRPOConfig settings (e.g. TRL's
+    ``use_adaptive_entropy``)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
@@ -93,7 +95,7 @@ def trainer_parts(out_dir: str, steps: int, seed: int = 0, lr: float = 1e-3, pro
                 output_dir=out_dir, per_device_train_batch_size=prompts_per_step * G, num_generations=G,
                 max_completion_length=max_new, max_steps=steps, learning_rate=lr, weight_decay=0.01,
                 lr_scheduler_type="constant", use_cpu=True, report_to=[], bf16=False, save_strategy="no",
-                seed=seed, logging_steps=1, loss_type="dr_grpo", disable_tqdm=True)}
+                seed=seed, logging_steps=1, loss_type="dr_grpo", disable_tqdm=True, **(grpo or {}))}
 
 
 def build_trainer(out_dir: str, steps: int, **kw):

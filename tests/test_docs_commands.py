@@ -149,6 +149,9 @@ COVERAGE: dict[str, tuple[str, str]] = {
     # docs/guard.md
     "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --out docs/img/entropy_guard.png":
         ("run", "tests/test_guard.py::test_benchmark_command_runs_verbatim"),
+    "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --runs unguarded,guarded,recommended,trl_adaptive,lower_lr "
+    "--out docs/img/entropy_guard_recommended.png":
+        ("run", "tests/test_guard.py::test_recommended_settings_benchmark_runs_verbatim"),
     "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --model smollm2 --steps 50 --lr 3e-4 --B 4 --B-E 4 "
     "--max-new 8 --probe-every 5 --guard-every 2 --floor 0.2 --max-decay 0.02 --show 30 "
     "--out docs/img/entropy_guard_smollm2.png": ("slow", ""),

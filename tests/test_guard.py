@@ -295,6 +295,28 @@ def test_benchmark_command_runs_verbatim(tmp_path):
     assert (tmp_path / "docs" / "img" / "entropy_guard.png").stat().st_size > 10_000
 
 
+def test_recommended_settings_benchmark_runs_verbatim(tmp_path):
+    """docs/guard.md's comparison of the settings for a new run (the bonus knob on) with TRL's adaptive
+    entropy and a lower lr, verbatim but shortened to 6 steps: each run prints its figures, the
+    recommended run's guard probes from the step's own batch, and TRL's rule logs its coefficient."""
+    import os
+    import subprocess
+
+    cmd = ("OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --runs unguarded,guarded,recommended,trl_adaptive,"
+           "lower_lr --out docs/img/entropy_guard_recommended.png")
+    assert cmd in (ROOT / "docs" / "guard.md").read_text()
+    (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd.replace("python ", f"{sys.executable} ", 1) + " --steps 6", shell=True, cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("unguarded", "guarded", "recommended", "trl_adaptive", "lower_lr"):
+        assert f"{name}: entropy final" in proc.stdout, name
+    assert "mean |H - floor| from step 21 nan" in proc.stdout  # 6 steps: no step 21
+    assert "online probe, recommended run: 6 probes" in proc.stdout
+    assert (tmp_path / "docs" / "img" / "entropy_guard_recommended.png").stat().st_size > 10_000
+
+
 def test_builtin_trainer_guard_option(tmp_path):
     """``python -m entprobe.train --guard-max-decay``: the guard on the trainer's probe; each probed
     step's entry logs the guard's factor and the lr used (the schedule's times the factor), the
