@@ -16,7 +16,7 @@ from entprobe.config import ConfigError, SamplingConfig
 from entprobe.math import token_functionals as tf
 from entprobe.pipeline.config_checks import validate
 from entprobe.rollouts import coupled_uniforms as cu
-from entprobe.rollouts.sampling import RolloutBatch, keyed_uniforms, row_keys, sample_batch
+from entprobe.rollouts.sampling import RolloutBatch, row_keys, sample_batch
 from tests.coupled_helpers import antithetic_pair_law, copies, direction, exact_target, stratified_mean_se, x_projections
 from tests.exact_model import enumerate_responses, make_setup
 
@@ -206,7 +206,10 @@ def test_coupling_refused_where_it_would_bias(tmp_path, overrides, key):
 
 @pytest.mark.parametrize("extra", [[], ["sampling.coupling=antithetic"], ["sampling.coupling_block=2", "batch.G=8"]])
 def test_coupling_accepted_for_prediction_runs(tmp_path, extra):
-    validate(compose_cfg(tmp_path, *BASE, "sampling.coupling=stratified", *extra))
+    """Prediction-only runs take every coupling: no error listed, and ``validate`` passes."""
+    cfg = compose_cfg(tmp_path, *BASE, "sampling.coupling=stratified", *extra)
+    assert cu.coupling_errors(cfg) == []
+    validate(cfg)  # raises ConfigError on any refusal
 
 
 def test_saved_batch_keeps_its_blocks(tmp_path, setup):

@@ -13,7 +13,6 @@ batches), 0.30 of b's mean SE (4.0e-5); b's 95% interval holds the exact effect 
 """
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 
@@ -24,7 +23,7 @@ from entprobe.checkpoints.default_checkpoint import policy_loss
 from entprobe.integrations import OnlineProbe
 from exact_model import MAX_NEW, adamw_with_state, make_setup
 from test_guard_bonus import _token_mean_entropy
-from test_rollout_coverage import token_mean_gradient
+from test_rollout_coverage import step_taken, token_mean_gradient
 
 C = 0.5  # the bonus's coefficient in force
 
@@ -33,14 +32,7 @@ def _step_target(setup, opt, grad_H, batch, c):
     """``grad H . Delta theta`` of the AdamW step on the loss at coefficient c (parameters and state put back)."""
     opt.zero_grad(set_to_none=True)
     (policy_loss(setup.model, batch, "dr_grpo") - c * _token_mean_entropy(setup.model, batch)).backward()
-    theta, state = [p.detach().clone() for p in setup.params], copy.deepcopy(opt.state_dict())
-    opt.step()
-    step = [p.detach() - t for p, t in zip(setup.params, theta)]
-    with torch.no_grad():
-        for p, t in zip(setup.params, theta):
-            p.copy_(t)
-    opt.load_state_dict(state)
-    return sum(float((g * d).sum()) for g, d in zip(grad_H, step))
+    return step_taken(setup, opt, grad_H)[1]
 
 
 @pytest.mark.slow

@@ -42,6 +42,19 @@ def token_mean_gradient(setup) -> list[torch.Tensor]:
     return without_padding_row(setup, [torch.zeros_like(p) if g is None else g for g, p in zip(grads, setup.params)])
 
 
+def step_taken(setup, opt, grad_H) -> tuple[list[torch.Tensor], float]:
+    """torch's own AdamW step on the gradient in ``.grad``, taken on the parameters and state and then
+    put back exactly: ``(Delta theta, grad H . Delta theta)``."""
+    theta, state = [p.detach().clone() for p in setup.params], copy.deepcopy(opt.state_dict())
+    opt.step()
+    step = [p.detach() - t for p, t in zip(setup.params, theta)]
+    with torch.no_grad():
+        for p, t in zip(setup.params, theta):
+            p.copy_(t)
+    opt.load_state_dict(state)
+    return step, sum(float((g * d).sum()) for g, d in zip(grad_H, step))
+
+
 def _draws(B: int, G: int, N: int, lr: float = 1e-5):
     setup = make_setup(seed=1)
     opt = adamw_with_state(setup)
@@ -59,14 +72,7 @@ def _draws(B: int, G: int, N: int, lr: float = 1e-5):
             warnings.simplefilter("ignore")
             assert probe.before_step(2, rollouts=batch)
         r, probe._pending = probe._pending.res, None
-        theta, state = [p.detach().clone() for p in setup.params], copy.deepcopy(opt.state_dict())
-        opt.step()
-        step = [p.detach() - t for p, t in zip(setup.params, theta)]
-        with torch.no_grad():
-            for p, t in zip(setup.params, theta):
-                p.copy_(t)
-        opt.load_state_dict(state)
-        target = sum(float((g * d).sum()) for g, d in zip(grad_H, step))
+        step, target = step_taken(setup, opt, grad_H)
         if first_step is None:
             first_step = step, target
         out.append((r["deltaH_pred"], r["ci95_pred_low"], r["ci95_pred_high"], target))
