@@ -258,6 +258,7 @@ class ProbeConfig:
     variance_enabled: bool = True
     projection: ProjectionMode = ProjectionMode.auto
     unit_grads_budget_mb: float = 4096.0
+    rollouts_prompts: Optional[int] = None  # online source=rollouts: X and Y on k of the step's prompts (None: all)
     unit_grads_max_copies: int = 4
     nograd_memory_mb: float = 1024.0
     jvp_mb_size_prompts: Optional[int] = None

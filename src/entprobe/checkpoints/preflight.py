@@ -136,6 +136,9 @@ def check_state_fits_config(state: StoredOptimizerState, model_dir: Path | None,
 
 def check_inputs(cfg: EntprobeConfig) -> CheckedInputs:
     """Every check that needs no model, in the order a user fixes them."""
+    from entprobe.pipeline.config_checks import check_offline
+
+    check_offline(cfg)
     o = cfg.optimizer
     for path in cfg.task.reward_funcs:  # they import and are callable
         load_reward_func(path)

@@ -73,7 +73,7 @@ from entprobe.pipeline.stages.prediction import (HeldOutPrediction, build_step_m
 from entprobe.pipeline.stages.paired import compare_with_prediction
 from entprobe.math.forecast import HORIZONS
 from entprobe.integrations.online_filter import RunFilter
-from entprobe.pipeline.stages.rollout_prediction import forecast_inputs, rollouts_prediction
+from entprobe.pipeline.stages.rollout_prediction import forecast_inputs, probe_subset, rollouts_prediction
 from entprobe.tasks import Task
 
 # logged every probe (as ``entprobe/<key>``)
@@ -171,6 +171,7 @@ class OnlineProbe:
         self.skipped: list[tuple[int, str]] = []
         self._pending: _Pending | None = None
         self._warned_mismatch = False
+        self._checked = False  # the objective checked against .grad on a whole batch (probe.rollouts_prompts)
         self.filter = RunFilter()  # source="rollouts": the forecast over the run (integrations/online_filter.py)
         psis_backend()  # its one-time import (~1 s) here, not inside the training loop's first probe
 
@@ -231,7 +232,10 @@ class OnlineProbe:
             if self.source == "rollouts":
                 ro = rollouts_prediction(ctx, cfg, rollouts, update, lambda y: build_step_model(
                     ctx, geo.optimizer, geo.lr, y, geo.P, "optimizer", None), Ybar, self.max_grad_norm, grad_norm,
-                    float(entropy_coef), bonus_effect)
+                    float(entropy_coef), bonus_effect, probe_subset(cfg.probe.rollouts_prompts, rollouts.B,
+                                                                    cfg.batch.seed_E, step, self._checked))
+                self._checked = self._checked or (ro.res.get("rollouts/grad_residual") is not None
+                                                  and not ro.res.get("gradient_zero"))
                 res, Xbar, H = dict(ro.res), ro.Xbar, ro.res["H_orig"]
                 # the step's batch's entropy, where the forecasts start: kept under its own name, since a
                 # measurement on a held-out E logs E's entropy as H_orig after the step

@@ -24,7 +24,7 @@ ONLINE_KEYS = ("batch.B_E", "batch.G", "batch.seed_E", "sampling", "probe.mb_siz
 # full-vocabulary entropy, which TRL logs as ``entropy`` and verl as ``actor/entropy``
 ONLINE_WEIGHTING = "token_mean"
 # source="rollouts" also reads the trainer's loss (each prompt's Y_n)
-ROLLOUT_KEYS = ONLINE_KEYS + ("objective",)  # step: the probed one (a log entry may come later)
+ROLLOUT_KEYS = ONLINE_KEYS + ("objective", "probe.rollouts_prompts")  # step: the probed one (a log entry may come later)
 
 
 def online_config(overrides: Mapping[str, Any], fixed: Mapping[str, Any] | None = None,

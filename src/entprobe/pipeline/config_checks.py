@@ -96,6 +96,8 @@ def validate(cfg: Any) -> None:
              "must be >= 1 (or null: sized from nograd_memory_mb)")
     _require(p.unit_grads_budget_mb >= 0, "probe.unit_grads_budget_mb", "must be >= 0 (0: never store)")
     _require(p.unit_grads_max_copies >= 0, "probe.unit_grads_max_copies", "must be >= 0")
+    _require(p.rollouts_prompts is None or (isinstance(p.rollouts_prompts, int) and p.rollouts_prompts >= 3),
+             "probe.rollouts_prompts", f"is {p.rollouts_prompts!r}; must be an integer >= 3 (or null: every prompt)")
     _require(p.nograd_memory_mb >= 0, "probe.nograd_memory_mb", "must be >= 0")
     _require(p.buffers_device in ("auto", "cpu", "model") or p.buffers_device.startswith("cuda"),
              "probe.buffers_device", f"is {p.buffers_device!r}; use auto, cpu, model or cuda[:N]")
@@ -166,6 +168,18 @@ def validate(cfg: Any) -> None:
     _require(logger == "wandb" or cfg.logging.wandb.mode != "online", "logging.logger",
              f"is {logger} but logging.wandb.mode=online asks for a wandb run: set logging.logger=wandb, "
              "or drop logging.wandb.mode=online")
+
+
+ONLINE_ONLY = "probe.rollouts_prompts"
+
+
+def check_offline(cfg: EntprobeConfig) -> None:
+    """The keys only the online probe reads (``source="rollouts"``), refused for the command line's job and
+    ``entprobe.probe``, which probe E and U of their own."""
+    if cfg.probe.rollouts_prompts is not None:
+        raise ConfigError(f"{ONLINE_ONLY}={cfg.probe.rollouts_prompts}: applies to the online probe's source='rollouts' "
+                          "(OnlineProbe, the TRL callbacks), which probes k of a training step's prompts; this job "
+                          "probes its own E and U: leave it out (or set batch.B_E)")
 
 
 def to_typed(cfg, explicit: list[str] | None = None, ranges: bool = True) -> EntprobeConfig:

@@ -21,6 +21,7 @@ from entprobe.math import paramvec as pv
 from entprobe.runtime.atomic_io import write_json_atomic
 from entprobe.pipeline.run_batches import shard, shard_resample
 from entprobe.config import EntprobeConfig
+from entprobe.pipeline.config_checks import check_offline
 from entprobe.reporting.trainer_metrics import trainer_metrics
 from entprobe.pipeline.geometry import Geometry
 from entprobe.checkpoints.models import DTYPES, LoadedModel
@@ -73,6 +74,7 @@ def probe_batches(cfg: EntprobeConfig, held: InMemory, E_all: RolloutBatch, U_al
     """The probe of the global batches E and U (``E_all is U_all``: single_batch without a ground
     truth, one batch): the objective bound to U, this rank's shards, the mode's stages, batch and
     trainer-style statistics. Returns flat results (identical on every rank), without ``flags``."""
+    check_offline(cfg)
     lm, ctx, geo, pcfg = held.lm, held.ctx, held.geo, cfg.probe
     check_batch(cfg, E_all)  # coupled responses (sampling.coupling) only where nothing they bias runs
     same = E_all is U_all

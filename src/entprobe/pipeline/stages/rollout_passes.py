@@ -135,15 +135,30 @@ def _loo_coefficients(yY: float, y2: float, Y2: float, c: float, k: float, B: in
     return a * scale, b * scale
 
 
+def _unit_dots(rows: list, loo: list, yy: list, yjx: torch.Tensor, xjyn: list, step: StepModel, moving: list[str],
+               pairs: torch.Tensor | None) -> UnitDots:
+    """The per-prompt dots as ``UnitDots`` (CPU): ``rows`` [J y, the parts at y], ``loo`` the moving parts
+    without the prompt (the weight decay's is its part at y)."""
+    rows = torch.stack(rows).cpu()
+    e = rows[:, 1:]
+    e_loo = e.clone()
+    e_loo[:, [step.names.index(p) for p in moving]] = torch.stack(loo).cpu()
+    return UnitDots(e, rows[:, 0], torch.stack(yy).cpu(), yjx.cpu(), torch.stack(xjyn).cpu(), e_loo, pairs)
+
+
 def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step_at: Callable[[pv.Buffer], StepModel],
                    y: pv.Buffer, c: float, max_grad_norm: float | None, budget_mb: float,
-                   bonus: ob.EntropyBonus | None = None, bonus_effect: bool = False) -> RolloutPasses:
+                   bonus: ob.EntropyBonus | None = None, bonus_effect: bool = False,
+                   subset: list[int] | None = None) -> RolloutPasses:
     """The per-prompt dots of the batch the optimizer is about to step on (module docstring).
     ``y``: the step's gradient input (minus ``.grad``, on the model's device), ``c`` its clip
     coefficient (``y = c Ybar``, 1 unclipped), ``max_grad_norm`` the trainer's clipping;
     ``step_at(y')``: the update's model at another gradient input (the update without prompt n);
     ``bonus``: the entropy bonus in the trainer's loss (None: none), ``bonus_effect``: also the
-    per-prompt effect of the bonus per unit coefficient (module docstring)."""
+    per-prompt effect of the bonus per unit coefficient (module docstring); ``subset``: the prompts
+    whose X_n and Y_n are formed (math/rollout_subset.py; None: all), each against the update without
+    it of all B; the dots and S, entropies are then the subset's, in its order, Xbar its mean, and
+    ``residual`` nan (Ybar over all B is not formed: the objective is not checked)."""
     if step.jacobian_times_into is None:
         raise ValueError(f"source=rollouts needs the update's Jacobian in closed form (AdamW or SGD without "
                          f"clipping inside the optimizer); the step model here is {step.kind}")
@@ -151,6 +166,8 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
         raise ValueError(f"source=rollouts: the batch has {batch.B} prompt(s) x {batch.G} response(s); the "
                          "cross-prompt U-statistic needs >= 3 prompts and >= 2 responses each")
     dev, B = ctx.device, batch.B
+    units = list(range(B)) if subset is None else sorted(subset)
+    k_units = len(units)
     prepare_x(ctx, batch)  # token_mean's constants from the batch
     coupling = ctx.objective.coupling
     k = [0.0] * B if coupling is None else [float(v) for v in coupling]
@@ -181,8 +198,9 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
     # a prompt whose Y weights are all 0 (every advantage 0: a group of equal rewards) has Y_n = 0: no
     # Y backward, and (uncoupled objectives) the same update without it as every other such prompt
     zero_y = [bonus is None and not bool(ctx.y_weights(unit, "cpu").any()) for _, unit in batch.microbatches(1)]
-    keep = keeps_y(ctx, B - sum(zero_y), budget_mb)
-    pair_dtype = pair_copies(ctx, B - sum(zero_y), B, budget_mb) if keep else None
+    n_y = sum(not zero_y[n] for n in units)
+    keep = keeps_y(ctx, n_y, budget_mb)
+    pair_dtype = pair_copies(ctx, n_y, k_units, budget_mb) if keep else None
     kept_jx: dict[int, pv.Buffer] = {}  # J X_n of the prompts so far, for the pairs
     pairs = torch.zeros((B, B), dtype=torch.float64)
     Xsum = [torch.zeros_like(t) for t in jdiag]
@@ -190,7 +208,7 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
     S_all, ent_all = [None] * B, [None] * B
     zero = torch.zeros((), dtype=torch.float64, device=dev)
     loo_of = None  # the prompt whose update without it loo_set holds (all zero-Y prompts share it)
-    order = sorted(range(B), key=lambda n: not zero_y[n])  # the zero-Y prompts first
+    order = sorted(units, key=lambda n: not zero_y[n])  # the zero-Y prompts first
     ctx.zero_grad()
     with ctx.phase("rollouts_units"):
         for n in order:
@@ -255,14 +273,14 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
                 ent_all[n] = fwd.ent.detach().cpu()
             del X, Y, fwd, x_loss
     del loo_set, y_loo, kept_jx, jgh
-    Xbar = pv.scale_(Xsum, 1.0 / B)
+    Xbar = pv.scale_(Xsum, 1.0 / k_units)
     if fused:  # Xbar . each part, before J's buffer takes J Xbar
         step_dots = [float(v) for v in step.unit_dots(Xbar, None, 1.0, 0.0, jdiag)[[_SLOT[p] for p in step.names]]]
     else:
         step_dots = [float(v) for v in pv.dot_set(Xbar, dset)[1:]]
     jx = [j.mul_(x.to(j.dtype)) for j, x in zip(jdiag, Xbar)]  # J Xbar, in J's buffer (no longer needed)
-    if keep or all(zero_y):
-        yjx = torch.stack([_dot(kept[n], jx) if n in kept else zero for n in range(B)])
+    if keep or all(zero_y[n] for n in units):
+        yjx = torch.stack([_dot(kept[n], jx) if n in kept else zero for n in units])
         Ybar = kept.pop(min(kept)) if kept else [torch.zeros_like(t) for t in jx]  # the sum, in a kept Y_n
         for Y in kept.values():
             for a_, t in zip(Ybar, Y):
@@ -271,20 +289,29 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
     else:
         loss_of = y_loss_of(ctx) if bonus is None else (lambda fwd, mb: ctx.y_loss(fwd.S, mb) + bonus.y_loss(fwd.ent))
         with ctx.phase("rollouts_y"):
-            acc = accumulate(ctx, batch, loss_of, "source=rollouts, Y . J Xbar",
+            acc = accumulate(ctx, batch if subset is None else batch.select(units), loss_of, "source=rollouts, Y . J Xbar",
                              directions=pv.stack_directions([jx], dev), unit_backward="loop",
                              with_entropy="grad" if bonus is not None else False)
         yjx, Ybar = acc.proj[:, 0].double(), acc.sum_buf
         if fold:  # the folded units' projections: Y_n' . J Xbar = Y_n . J Xbar - c k_n gH . J Xbar (the sum unchanged)
             g_jx = float(_dot(gH, jx))
-            yjx = yjx - bonus.coef * g_jx * torch.tensor(k_tok, dtype=torch.float64, device=yjx.device)
+            yjx = yjx - bonus.coef * g_jx * torch.tensor([k_tok[n] for n in units], dtype=torch.float64,
+                                                         device=yjx.device)
+    rows, loo, yy, xjyn = ([v[n] for n in units] for v in (rows, loo, yy, xjyn))
+    S_all, ent_all = [S_all[n] for n in units], [ent_all[n] for n in units]
+    if pair_dtype is not None and subset is not None:
+        pairs = pairs[units][:, units]
+    if bonus_units is not None and subset is not None:
+        bonus_units = bonus_units[units]
+    if subset is not None:  # Ybar over all B is the trainer's: y / c (no check of the objective here)
+        del Ybar
+        y_norm = pv.norm(y)
+        return RolloutPasses(_unit_dots(rows, loo, yy, yjx, xjyn, step, moving, pairs if pair_dtype is not None else None),
+                             step_dots, y_norm / c, y_norm ** 2 / c, y_norm, torch.cat(S_all),
+                             torch.cat(ent_all) if ent_all[0] is not None else None, keep, Xbar, float("nan"),
+                             bonus_units)
     Ybar = pv.scale_(Ybar, 1.0 / B)
-    rows = torch.stack(rows).cpu()
-    e = rows[:, 1:]
-    e_loo = e.clone()
-    e_loo[:, [step.names.index(p) for p in moving]] = torch.stack(loo).cpu()
-    dots = UnitDots(e, rows[:, 0], torch.stack(yy).cpu(), yjx.cpu(), torch.stack(xjyn).cpu(), e_loo,
-                    pairs if pair_dtype is not None else None)
+    dots = _unit_dots(rows, loo, yy, yjx, xjyn, step, moving, pairs if pair_dtype is not None else None)
     residual = sum(float(torch.linalg.vector_norm(yt - c * Yt.to(yt.device, yt.dtype), dtype=torch.float64)) ** 2
                    for yt, Yt in zip(y, Ybar)) ** 0.5
     return RolloutPasses(dots, step_dots, pv.norm(Ybar), float(_dot(Ybar, y)), pv.norm(y), torch.cat(S_all),

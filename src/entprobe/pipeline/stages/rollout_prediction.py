@@ -31,6 +31,7 @@ import torch
 from entprobe.config import ConfigError, EntprobeConfig
 from entprobe.math import estimators as est
 from entprobe.math import paramvec as pv
+from entprobe.math import rollout_subset as rs
 from entprobe.math import token_functionals as tf
 from entprobe.math.adamw import StepModel
 from entprobe.math.forecast import ForecastInputs
@@ -98,22 +99,27 @@ def clip_of(y_norm: float, max_grad_norm: float | None, grad_norm: float | None)
 
 def predict_on_rollouts(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step_at, y: pv.Buffer,
                         max_grad_norm: float | None, grad_norm: float | None, budget_mb: float,
-                        bonus: ob.EntropyBonus | None = None, bonus_effect: bool = False) -> RolloutPrediction:
+                        bonus: ob.EntropyBonus | None = None, bonus_effect: bool = False,
+                        subset: list[int] | None = None) -> RolloutPrediction:
     """The cross-prompt prediction of the step about to be taken on ``batch`` (module docstring):
     ``y`` is minus the gradient in ``.grad`` (after any clipping: ``max_grad_norm``, the trainer's,
     and ``grad_norm``, the norm before it), ``ctx.objective`` the trainer's loss bound to the batch
     (its Y_n), ``step_at(y')`` the update's model at another gradient input; ``bonus``: TRL's entropy
     bonus in that loss, ``bonus_effect``: also its effect per unit coefficient (``bonus_effect`` +-
-    ``SE_bonus_effect``, stages/rollout_bonus.py)."""
+    ``SE_bonus_effect``, stages/rollout_bonus.py); ``subset``: probe only these of the batch's prompts
+    (math/rollout_subset.py; their X_n and Y_n, the update from all), the objective then not checked
+    against ``.grad``."""
     y_norm = pv.norm(y)
     c = clip_of(y_norm, max_grad_norm, grad_norm)
     # every group tied (y exactly 0), nothing carried (momentum part 0) and no decay: nothing moves
     if y_norm == 0.0 and "weight_decay" not in step.names and (
             step.carries_nothing() if step.carries_nothing is not None else update_is_zero(ctx, step, y)):
         return still_prediction(ctx, batch, step)
-    rp = rollout_passes(ctx, batch, step, step_at, y, c, max_grad_norm, budget_mb, bonus, bonus_effect)
+    if subset is not None and len(subset) >= batch.B:
+        subset = None
+    rp = rollout_passes(ctx, batch, step, step_at, y, c, max_grad_norm, budget_mb, bonus, bonus_effect, subset)
     residual = rp.residual / rp.y_norm if rp.y_norm > 0 else (0.0 if rp.ybar_norm == 0 else math.inf)
-    if not residual <= GRADIENT_MISMATCH:
+    if subset is None and not residual <= GRADIENT_MISMATCH:
         scale = rp.ybar_dot_y / rp.ybar_norm ** 2 if rp.ybar_norm > 0 else math.nan
         hint = (f"; it is the objective's times {scale:.3g}: was it clipped (pass max_grad_norm and grad_norm) or "
                 "scaled?" if math.isfinite(scale) and abs(scale * rp.ybar_norm - rp.y_norm) <= GRADIENT_MISMATCH * rp.y_norm
@@ -123,32 +129,43 @@ def predict_on_rollouts(ctx: ProbeContext, batch: RolloutBatch, step: StepModel,
                           "part of the loss; set the objective to the trainer's loss (objective.preset / loss_type), "
                           "give the batch the step was computed on, with its advantages")
     d = rp.dots
-    kt = kernel_terms(d, rp.y_norm, c, clip_projection(rp.ybar_norm, max_grad_norm), ctx.objective.coupling)
+    coupling = ctx.objective.coupling
+    if subset is not None and coupling is not None:
+        coupling = coupling[subset]
+    rho = clip_projection(rp.ybar_norm, max_grad_norm)
+    kt = kernel_terms(d, rp.y_norm, c, rho, coupling)
     names = step.names
+    B = batch.B
+    if subset is None:
+        cp = cross_prompt
+    else:
+        cp = lambda e_loo, e, terms: rs.subset_cross_prompt(e_loo, terms, B)  # noqa: E731
     parts = {}
     for j, name in enumerate(names):  # the linearised Y-dependence is the gradient part's
-        parts[name] = cross_prompt(d.e_loo[:, j], d.e[:, j], kt if name == "gradient" else zero_terms(d.e[:, j]))
-    whole = cross_prompt(d.e_loo.sum(1), d.e.sum(1), kt)
-    rho = clip_projection(rp.ybar_norm, max_grad_norm)
-    se = standard_errors(whole, pair_variance(d, rp.y_norm, c, rho, ctx.objective.coupling))
-    B = batch.B
+        parts[name] = cp(d.e_loo[:, j], d.e[:, j], kt if name == "gradient" else zero_terms(d.e[:, j]))
+    whole = cp(d.e_loo.sum(1), d.e.sum(1), kt)
+    pv_ = pair_variance(d, rp.y_norm, c, rho, coupling)
+    se = standard_errors(whole, pv_) if subset is None else rs.subset_errors(whole, kt, B, pv_)
+    k = B if subset is None else len(subset)
     res = {"source": "rollouts", "deltaH_pred": whole.U, "pred/step_model": step.kind,
            "deltaH_pred_plain": -sum(rp.step_dots), "rollouts/B": B, "rollouts/G": batch.G,
-           "rollouts/clip_coef": c, "rollouts/grad_residual": residual, "rollouts/kept_y": rp.kept_y,
+           "rollouts/clip_coef": c, "rollouts/grad_residual": residual if subset is None else None,
+           "rollouts/probed": k, "rollouts/kept_y": rp.kept_y,
            "rollouts/pair_term": d.pairs is not None,
            "SE_deltaH_pred": se["SE_step"], "SE_deltaH_pred_expected": se["SE_expected"],
-           "SE_deltaH_pred_plugin": se["SE_plugin"], "B_E": B, "G": batch.G}
-    res["ci95_pred_low"], res["ci95_pred_high"] = est.interval(whole.U, se["SE_step"], B - 1)
-    res["ci95_pred_expected_low"], res["ci95_pred_expected_high"] = est.interval(whole.U, se["SE_expected"], B - 1)
+           "SE_deltaH_pred_plugin": se["SE_plugin"], "B_E": k, "G": batch.G}
+    res["ci95_pred_low"], res["ci95_pred_high"] = est.interval(whole.U, se["SE_step"], k - 1)
+    res["ci95_pred_expected_low"], res["ci95_pred_expected_high"] = est.interval(whole.U, se["SE_expected"], k - 1)
     if len(names) > 1:
         res.update({f"deltaH_pred_{k}": p.U for k, p in parts.items()})
     if rp.bonus_units is not None:  # the bonus's effect per unit coefficient, at the scheduler's lr
         res["bonus_effect"], res["SE_bonus_effect"] = rb.bonus_effect(rp.bonus_units)
     if y_norm == 0.0:  # no Y backward was taken (rollout_passes): what moved is the momentum and the decay
         res.update({"gradient_zero": True, "update_zero": False})
-    h = functional_units(ctx.x, rp.S, rp.entropy, batch.response_mask)
+    mask = batch.response_mask if subset is None else batch.response_mask[subset]
+    h = functional_units(ctx.x, rp.S, rp.entropy, mask)
     res["H_orig"], res["SE_H_orig"] = float(h.mean()), math.sqrt(est.mean_variance(h))
-    return RolloutPrediction(res, parts, kt, h, B, rp.Xbar)
+    return RolloutPrediction(res, parts, kt, h, k, rp.Xbar)
 
 
 def still_prediction(ctx: ProbeContext, batch: RolloutBatch, step: StepModel) -> RolloutPrediction:
@@ -183,10 +200,12 @@ def still_prediction(ctx: ProbeContext, batch: RolloutBatch, step: StepModel) ->
 
 def rollouts_prediction(ctx: ProbeContext, cfg: EntprobeConfig, batch: RolloutBatch, step: StepModel, step_at,
                         y: pv.Buffer, max_grad_norm: float | None, grad_norm: float | None,
-                        entropy_coef: float = 0.0, bonus_effect: bool = False) -> RolloutPrediction:
+                        entropy_coef: float = 0.0, bonus_effect: bool = False,
+                        subset: list[int] | None = None) -> RolloutPrediction:
     """``predict_on_rollouts`` with the objective of ``cfg.objective`` bound to ``batch`` (its
     advantages as given: the trainer's), checked to be a batch the probe can read; ``entropy_coef``:
-    the coefficient of TRL's entropy bonus in the loss the gradient came from (0: none)."""
+    the coefficient of TRL's entropy bonus in the loss the gradient came from (0: none); ``subset``: the
+    prompts probed (``probe_subset``; None: all)."""
     if batch.temperature != cfg.sampling.temperature:
         raise ConfigError(f"source=rollouts: the batch was sampled at temperature {batch.temperature}, the probe's "
                           f"log-probs use sampling.temperature={cfg.sampling.temperature}: make them agree")
@@ -199,11 +218,23 @@ def rollouts_prediction(ctx: ProbeContext, cfg: EntprobeConfig, batch: RolloutBa
             ob.scale_rewards_choice(cfg.objective.scale_rewards) == "batch"
         rb.check_bonus(ctx.objective, batch_std)
     ro = predict_on_rollouts(ctx, batch, step, step_at, y, max_grad_norm, grad_norm, cfg.probe.unit_grads_budget_mb,
-                             bonus, bonus_effect)
+                             bonus, bonus_effect, subset)
     if bonus is not None:
         ro.res["entropy_coef"] = bonus.coef
+    if ctx.x.mode == "token_mean" and ctx.x.kappa is not None:
+        ro.res["rollouts/kappa"] = float(ctx.x.kappa)  # token_mean's sum H / sum L over the batch
     ro.H_max = entropy_range(ctx.x, logit_count(ctx.model), cfg.sampling.max_new_tokens)
     return ro
+
+
+def probe_subset(k: int | None, B: int, seed: int, step: int, checked: bool) -> list[int] | None:
+    """The prompts of a B-prompt step that ``probe.rollouts_prompts = k`` probes: None (all) when k is
+    None or >= B, or before the objective has been checked against the trainer's gradient on a whole
+    batch (``checked``: the first probe takes all B); else k drawn at random, the draw seeded by
+    ``seed`` and the step (``rollout_subset.draw_subset``), never by the batch."""
+    if k is None or k >= B or not checked:
+        return None
+    return rs.draw_subset(B, k, seed * 1_000_003 + step)
 
 
 def logit_count(model: torch.nn.Module) -> int | None:
@@ -291,7 +322,9 @@ def forecast_inputs(ro: RolloutPrediction, optimizer: torch.optim.Optimizer, par
     part = lambda name: ro.parts[name] if name in ro.parts else None  # noqa: E731
     val = lambda name: (part(name).U, part(name).rows) if part(name) is not None else (0.0, zero)  # noqa: E731
     (gv, gr), (mv, mr), (wv, wr) = val("gradient"), val("momentum"), val("weight_decay")
-    b = ro.kt.b
+    b = ro.kt.b  # over the probed prompts; a fresh step's batch has the step's B (rollout_subset.py)
+    B_step = int(ro.res.get("rollouts/B", ro.B))
     return ForecastInputs(ro.res["H_orig"], unit_mean_rows(ro.h_units), gv, gr, mv, mr, wv, wr,
-                          est.mean_variance(b), est.mean_variance(ro.h_units), t, beta1, beta2, kappa, ro.B - 1,
+                          est.mean_variance(b) * ro.B / B_step, est.mean_variance(ro.h_units), t, beta1, beta2, kappa,
+                          ro.B - 1,
                           *ro.H_max)
