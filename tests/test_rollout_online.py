@@ -81,7 +81,8 @@ def test_trl_callback_reads_the_step_s_batch_and_its_entropy_is_trl_s(tmp_path):
     """The callback with source="rollouts" in token_mean units: the probe's H at each probed step is
     the ``entropy`` TRL logs for that step (the same batch at the same parameters: fp32 sums of ~100
     token entropies), the gradient it rebuilds from the batch is the trainer's (clipped: TRL's
-    max_grad_norm 1.0), and the trajectory is the unprobed one."""
+    max_grad_norm 1.0), and the trajectory is the unprobed one. After the first probe token_mean's
+    constant is TRL's logged entropy (``KAPPA_AGREES``), with no forward of the probe's own for it."""
     pytest.importorskip("trl")
     from online_probe import build_trainer
 
@@ -107,6 +108,11 @@ def test_trl_callback_reads_the_step_s_batch_and_its_entropy_is_trl_s(tmp_path):
         assert r["rollouts/grad_residual"] < 1e3 * torch.finfo(torch.float32).eps and r["rollouts/B"] == 8
         assert logged[r["step"]]["entprobe/deltaH_pred"] == r["deltaH_pred"]
     assert any(r["rollouts/clip_coef"] < 1 for r in cb.history)
+    # token_mean's constant: the first probe's own forward agrees with TRL's logged entropy, so later ones
+    # take TRL's value and run no forward of their own for it
+    first, later = cb.history[0], cb.history[1:]
+    assert "time/x_constants_s" in first and all("time/x_constants_s" not in r for r in later)
+    assert all(r["rollouts/kappa"] == logged[r["step"]]["entropy"] for r in later)
     assert not hasattr(tr, "__dict__") or "_generate_and_score_completions" not in tr.__dict__  # put back
 
 

@@ -36,7 +36,8 @@ from entprobe.config import ConfigError
 from entprobe.math.importance import psis_backend
 from entprobe.integrations.online import SOURCES, OnlineProbe, online_config
 from entprobe.integrations.online_checks import check_every
-from entprobe.integrations.trl_rollouts import StepBatch, trl_entropy_coef, trl_objective, trl_rollout_batch
+from entprobe.integrations.trl_rollouts import (StepBatch, kappa_agrees, trl_entropy_coef, trl_objective,
+                                                trl_rollout_batch, trl_token_entropy)
 from entprobe.reporting.over_steps import merged_history, write_history
 from entprobe.rollouts.sampling import RolloutBatch
 
@@ -167,8 +168,11 @@ class EntropyProbeCallback(TrainerCallback):
         if self.source != "rollouts" or not self.probe.due(step):
             return {}
         sb = self.step_batch
-        return {"rollouts": sb.batch(self.trainer.num_generations, self.cfg.sampling.temperature),
-                "grad_norm": sb.grad_norm, "entropy_coef": trl_entropy_coef(self.trainer)}
+        batch = sb.batch(self.trainer.num_generations, self.cfg.sampling.temperature)
+        self._trl_kappa = trl_token_entropy(self.trainer) if self.cfg.probe.weighting_mode.value == "token_mean" else None
+        if self._trl_kappa is not None and getattr(self, "_kappa_agrees", False):
+            batch.entropy_mean = self._trl_kappa  # token_mean's constant: no forward of the probe's own
+        return {"rollouts": batch, "grad_norm": sb.grad_norm, "entropy_coef": trl_entropy_coef(self.trainer)}
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         step = state.global_step + 1  # the step about to be taken
@@ -176,6 +180,8 @@ class EntropyProbeCallback(TrainerCallback):
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         metrics = self.probe.after_step()
+        if metrics and getattr(self, "_trl_kappa", None) is not None and not getattr(self, "_kappa_agrees", False):
+            self._kappa_agrees = kappa_agrees(self.history[-1].get("rollouts/kappa"), self._trl_kappa)
         if metrics:
             self._to_log.update(metrics)
 

@@ -82,6 +82,35 @@ def trl_entropy_coef(trainer) -> float:
     return c
 
 
+# |kappa_probe / kappa_trl - 1| at most this: the trainer's logged entropy is the probe's token_mean constant.
+# Both are fp32 forwards over the same tokens (batch widths and kernels differ: ~1e-6 apart); a different
+# temperature, mask or model moves it by far more
+KAPPA_AGREES = 1e-4
+
+
+def trl_token_entropy(trainer) -> float | None:
+    """The step's ``sum H / sum L`` over its generated tokens as TRL's loss forward computed it (its
+    logged ``entropy``, the last value of the step: ``_compute_loss``'s ``global_masked_mean``), when
+    that forward saw the whole generation batch (``gradient_accumulation_steps=1``) and only the
+    completion mask (no ``tool_mask``); else None."""
+    if trainer.args.gradient_accumulation_steps != 1:
+        return None
+    out = getattr(trainer, "_metrics", {}).get("train", {}).get("entropy")
+    batch = getattr(trainer, "_buffered_inputs", None)
+    if not out or (batch and any("tool_mask" in b for b in batch)):
+        return None
+    value = float(out[-1])
+    return value if value == value and value >= 0 else None
+
+
+def kappa_agrees(probe_kappa: float | None, trl_kappa: float) -> bool:
+    """Whether the probe's own token_mean constant (its forward) and TRL's logged entropy are one number
+    (``KAPPA_AGREES``): then later probes take TRL's and skip that forward."""
+    if probe_kappa is None or not trl_kappa > 0:
+        return False
+    return abs(probe_kappa / trl_kappa - 1.0) <= KAPPA_AGREES
+
+
 class StepBatch:
     """The trainer's last generation batch (``batch``), its rewards and the last pre-clip gradient
     norm (``grad_norm``), recorded by wrappers of the trainer's methods (module docstring)."""

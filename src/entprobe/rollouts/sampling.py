@@ -26,7 +26,7 @@ from entprobe.tasks.base import score_rows
 
 ABSURD = 1e6  # |advantage| or |reward| beyond it: a corrupt file, not a reward scale
 LOGP_TOL = 1e-5  # a log-probability above it is not one (log_softmax is <= 0 up to rounding)
-OPTIONAL_FIELDS = ("temperature", "sampler_entropy", "coupling_blocks")  # a saved batch may lack these
+OPTIONAL_FIELDS = ("temperature", "sampler_entropy", "coupling_blocks", "entropy_mean")  # a saved batch may lack these
 
 
 @dataclass
@@ -44,6 +44,9 @@ class RolloutBatch:
     sampler_entropy: torch.Tensor | None = None
     # [B, G] long: each response's block under sampling.coupling (coupled_uniforms.py); None: independent
     coupling_blocks: torch.Tensor | None = None
+    # sum H / sum L over the batch's generated tokens at the parameters it is probed at, as a trainer's own
+    # forward computed it (TRL's logged ``entropy``; token_mean's constant, accumulate.prepare_x); None: not given
+    entropy_mean: float | None = None
 
     @property
     def B(self) -> int:

@@ -65,12 +65,17 @@ def y_loss_of(ctx: ProbeContext) -> Callable[[Forward, RolloutBatch], torch.Tens
 def prepare_x(ctx: ProbeContext, batch: RolloutBatch) -> None:
     """``ctx.x`` for an X pass over ``batch``: ``token_mean``'s constants (``kappa`` = the batch's
     ``sum H / sum L``, ``scale`` = 1 / its mean length, over all ranks) from the entropies the
-    sampler recorded, else from a forward without a graph over the batch (phase ``x_constants``).
-    Nothing to do for the other functionals."""
+    sampler recorded, else kappa from the trainer's (``batch.entropy_mean``: its forward's, over the
+    same tokens at the same parameters), else from a forward without a graph over the batch (phase
+    ``x_constants``). Nothing to do for the other functionals."""
     if ctx.x.mode != "token_mean":
         return
     m = batch.response_mask.double()
     H = batch.sampler_entropy
+    if H is None and batch.entropy_mean is not None:  # already over every rank's tokens (TRL reduces it)
+        sum_L, n = D.reduce_scalars(float(m.sum()), float(batch.B * batch.G))
+        ctx.x = dataclasses.replace(ctx.x, kappa=float(batch.entropy_mean), scale=n / sum_L)
+        return
     if H is None:
         with ctx.phase("x_constants"), torch.no_grad():
             H = torch.cat([ctx.forward_S(mb, f"token entropies [{s}, {s + mb.B})", with_entropy=True).ent.cpu()
