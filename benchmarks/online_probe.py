@@ -31,11 +31,13 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import json
 import math
 import re
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 
 def smollm2():
@@ -57,14 +59,15 @@ def smollm2():
 
 def trainer_parts(out_dir: str, steps: int, seed: int = 0, lr: float = 1e-3, prompts_per_step: int = 8,
                   G: int = 4, max_new: int = 4, model: str = "default", question: bool = False,
-                  grpo: dict | None = None) -> dict:
+                  grpo: dict | None = None, device: str = "cpu") -> dict:
     """What a GRPOTrainer on the built-in default checkpoint (or ``model="smollm2"``: SmolLM2-135M,
     the prompts as chat messages, so its chat template applies) and the arithmetic task takes
     (CPU): ``model``, ``tokenizer``, ``reward_fn`` (1 when a completion's first number is the
     answer), ``dataset`` (``prompt`` / ``answer``) and ``grpo_config``. ``question``: the prompts of
     ``task=arithmetic_question`` ("What is a + b?") scored on the completion's last number, which a
     chat model answers (it writes "3 + 4 = 7"). ``grpo``: more GRPOConfig settings (e.g. TRL's
-    ``use_adaptive_entropy``)."""
+    ``use_adaptive_entropy``); ``device``: ``cpu``, or ``cuda`` (TRL's own device placement, bf16
+    autocast as a GPU run trains)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
@@ -94,7 +97,8 @@ def trainer_parts(out_dir: str, steps: int, seed: int = 0, lr: float = 1e-3, pro
             "grpo_config": GRPOConfig(
                 output_dir=out_dir, per_device_train_batch_size=prompts_per_step * G, num_generations=G,
                 max_completion_length=max_new, max_steps=steps, learning_rate=lr, weight_decay=0.01,
-                lr_scheduler_type="constant", use_cpu=True, report_to=[], bf16=False, save_strategy="no",
+                lr_scheduler_type="constant", use_cpu=device == "cpu", report_to=[], bf16=device != "cpu",
+                save_strategy="no",
                 seed=seed, logging_steps=1, loss_type="dr_grpo", disable_tqdm=True, **(grpo or {}))}
 
 
@@ -139,11 +143,12 @@ def timed_run(out: str, a, probe: bool) -> dict:
     from entprobe.integrations import EntropyProbeCallback
 
     tr = build_trainer(out, a.steps, model=a.model, prompts_per_step=a.prompts_per_step, max_new=a.max_new,
-                       lr=a.lr, question=a.question)
+                       lr=a.lr, question=a.question, device=a.device)
     cb, clock = None, step_clock()
     if probe:
         pk = {k: v for k, v in (("projection", a.projection), ("weighting_mode", a.weighting_mode),
-                                ("x_estimator", a.x_estimator), ("unit_grads_budget_mb", a.unit_grads_budget_mb))
+                                ("x_estimator", a.x_estimator), ("unit_grads_budget_mb", a.unit_grads_budget_mb),
+                                ("rollouts_prompts", a.rollouts_prompts))
               if v is not None}
         extra = {"probe": pk} if pk else {}
         if a.source == "rollouts":
@@ -252,7 +257,8 @@ def call_times():
     patches = [(torch.Tensor, "backward", lambda: "probe: backward" if inside[0] else "trainer: backward", False),
                (ProbeContext, "forward_S", lambda: "probe: forward" if inside[0] else None, False),
                (OnlineProbe, "before_step", lambda: "probe: whole", True),
-               (trl.GRPOTrainer, "_generate_and_score_completions", lambda: "trainer: generation + scoring", False)]
+               (trl.GRPOTrainer, "_generate_and_score_completions", lambda: "trainer: generation + scoring", False),
+               (trl.GRPOTrainer, "compute_loss", lambda: None if inside[0] else "trainer: loss forward", False)]
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _, _ in patches]
     for owner, attr, name_of, flag in patches:
         setattr(owner, attr, timed(getattr(owner, attr), name_of, flag))
@@ -261,6 +267,37 @@ def call_times():
     finally:
         for owner, attr, fn in saved:
             setattr(owner, attr, fn)
+
+
+def units(hist: list[dict], calls: dict, steps: int, step_s: float, gen_shares: list[float], clock: str) -> dict:
+    """The probe in the trainer's units: its median time (``cpu_time_s``, or ``time_s`` for the wall
+    clock) over the median unprobed step's (``step_s``), and over the trainer's forward + backward a
+    step (``call_times``: the loss's forward and the backward, generation and the optimizer left out;
+    CPU time). On a GPU, where generation takes a share g of the step and the forward + backward about
+    the rest, the probe would be about ``(1 - g) x`` its forward + backward units of a step (no
+    generation in the probe). With ``probe.rollouts_prompts`` the probes of the subset only (the first
+    probe takes every prompt)."""
+    sub = [r for r in hist if r.get("rollouts/probed", r.get("rollouts/B")) != r.get("rollouts/B")]
+    key = "cpu_time_s" if clock == "cpu" else "time_s"
+    probe = statistics.median(r[key] for r in (sub or hist))  # a subset's: the first probe takes all
+    fb = (calls.get("trainer: loss forward", [0.0])[0] + calls.get("trainer: backward", [0.0])[0]) / steps
+    out = {"clock": clock, "probe_s": probe, "step_s": step_s, "probe_steps": probe / step_s,
+           "probes": len(sub or hist), "subset": bool(sub)}
+    if fb > 0 and clock == "cpu":
+        out.update(fb_s=fb, probe_fb=probe / fb, gpu_share={str(g): (1 - g) * probe / fb for g in gen_shares})
+    return out
+
+
+def units_lines(u: dict) -> list[str]:
+    """``units`` in words."""
+    out = [f"the probe in training-step units ({u['clock']} clock, median of {u['probes']}"
+           f"{' subset' if u['subset'] else ''} probe(s)): {u['probe_s']:.2f} s a probe = {u['probe_steps']:.2f} "
+           f"steps ({u['step_s']:.2f} s each, generation included)"]
+    if "fb_s" in u:
+        out[0] += f" = {u['probe_fb']:.2f} x the trainer's forward + backward ({u['fb_s']:.2f} s a step)"
+        out += [f"  projected on a GPU step whose generation is {float(g):.0%}: {v:.2f} steps a probe"
+                for g, v in u["gpu_share"].items()]
+    return out
 
 
 def main() -> None:
@@ -281,11 +318,20 @@ def main() -> None:
     ap.add_argument("--x-estimator", default=None, help="probe.x_estimator (default: auto)")
     ap.add_argument("--unit-grads-budget-mb", type=float, default=None,
                     help="probe.unit_grads_budget_mb (rollouts: 0 takes Y . J Xbar in a second pass, keeping no Y_n)")
+    ap.add_argument("--rollouts-prompts", type=int, default=None,
+                    help="probe.rollouts_prompts (rollouts: X and Y on this many of the step's prompts; default all)")
+    ap.add_argument("--gpu-generation-share", type=float, nargs="*", default=[0.5, 0.8],
+                    help="with --calls: the shares of a GPU step that generation takes, for the projected probe share")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where TRL trains (cuda: bf16)")
+    ap.add_argument("--clock", choices=["cpu", "wall"], default=None,
+                    help="the units' clock (default: process CPU time on CPU, wall clock on cuda)")
+    ap.add_argument("--json", default=None, help="also write the units as one JSON object to this file")
     ap.add_argument("--question", action="store_true", help="the arithmetic questions of task=arithmetic_question, "
                     "scored on the last number (SmolLM2 answers some)")
     ap.add_argument("--calls", action="store_true", help="also print the CPU time of the probe's backward passes and "
                     "forwards and of the trainer's backward passes and generation (call_times)")
     a = ap.parse_args()
+    a.clock = a.clock or ("cpu" if a.device == "cpu" else "wall")
     with tempfile.TemporaryDirectory() as out:
         import datasets, trl  # noqa: F401, E401  (the trainer's own imports, untimed)
 
@@ -322,6 +368,15 @@ def main() -> None:
             for name, (sec, n) in sorted(calls.items()):
                 per, unit = (sec / len(hist), "probe") if name.startswith("probe") else (sec / a.steps, "step")
                 print(f"  {name:<34} {sec:8.2f} s over {n:3d} calls: {per:7.3f} s a {unit}")
+        if unprobed:
+            walls = [w for st, w, _ in first["steps"] if st not in probed]
+            u = units(hist, calls or {}, a.steps, step_cpu if a.clock == "cpu" else statistics.median(walls),
+                      a.gpu_generation_share, a.clock)
+            print("\n".join(units_lines(u)))
+            if a.json:
+                Path(a.json).write_text(json.dumps({"model": a.model, "prompts_per_step": a.prompts_per_step,
+                                                    "max_new": a.max_new, "rollouts_prompts": a.rollouts_prompts,
+                                                    "source": a.source, "device": a.device, **u}, indent=1))
         assert all(math.isfinite(r["deltaH_pred"]) for r in hist)
         if a.overhead:
             overhead(out, a, hist[0])
