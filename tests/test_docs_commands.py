@@ -166,6 +166,11 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "task.reward=last_number 'task.system_prompt=\"Answer with just the number.\"'": ("slow", ""),
     # docs/uncertainty.md (the Rao-Blackwellised X's gain and the variance left)
     ".venv/bin/python benchmarks/bench_rao_blackwell.py": ("slow", ""),
+    # docs/uncertainty.md (under bf16; run shortened to one draw at B = 4)
+    ".venv/bin/python benchmarks/bench_bf16.py --json /tmp/bench_bf16.json":
+        ("run", "tests/test_bf16.py::test_the_documented_benchmark_command_runs_shortened"),
+    ".venv/bin/python benchmarks/bench_bf16.py --model smollm2 --max-new 32 --B 4 --G 4 --draws 1 --lrs 1e-3 -- "
+    "task=arithmetic_question task.reward=last_number": ("slow", ""),
     # docs/sampling.md and docs/uncertainty.md (coupled draws within a prompt)
     "python -m entprobe.main sampling.coupling=stratified importance.enabled=false":
         ("run", "tests/test_coupled_sampling.py::test_documented_coupling_command_runs"),

@@ -124,6 +124,13 @@ class DType(str, Enum):
     bfloat16 = "bfloat16"
 
 
+class Autocast(str, Enum):
+    auto = "auto"  # bf16 on CUDA when model.autocast_bf16, none on CPU (the default)
+    bf16 = "bf16"  # torch.autocast(dtype=torch.bfloat16) on any device, the CPU included
+    fp16 = "fp16"  # torch.autocast(dtype=torch.float16) on any device
+    off = "off"  # no autocast: the parameters' dtype throughout
+
+
 @dataclass
 class BatchConfig:
     B_E: int = 8
@@ -324,7 +331,8 @@ class ModelConfig:
     trainer_args: TrainerArgs = TrainerArgs.auto  # training_args.bin -> config keys (checkpoints/trainer_args.py)
     dtype: DType = DType.float32
     device: str = "auto"
-    autocast_bf16: bool = True
+    autocast_bf16: bool = True  # read by autocast=auto only
+    autocast: Autocast = Autocast.auto  # rollouts/logprobs.py autocast_dtype
     attn_implementation: str = "eager"
     activation_checkpointing: bool = False  # recompute each layer's activations in the backward
     trust_remote_code: bool = False

@@ -18,6 +18,7 @@ from entprobe.config import ConfigError
 from entprobe.runtime.input_files import InputFileError
 from entprobe.checkpoints.peft import AdapterError, apply_adapter, is_adapter_dir, resolve_adapter
 from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
+from entprobe.rollouts.logprobs import autocast_dtype
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -74,7 +75,7 @@ def load_model(cfg, check_tokenizer: Callable[[object], None] | None = None) -> 
     source = getattr(cfg.source, "value", cfg.source)
     device = pick_device(cfg.device)
     dtype = DTYPES[getattr(cfg.dtype, "value", cfg.dtype)]
-    autocast = torch.bfloat16 if (cfg.autocast_bf16 and device.type == "cuda") else None
+    autocast = autocast_dtype(cfg, device)
     common = dict(dtype=dtype, attn_implementation=cfg.attn_implementation,
                   trust_remote_code=bool(cfg.trust_remote_code))
     ckpt_dir, meta = None, {}

@@ -63,10 +63,11 @@ from entprobe.math.importance import psis_backend
 from entprobe.checkpoints.optim_state import OptimizerStateError
 from entprobe.tasks.prompt_ids import prompt_kwargs
 from entprobe.rollouts.sampling import RolloutBatch, draw_prompt_indices, sample_batch
+from entprobe.rollouts.logprobs import autocast_dtype
 from entprobe.integrations.online_config import SOURCES, one_lr as _one_lr, online_config
 from entprobe.integrations.online_checks import check_every, check_rollouts, step_check, still_check, theta_sum
-from entprobe.pipeline.stages.ground_truth import (eval_at_current, importance_estimates, token_side,
-                                                   token_side_needed, true_change)
+from entprobe.pipeline.stages.ground_truth import (eval_at_current, forward_dtype, forward_eps, importance_estimates,
+                                                   token_side, token_side_needed, true_change)
 from entprobe.pipeline.stages.x_spec import functional_value
 from entprobe.pipeline.stages.prediction import (HeldOutPrediction, build_step_model, predict_on_held_out,
                                                  step_model_kind, update_dots)
@@ -222,7 +223,7 @@ class OnlineProbe:
                                "after backward, with the gradient optimizer.step() will use")
         Ybar = [-p.grad.detach().float() for _, p in trainable]  # the step's gradient, before it is set aside
         with left_as_it_was(model, self.optimizer, None) as callers_modes:
-            ctx = probe_context(cfg, model, Ybar[0].device, _autocast(cfg, Ybar[0].device))
+            ctx = probe_context(cfg, model, Ybar[0].device, autocast_dtype(cfg.model, Ybar[0].device))
             with ctx.phase("geometry"):
                 # the update comes from the optimizer itself (closed form, or its step on a snapshot):
                 # no preconditioner P, and none of the parameter-sized passes that build its
@@ -331,8 +332,9 @@ class OnlineProbe:
             tokens = token_side(ctx.x, E, pend.pred.token_logp, lp_upd, pend.pred.entropy, ent_upd) \
                 if tokens_needed else None
             est_res, psi = importance_estimates(pend.pred.S, S_upd, E.gen_lengths, E.Lmax, ctx.weighting_mode,
-                                                icfg.clip_c, warn_psis=False, x=ctx.x, tokens=tokens)
-        out = dict(est_res)
+                                                icfg.clip_c, warn_psis=False, x=ctx.x, tokens=tokens,
+                                                eps_forward=forward_eps(ctx))
+        out = dict(est_res, forward_dtype=str(forward_dtype(ctx)).removeprefix("torch."))
         out.update(true_change(est_res, psi, icfg.is_mode.value, icfg.ess_threshold))
         out.update(compare_with_prediction({**out, "deltaH_pred": pend.pred.res["deltaH_pred"]},
                                            psi[icfg.is_mode.value], pend.pred.e))
@@ -399,7 +401,3 @@ def check_bonus_args(entropy_coef, bonus_effect: bool, source: str) -> None:
 
 def _now() -> float:
     return time.perf_counter()
-
-
-def _autocast(cfg: EntprobeConfig, device: torch.device) -> torch.dtype | None:
-    return torch.bfloat16 if cfg.model.autocast_bf16 and device.type == "cuda" else None

@@ -18,7 +18,7 @@ ONLINE_KEYS = ("batch.B_E", "batch.G", "batch.seed_E", "sampling", "probe.mb_siz
                "probe.x_estimator", "probe.buffers_device", "probe.buffers_dtype", "probe.projection", "probe.unit_backward",
                "probe.unit_grads_budget_mb", "probe.nograd_memory_mb", "probe.jvp_mb_size_prompts",
                "importance.is_mode", "importance.clip_c", "importance.importance_microbatch_size",
-               "model.autocast_bf16", "task.chat_template", "task.system_prompt", "task.tokenize",
+               "model.autocast", "model.autocast_bf16", "task.chat_template", "task.system_prompt", "task.tokenize",
                "task.chat_template_kwargs", "seed", "logging.progress")
 # the online probe's default functional: token_mean, the mean over generated tokens of the
 # full-vocabulary entropy, which TRL logs as ``entropy`` and verl as ``actor/entropy``

@@ -56,6 +56,7 @@ from entprobe.pipeline.config_checks import to_typed
 from entprobe.pipeline.config_errors import composition_error, schema_error
 from entprobe.pipeline.in_memory import InMemory, finish, probe_batches, probe_context
 from entprobe.pipeline.geometry import live_geometry, live_lr, unwrap_optimizer
+from entprobe.rollouts.logprobs import autocast_dtype
 from entprobe.checkpoints.models import LoadedModel
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.runtime.rundir import marks_failure, set_aside_earlier_run
@@ -69,7 +70,7 @@ GROUPS = ("batch", "sampling", "objective", "probe", "importance", "optimizer", 
 _YOURS = "the API probes the model, optimizer and task or batches you pass"
 # keys (or prefixes) that describe what the command line loads; the API refuses them, with why
 REFUSED = {
-    "model": f"{_YOURS}: model.* loads a model (only model.autocast_bf16 applies)",
+    "model": f"{_YOURS}: model.* loads a model (only model.autocast and model.autocast_bf16 apply)",
     "optimizer.state_path": f"{_YOURS}: the geometry is the optimizer's own state, lr and param groups",
     "optimizer.betas": "the geometry is the optimizer's own: its betas are in its param groups",
     "optimizer.eps": "the geometry is the optimizer's own: its eps is in its param groups",
@@ -86,7 +87,7 @@ REFUSED = {
     "logging.logger": "the API returns the results: log them with your own logger",
     "logging.wandb": "the API returns the results: log them with your own logger",
 }
-ALLOWED = ("model.autocast_bf16", "task.chat_template", "task.system_prompt", "task.tokenize",
+ALLOWED = ("model.autocast", "model.autocast_bf16", "task.chat_template", "task.system_prompt", "task.tokenize",
            "task.chat_template_kwargs")
 API_LR_FIX = 'pass the lr of the step to probe, e.g. entprobe.probe(..., optimizer={"lr": 1e-6})'
 SAMPLING_KEYS = ("batch.B_E", "batch.B_U", "batch.G", "batch.seed_E", "batch.seed_U", "batch.advantage",
@@ -317,13 +318,13 @@ def probe(model: torch.nn.Module, optimizer, tokenizer, task_or_batches, /, **ov
 def in_memory(cfg: EntprobeConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokenizer,
               task: Task | None) -> InMemory:
     """The probe's view of the caller's objects: the model and tokenizer as a ``LoadedModel`` (on the
-    parameters' device; bf16 autocast on CUDA with ``model.autocast_bf16``), the task checked against
+    parameters' device; autocast as ``model.autocast`` says: ``autocast_dtype``), the task checked against
     the tokenizer, the context and the optimizer's geometry (``geometry.live_geometry``)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ConfigError("the model has no trainable parameters (requires_grad=True): nothing to probe")
     device = params[0].device
-    autocast = torch.bfloat16 if cfg.model.autocast_bf16 and device.type == "cuda" else None
+    autocast = autocast_dtype(cfg.model, device)
     lm = LoadedModel(model, tokenizer, device, autocast, f"memory:{type(model).__name__}", None)
     if task is not None:
         where = f"the task ({type(task).__name__})"

@@ -102,6 +102,7 @@ def probe_batches(cfg: EntprobeConfig, held: InMemory, E_all: RolloutBatch, U_al
                     "weighting_mode": ctx.weighting_mode, "x_estimator": ctx.x.estimator,
                     "objective": ctx.objective.name, "entropy_functional": functional_name(ctx.weighting_mode),
                     "buffers_device": str(ctx.buffers_device),
+                    "autocast": str(ctx.autocast_dtype).removeprefix("torch.") if ctx.autocast_dtype else "off",
                     "preconditioner": cfg.optimizer.preconditioner.value, "is_mode": cfg.importance.is_mode.value})
     return results
 

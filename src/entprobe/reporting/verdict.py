@@ -123,6 +123,9 @@ def flags(r: dict, ess_threshold: float = 0.3, truncated_sampling: bool = False)
     if r.get("pred_consistent") is False and _finite(r.get("SE_deltaH_true_minus_pred")):
         out.append(("inconsistent", "measured and predicted changes differ beyond their 95% interval: first "
                     "order does not hold for this step (or the step model misses what the optimizer does)."))
+    broken = precision_breaks_pairing(r)
+    if broken:
+        out.append(("pairing_broken_by_precision", broken))
     if truncated_sampling:
         out.append(("truncated_sampling", "top-k / top-p sampling: responses are not drawn from the policy, so "
                     "every estimate is biased; sample with top_k=0, top_p=1."))
@@ -164,16 +167,48 @@ def paired_test(r: dict) -> str:
     return f"{agree}: |t| {abs(z):.2f} {'<' if ok else '>'} {t_quantile(df):.2f} ({df:g} df)" + _rounding_floor(r)
 
 
-def _rounding_floor(r: dict) -> str:
-    """When the paired SE is mostly the forward passes' rounding bound (``rounding_true_minus_pred``
-    above the sampling SE ``SE_deltaH_true_minus_pred_sampling``), the test resolves nothing at this
-    lr: say so, with the smallest lr at which it would (``lr_floor_true_minus_pred``)."""
+def _below_rounding_floor(r: dict) -> bool:
+    """The paired SE is mostly the forward passes' rounding bound: ``rounding_true_minus_pred``
+    above the sampling SE ``SE_deltaH_true_minus_pred_sampling``."""
     R, se = r.get("rounding_true_minus_pred"), r.get("SE_deltaH_true_minus_pred_sampling")
-    if not (_finite(R) and _finite(se) and R > se):
+    return _finite(R) and _finite(se) and R > se
+
+
+def _lower_precision(r: dict) -> str:
+    """The forward passes' dtype when it is coarser than fp32 (``forward_dtype``: bf16 autocast,
+    bf16 / fp16 weights), else ""."""
+    dt = r.get("forward_dtype")
+    return dt if dt and dt not in ("float32", "float64") else ""
+
+
+def _rounding_floor(r: dict) -> str:
+    """When the paired SE is mostly the rounding bound (``_below_rounding_floor``), the test resolves
+    nothing at this lr: say so, with the dtype when it is coarser than fp32 and the smallest lr at
+    which it would (``lr_floor_true_minus_pred``)."""
+    if not _below_rounding_floor(r):
         return ""
     floor = r.get("lr_floor_true_minus_pred")
     at = f"; it resolves from lr ~{floor:.1g}" if _finite(floor) else ""
-    return f", below the rounding floor: not resolved at this lr{at}"
+    dt = _lower_precision(r)
+    return f", below the {dt + ' ' if dt else ''}rounding floor: not resolved at this lr{at}"
+
+
+def precision_breaks_pairing(r: dict) -> str:
+    """The flag's message when a dtype coarser than fp32 (``forward_dtype``) makes the paired test
+    resolve nothing: its rounding bound R exceeds the sampling SE of measured - predicted, so
+    ``SE(diff) = sqrt(SE_sampling^2 + R^2)`` is rounding, not the step, and SE(diff) / SE(pred)
+    says how much of the pairing is left; "" otherwise (fp32, or above the floor)."""
+    dt = _lower_precision(r)
+    if not dt or r.get("measurable") is False or not _below_rounding_floor(r):
+        return ""
+    R, se_s = r["rounding_true_minus_pred"], r["SE_deltaH_true_minus_pred_sampling"]
+    se_d, se_p, floor = r.get("SE_deltaH_true_minus_pred"), r.get("SE_deltaH_pred"), r.get("lr_floor_true_minus_pred")
+    ratio = f"; SE(diff) / SE(pred) = {se_d / se_p:.2g}" if _finite(se_d) and _finite(se_p) and se_p > 0 else ""
+    at = f" it resolves from lr ~{floor:.1g}, or" if _finite(floor) else ""
+    return (f"under {dt} the forward passes' rounding bound on measured - predicted ({R:.2g}) exceeds its "
+            f"sampling SE ({se_s:.2g}){ratio}: the paired test's SE is {dt} rounding, not the step's noise, "
+            f"so 'consistent' means 'not resolved';{at} run it in fp32 (model.autocast=off, model.dtype=float32). "
+            "The prediction and its SE stand.")
 
 
 def setup_line(r: dict) -> str:

@@ -17,11 +17,25 @@ class TokenLogprobs(NamedTuple):
     entropy: torch.Tensor | None  # [N, T] exact token entropy over the vocabulary, 0 off the response
 
 
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}
+
+
+def autocast_dtype(model_cfg, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype the model's forward passes run under, from ``model.autocast``:
+    ``bf16`` / ``fp16`` on any device (the CPU included), ``off`` none, and ``auto`` bf16 on CUDA
+    when ``model.autocast_bf16`` is true, none elsewhere (what every run did before the key)."""
+    mode = getattr(model_cfg, "autocast", "auto")
+    mode = getattr(mode, "value", mode)
+    if mode == "auto":
+        return torch.bfloat16 if model_cfg.autocast_bf16 and device.type == "cuda" else None
+    return AUTOCAST_DTYPES[mode]
+
+
 def autocast_ctx(device: torch.device, dtype: torch.dtype | None):
-    """bf16/fp16 autocast on CUDA when requested; a no-op on CPU or with dtype None."""
-    if dtype is None or device.type != "cuda":
+    """``torch.autocast`` on ``device``'s type with ``dtype``; a no-op with dtype None."""
+    if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type="cuda", dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -136,14 +136,19 @@ IS_MODES = im.IS_ESTIMATORS
 EPS32 = torch.finfo(torch.float32).eps
 
 
-def forward_eps(ctx: ProbeContext) -> float:
-    """The working precision of the model's forward passes: the coarsest of fp32 (HF models run
-    their norms and softmax in at least fp32: an fp64 model's log-probs still carry fp32 rounding),
-    the parameters' dtype and the autocast dtype."""
+def forward_dtype(ctx: ProbeContext) -> torch.dtype:
+    """The dtype that sets the model's forward passes' working precision: the coarsest of fp32 (HF
+    models run their norms and softmax in at least fp32: an fp64 model's log-probs still carry fp32
+    rounding), the parameters' dtype and the autocast dtype (``model.autocast``)."""
     dts = {p.dtype for p in ctx.params if p.is_floating_point()} | {torch.float32}
     if getattr(ctx, "autocast_dtype", None) is not None:
         dts.add(ctx.autocast_dtype)
-    return max(torch.finfo(d).eps for d in dts)
+    return max(dts, key=lambda d: torch.finfo(d).eps)
+
+
+def forward_eps(ctx: ProbeContext) -> float:
+    """``finfo(forward_dtype).eps``: 2^-23 in fp32, 2^-7 under bf16 (``forward_dtype``)."""
+    return torch.finfo(forward_dtype(ctx)).eps
 
 
 def step_rounding_bound(Xbar: pv.Buffer, params, snap_params) -> float:
@@ -367,6 +372,7 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
                                             warn_psis=icfg.is_mode.value == "psis", x=ctx.x, tokens=tokens,
                                             eps_forward=forward_eps(ctx))
         res.update(est_res)
+        res["forward_dtype"] = str(forward_dtype(ctx)).removeprefix("torch.")
         if resample is not None and icfg.resample_on_low_ess and est_res["ESS_frac"] < icfg.ess_threshold:
             with ctx.phase("gt_resample"):
                 fresh = resample()  # at theta_plus: the restore has not happened yet
