@@ -155,6 +155,13 @@ def trl_process(model: str, r: dict, steps: int = 2) -> dict:
         return {**spec, **json.loads(out.read_text())}
 
 
+def trl_model(model: str, overrides: list[str]) -> str:
+    """What the TRL process trains: ``model.path=DIR`` among the overrides (a checkpoint folder,
+    random_checkpoint.py's), else ``model`` (``default`` or ``smollm2``)."""
+    paths = [o.split("=", 1)[1] for o in overrides if o.startswith("model.path=")]
+    return paths[-1] if paths else model
+
+
 def trl_child(spec: dict, out: str) -> None:
     """``trl_process``'s child: build the trainer, train, write the peak and CPU seconds to ``out``."""
     from _common import proc_kb
@@ -318,7 +325,7 @@ def own_args() -> argparse.Namespace:
     (also time the probe with ``probe.projection=PROJ``, e.g. ghost, in the same repetitions),
     ``--no-literal`` (skip the spec-literal schedule), ``--no-sample`` (skip the sampling block) and
     ``--trl`` (measure a TRL GRPOTrainer process's peak on the same model and batch sizes: CPU,
-    ``--model default`` or ``smollm2`` without a model override)."""
+    ``--model default`` or ``smollm2``, or the folder of a ``model.path=DIR`` override)."""
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--compare", nargs="+", default=[], choices=["stored", "fused", "jvp", "ghost", "backward"])
     ap.add_argument("--no-literal", action="store_true")
@@ -340,8 +347,9 @@ def main() -> int:
     out = []
     for m in a.model:
         r = bench(m, a.reps, a.overrides, tuple(own.compare), not own.no_literal, not own.no_sample)
-        if own.trl:
-            r["trl"] = trl_process(m, r)
+        if own.trl:  # this process's model and batches freed first: the TRL process runs beside it
+            gc.collect()
+            r["trl"] = trl_process(trl_model(m, a.overrides), r)
         report(r)
         out.append(r)
         for k in r["units"]:

@@ -102,21 +102,17 @@ def coefficients(mode: str, estimator: str, S, lp, H, m, L, Lmax, token_mean_sta
     return tf.TokenCoeffs(w.double().unsqueeze(-1) * m, torch.zeros_like(m))
 
 
-def one_length(a: argparse.Namespace, max_new: int) -> dict:
-    from entprobe.cli.probe_job import load_from_disk
-    from entprobe.math import token_importance as ti
-    from entprobe.math import importance as im
-    from entprobe.pipeline.stages.accumulate import accumulate, global_mean, prepare_x, x_loss_of, y_loss_of
+def estimator_rows(ctx, E, U, geo, cases=CASES) -> dict:
+    """Per (functional, estimator) of ``cases``, on the same responses: ``pred`` (the mean over E's
+    prompts of ``e_n = -X_n . Delta theta``), ``SE`` (``sd(e) / sqrt(B_E)``), ``SE_ratio`` (the score
+    form's SE over this row's), ``within_share``, ``path_share`` and ``B_E_sign`` (module docstring),
+    from one Y pass over U (``Delta theta``, the AdamW update in closed form), one no-grad forward
+    over E and one forward-mode pass over E along ``Delta theta``. Also returns ``delta``, ``lp``,
+    ``m`` (for the ESS after the step), ``parts`` (the directions) and ``tangent_pass_s``."""
+    from entprobe.pipeline.stages.accumulate import accumulate, global_mean, y_loss_of
     from entprobe.pipeline.stages.prediction import build_step_model, directions
     from entprobe.pipeline.stages.variance import token_tangents
-    from entprobe.pipeline.stages.x_spec import x_spec
 
-    cfg = compose(overrides(a, max_new))
-    t0 = time.perf_counter()
-    held, E, U, source = load_from_disk(cfg)
-    ctx, geo = held.ctx, held.geo
-    print(f"[bench] {a.model} T={max_new}: batches {source} in {time.perf_counter() - t0:.0f} s; "
-          f"mean length E {float(E.gen_lengths.double().mean()):.1f}", flush=True)
     accY = accumulate(ctx, U, y_loss_of(ctx), "Y over U")
     Ybar, _ = global_mean(accY.sum_buf, accY.B)
     step = build_step_model(ctx, geo.optimizer, geo.lr, Ybar, geo.P, "optimizer", None)
@@ -141,11 +137,13 @@ def one_length(a: argparse.Namespace, max_new: int) -> dict:
         return {"all": score + path, "score": score, "path": path}[part]
 
     half = E.G // 2
-    for mode, estimator in CASES:
+    for mode, estimator in cases:
         e = contributions(mode, estimator, slice(None))  # [B]
-        eA, eB = contributions(mode, estimator, slice(0, half)), contributions(mode, estimator, slice(half, None))
         var_e = float(e.var())
-        between = float(((eA - eA.mean()) * (eB - eB.mean())).sum() / (e.numel() - 1))
+        between = math.nan  # halves of G // 2 responses need G >= 4 (a leave-one-out baseline in each)
+        if half >= 2:
+            eA, eB = contributions(mode, estimator, slice(0, half)), contributions(mode, estimator, slice(half, None))
+            between = float(((eA - eA.mean()) * (eB - eB.mean())).sum() / (e.numel() - 1))
         path = contributions(mode, estimator, slice(None), "path")
         rows[(mode, estimator)] = {"pred": float(e.mean()), "SE": math.sqrt(var_e / e.numel()),
                                    "within_share": 1.0 - between / var_e if var_e > 0 else math.nan,
@@ -153,7 +151,25 @@ def one_length(a: argparse.Namespace, max_new: int) -> dict:
     for (mode, estimator), r in rows.items():
         base, rb = rows[(mode, "score")], rows.get((mode, "rao_blackwell"), rows[(mode, "score")])
         r["SE_ratio"] = base["SE"] / r["SE"] if r["SE"] > 0 else math.nan
-        r["B_E_sign"] = a.B * (2 * r["SE"] / abs(rb["pred"])) ** 2 if rb["pred"] else math.inf
+        r["B_E_sign"] = E.B * (2 * r["SE"] / abs(rb["pred"])) ** 2 if rb["pred"] else math.inf
+    return {"rows": rows, "delta": delta, "lp": lp, "m": m, "L": L, "parts": parts, "tangent_pass_s": t_tan}
+
+
+def one_length(a: argparse.Namespace, max_new: int) -> dict:
+    from entprobe.cli.probe_job import load_from_disk
+    from entprobe.math import token_importance as ti
+    from entprobe.math import importance as im
+    from entprobe.pipeline.stages.accumulate import accumulate, prepare_x, x_loss_of
+    from entprobe.pipeline.stages.x_spec import x_spec
+
+    cfg = compose(overrides(a, max_new))
+    t0 = time.perf_counter()
+    held, E, U, source = load_from_disk(cfg)
+    ctx, geo = held.ctx, held.geo
+    print(f"[bench] {a.model} T={max_new}: batches {source} in {time.perf_counter() - t0:.0f} s; "
+          f"mean length E {float(E.gen_lengths.double().mean()):.1f}", flush=True)
+    t = estimator_rows(ctx, E, U, geo)
+    rows, delta, lp, m, L, parts, t_tan = (t[k] for k in ("rows", "delta", "lp", "m", "L", "parts", "tangent_pass_s"))
     # time of the X pass (the pipeline's default path) for each estimator of token_mean
     times = {"train": [], "score": [], "rao_blackwell": []}
     peaks: dict[str, float] = {}

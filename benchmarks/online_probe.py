@@ -33,6 +33,7 @@ import collections
 import contextlib
 import json
 import math
+import os
 import re
 import statistics
 import tempfile
@@ -61,13 +62,14 @@ def trainer_parts(out_dir: str, steps: int, seed: int = 0, lr: float = 1e-3, pro
                   G: int = 4, max_new: int = 4, model: str = "default", question: bool = False,
                   grpo: dict | None = None, device: str = "cpu") -> dict:
     """What a GRPOTrainer on the built-in default checkpoint (or ``model="smollm2"``: SmolLM2-135M,
-    the prompts as chat messages, so its chat template applies) and the arithmetic task takes
+    the prompts as chat messages, so its chat template applies; or ``model`` a checkpoint folder) and the arithmetic task takes
     (CPU): ``model``, ``tokenizer``, ``reward_fn`` (1 when a completion's first number is the
     answer), ``dataset`` (``prompt`` / ``answer``) and ``grpo_config``. ``question``: the prompts of
     ``task=arithmetic_question`` ("What is a + b?") scored on the completion's last number, which a
     chat model answers (it writes "3 + 4 = 7"). ``grpo``: more GRPOConfig settings (e.g. TRL's
     ``use_adaptive_entropy``); ``device``: ``cpu``, or ``cuda`` (TRL's own device placement, bf16
     autocast as a GPU run trains)."""
+    import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
@@ -88,6 +90,9 @@ def trainer_parts(out_dir: str, steps: int, seed: int = 0, lr: float = 1e-3, pro
     if model == "smollm2":
         lm, tok = smollm2()
         prompts = [[{"role": "user", "content": p.text}] for p in task.prompts]
+    elif os.path.isdir(model):  # a save_pretrained folder (random_checkpoint.py's), chat messages if it has a template
+        lm, tok = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), AutoTokenizer.from_pretrained(model)
+        prompts = [[{"role": "user", "content": p.text}] if tok.chat_template else p.text for p in task.prompts]
     else:
         folder = ensure_default_checkpoint()
         lm, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
