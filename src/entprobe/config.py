@@ -420,3 +420,15 @@ def structured(cfg) -> "EntprobeConfig":
     plain = OmegaConf.to_container(cfg, resolve=True)
     plain.pop("hydra", None)
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EntprobeConfig), plain))
+
+
+ONLINE_ONLY = "probe.rollouts_prompts"
+
+
+def check_offline(cfg: "EntprobeConfig") -> None:
+    """The keys only the online probe reads (``source="rollouts"``), refused for the command line's job and
+    ``entprobe.probe``, which probe E and U of their own."""
+    if cfg.probe.rollouts_prompts is not None:
+        raise ConfigError(f"{ONLINE_ONLY}={cfg.probe.rollouts_prompts}: applies to the online probe's source='rollouts' "
+                          "(OnlineProbe, the TRL callbacks), which probes k of a training step's prompts; this job "
+                          "probes its own E and U: leave it out (or set batch.B_E)")

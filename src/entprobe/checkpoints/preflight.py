@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from entprobe.rollouts.saved_batches import check_saved, load_batches, model_identity
-from entprobe.config import ConfigError, EntprobeConfig
+from entprobe.config import ConfigError, EntprobeConfig, check_offline
 from entprobe.runtime.input_files import InputFileError, check_gguf, check_safetensors, load_json_file, load_torch_file
 from entprobe.checkpoints.optim_state import StoredOptimizerState, match_by_position, read_optimizer_state
 from entprobe.checkpoints.peft import is_adapter_dir, resolve_adapter
@@ -136,8 +136,6 @@ def check_state_fits_config(state: StoredOptimizerState, model_dir: Path | None,
 
 def check_inputs(cfg: EntprobeConfig) -> CheckedInputs:
     """Every check that needs no model, in the order a user fixes them."""
-    from entprobe.pipeline.config_checks import check_offline
-
     check_offline(cfg)
     o = cfg.optimizer
     for path in cfg.task.reward_funcs:  # they import and are callable

@@ -170,18 +170,6 @@ def validate(cfg: Any) -> None:
              "or drop logging.wandb.mode=online")
 
 
-ONLINE_ONLY = "probe.rollouts_prompts"
-
-
-def check_offline(cfg: EntprobeConfig) -> None:
-    """The keys only the online probe reads (``source="rollouts"``), refused for the command line's job and
-    ``entprobe.probe``, which probe E and U of their own."""
-    if cfg.probe.rollouts_prompts is not None:
-        raise ConfigError(f"{ONLINE_ONLY}={cfg.probe.rollouts_prompts}: applies to the online probe's source='rollouts' "
-                          "(OnlineProbe, the TRL callbacks), which probes k of a training step's prompts; this job "
-                          "probes its own E and U: leave it out (or set batch.B_E)")
-
-
 def to_typed(cfg, explicit: list[str] | None = None, ranges: bool = True) -> EntprobeConfig:
     """The typed config of a composed one (``config.structured``: the schema merge), range-checked
     (``validate``): what every entry point runs first. ``explicit``: the overrides the user gave (the

@@ -20,8 +20,7 @@ from entprobe.runtime import distributed as D
 from entprobe.math import paramvec as pv
 from entprobe.runtime.atomic_io import write_json_atomic
 from entprobe.pipeline.run_batches import shard, shard_resample
-from entprobe.config import EntprobeConfig
-from entprobe.pipeline.config_checks import check_offline
+from entprobe.config import EntprobeConfig, check_offline
 from entprobe.reporting.trainer_metrics import trainer_metrics
 from entprobe.pipeline.geometry import Geometry
 from entprobe.checkpoints.models import DTYPES, LoadedModel
