@@ -124,11 +124,10 @@ def per_token_slopes(tokens: list[float], peaks: list[float]) -> list[float]:
 
 
 def one_length(a, T: int, lm, task, ctx, geo, root: Path, warm: bool) -> dict:
-    from bench_probe import timed
+    from bench_probe import optimizer_step_block, timed
     from bench_rao_blackwell import estimator_rows
     from entprobe.pipeline.modes.two_batch import run_two_batch
     from entprobe.pipeline.stages.context import PhaseStats
-    from entprobe.pipeline.stages.snapshot import restore, take
 
     cfg = compose(overrides(a, T))
     folder = root / f"{a.model}-T{T}-B{a.B}-G{a.G}-eos_{a.eos}"
@@ -147,18 +146,14 @@ def one_length(a, T: int, lm, task, ctx, geo, root: Path, warm: bool) -> dict:
             if name == "train":
                 fn = lambda: training_unit(ctx, E, U)  # noqa: E731
             elif name == "step":
-                snap = take(ctx.params, geo.optimizer, torch.device("cpu"))
-                for p in ctx.params:
-                    p.grad = torch.zeros_like(p)
-                fn = geo.optimizer.step
+                fn, undo = optimizer_step_block(ctx, geo)
             else:
                 c = dataclasses.replace(ctx, stats=PhaseStats())
                 fn = lambda c=c: run_two_batch(c, E, U, geo, cfg.probe, cfg.importance, tmp)  # noqa: E731
             w, t, (mib, _), out = timed(fn, lm.device)
             if name == "step":
-                ctx.zero_grad()
-                restore(ctx.params, geo.optimizer, snap)
-                del snap
+                undo()
+                del undo
             if name == "probe":
                 res = out
             if warm and rep == 0:

@@ -177,6 +177,22 @@ def trl_child(spec: dict, out: str) -> None:
 
 
 # ---------------------------------------------------------------- the blocks
+def optimizer_step_block(ctx, geo):
+    """``(fn, undo)``: the optimizer's ``step()`` on zero gradients as a timed block, and the call that puts the
+    parameters and the optimizer's state back as they were before it (a snapshot taken now, on the CPU,
+    outside the timed block) and clears the gradients."""
+    from entprobe.pipeline.stages.snapshot import restore, take
+
+    snap = take(ctx.params, geo.optimizer, torch.device("cpu"))
+    for p in ctx.params:
+        p.grad = torch.zeros_like(p)
+
+    def undo():
+        ctx.zero_grad()
+        restore(ctx.params, geo.optimizer, snap)
+    return geo.optimizer.step, undo
+
+
 def timed(fn, device) -> tuple[float, float, tuple[float, float], object]:
     """(wall seconds, process CPU seconds, (peak MiB over the start, absolute peak MiB), result) of ``fn()``."""
     with PeakMemory(device) as mem:
@@ -196,7 +212,6 @@ def bench(model: str, reps: int, extra: list[str], compare: tuple[str, ...] = ()
     from entprobe.pipeline.modes.two_batch import run_two_batch
     from entprobe.pipeline.run_batches import sample_global
     from entprobe.pipeline.stages.context import PhaseStats
-    from entprobe.pipeline.stages.snapshot import restore, take
 
     cfg, lm, task, ctx, E, U, geo = build(model, extra)
     schedules = {"probe": (cfg.probe, cfg.importance)}
@@ -222,18 +237,14 @@ def bench(model: str, reps: int, extra: list[str], compare: tuple[str, ...] = ()
             elif name == "train":
                 fn = lambda: training_unit(ctx, E, U)  # noqa: E731
             elif name == "step":
-                snap = take(ctx.params, geo.optimizer, torch.device("cpu"))
-                for p in ctx.params:
-                    p.grad = torch.zeros_like(p)
-                fn = geo.optimizer.step
+                fn, undo = optimizer_step_block(ctx, geo)
             else:
                 c = dataclasses.replace(ctx, stats=PhaseStats())
                 fn = lambda c=c, pi=schedules[name]: run_two_batch(c, E, U, geo, *pi, tmp)  # noqa: E731
             w, t, (mib, abs_mib), res = timed(fn, lm.device)
             if name == "step":
-                ctx.zero_grad()
-                restore(ctx.params, geo.optimizer, snap)
-                del snap
+                undo()
+                del undo
             wall[name].append(w)
             cpu[name].append(t)
             mem[name].append(mib)

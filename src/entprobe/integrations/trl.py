@@ -128,6 +128,9 @@ class EntropyProbeCallback(TrainerCallback):
         psis_backend()  # its one-time import (~1 s) now rather than at the start of training
         self.probe: OnlineProbe | None = None
         self._to_log: dict = {}
+        # token_mean's constant: TRL's logged entropy of the step probed, and whether a probe's own agreed with it
+        self._trl_kappa: float | None = None
+        self._kappa_agrees = False
 
     @property
     def history(self) -> list[dict]:
@@ -170,7 +173,7 @@ class EntropyProbeCallback(TrainerCallback):
         sb = self.step_batch
         batch = sb.batch(self.trainer.num_generations, self.cfg.sampling.temperature)
         self._trl_kappa = trl_token_entropy(self.trainer) if self.cfg.probe.weighting_mode.value == "token_mean" else None
-        if self._trl_kappa is not None and getattr(self, "_kappa_agrees", False):
+        if self._trl_kappa is not None and self._kappa_agrees:
             batch.entropy_mean = self._trl_kappa  # token_mean's constant: no forward of the probe's own
         return {"rollouts": batch, "grad_norm": sb.grad_norm, "entropy_coef": trl_entropy_coef(self.trainer)}
 
@@ -180,7 +183,7 @@ class EntropyProbeCallback(TrainerCallback):
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         metrics = self.probe.after_step()
-        if metrics and getattr(self, "_trl_kappa", None) is not None and not getattr(self, "_kappa_agrees", False):
+        if metrics and self._trl_kappa is not None and not self._kappa_agrees:
             self._kappa_agrees = kappa_agrees(self.history[-1].get("rollouts/kappa"), self._trl_kappa)
         if metrics:
             self._to_log.update(metrics)

@@ -281,10 +281,12 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
     jx = [j.mul_(x.to(j.dtype)) for j, x in zip(jdiag, Xbar)]  # J Xbar, in J's buffer (no longer needed)
     if keep or all(zero_y[n] for n in units):
         yjx = torch.stack([_dot(kept[n], jx) if n in kept else zero for n in units])
-        Ybar = kept.pop(min(kept)) if kept else [torch.zeros_like(t) for t in jx]  # the sum, in a kept Y_n
-        for Y in kept.values():
-            for a_, t in zip(Ybar, Y):
-                a_.add_(t)
+        Ybar = None  # a subset's Y_n do not sum to the batch's gradient: no sum
+        if subset is None:
+            Ybar = kept.pop(min(kept)) if kept else [torch.zeros_like(t) for t in jx]  # the sum, in a kept Y_n
+            for Y in kept.values():
+                for a_, t in zip(Ybar, Y):
+                    a_.add_(t)
         kept.clear()
     else:
         loss_of = y_loss_of(ctx) if bonus is None else (lambda fwd, mb: ctx.y_loss(fwd.S, mb) + bonus.y_loss(fwd.ent))
