@@ -112,3 +112,65 @@ def test_step_models_unit_dots_over_groups_chunks_and_a_stateless_parameter(opt_
         assert abs(float(got[ud.SLOTS.index(k)]) - v) <= fp_tol(torch.float64, scale + abs(v), 30, k=8), (k, v)
     missing = set(ud.SLOTS) - set(ref)
     assert all(float(got[ud.SLOTS.index(k)]) == 0.0 for k in missing)  # SGD: no momentum part
+
+
+@pytest.mark.parametrize("adam", [True, False], ids=["adamw", "sgd"])
+def test_check_dots_equal_the_written_out_update_and_theta(adam):
+    """``check_dots`` (the online step check's one fp64 pass): Xbar against each part of the update,
+    the magnitude sum_i |x_i| sum_part |part_i|, and Xbar against theta, from fp32 inputs (as the probe
+    has them) against the same values written out in fp64."""
+    n = 2 * ud.BLOCK + 11
+    x, y, _, m, v, theta = (t.float() for t in _inputs(n, seed=2))
+    h = AdamWHyper(lr=1e-4, weight_decay=0.1, beta1=0.9, beta2=0.999, eps=1e-8, step=3.0)
+    d = lambda t: t.double()  # noqa: E731
+    if adam:
+        at = adamw_update(d(y), d(m), d(v), d(theta), h)
+        parts = [at["gradient"], at["momentum"], at["weight_decay"]]
+    else:
+        parts = [h.lr * d(y), torch.zeros(n, dtype=torch.float64), d(theta) * (-h.lr * h.weight_decay)]
+    mag = sum(p.abs() for p in parts)
+    ref = [(d(x) * p).sum() for p in parts] + [(d(x).abs() * mag).sum(), (d(x) * d(theta)).sum(),
+                                                (d(x).abs() * d(theta).abs()).sum()]
+    got = ud.check_dots(x, y, theta, h, adam, m if adam else None, v if adam else None)
+    assert got.dtype == torch.float64 and got.shape == (len(ud.CHECK_SLOTS),)
+    for k, name in enumerate(ud.CHECK_SLOTS):
+        # fp64 throughout on exact fp32 inputs: a few roundings a term, summed in another order
+        tol = fp_tol(torch.float64, float(ref[3] if k < 4 else ref[5]), n, k=8)
+        assert abs(float(got[k]) - float(ref[k])) <= tol, (name, float(got[k]), float(ref[k]), tol)
+    if not adam:
+        assert float(got[1]) == 0.0
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.SGD], ids=["adamw", "sgd"])
+def test_dots_with_holds_the_step_torch_takes(opt_cls):
+    """``StepModel.dots_with`` (over param groups, concatenated chunks and a parameter never stepped):
+    ``-Xbar . (theta_plus - theta)`` of torch's own step, differenced from fp64 dots, is the predicted
+    ``Xbar . Delta theta`` within ``step_check_tolerance``; the magnitudes are the written-out ones."""
+    from test_clipped_step import model_with_history
+
+    from entprobe.math.adamw import step_check_tolerance
+    from entprobe.pipeline.stages.prediction import build_step_model
+
+    params, opt, ctx, gen = model_with_history(opt_cls)
+    X = [torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in params]
+    Ybar = [torch.randn(p.shape, generator=gen, dtype=p.dtype) * 1e-2 for p in params]
+    lr = float(opt.param_groups[0]["lr"])
+    step = build_step_model(ctx, opt, lr, Ybar, None, "optimizer", None)
+    step_dot, step_mag, x_theta, x_theta_abs = step.dots_with(X)
+    dot64 = lambda a, b: float(sum((u.double() * w.double()).sum() for u, w in zip(a, b)))  # noqa: E731
+    assert x_theta == pytest.approx(dot64(X, [p.detach() for p in params]), abs=fp_tol(torch.float64, x_theta_abs, 64))
+    assert x_theta_abs == pytest.approx(dot64([x.abs() for x in X], [p.detach().abs() for p in params]),
+                                        abs=fp_tol(torch.float64, x_theta_abs, 64))
+    parts = {k: [torch.zeros_like(p) for p in params] for k in step.names}
+    step.write(parts)
+    mag_ref = dot64([x.abs() for x in X], [sum(parts[k][i].abs() for k in step.names) for i in range(len(params))])
+    # the written-out parts are fp32 (the model's dtype): each off the fp64 closed form by ~1 ulp
+    assert step_mag == pytest.approx(mag_ref, rel=8 * torch.finfo(torch.float32).eps)
+    for p, y in zip(params, Ybar):
+        p.grad = -y.clone()
+    before = dot64(X, [p.detach() for p in params])
+    opt.step()
+    taken = dot64(X, [p.detach() for p in params]) - before
+    u = torch.finfo(torch.float32).eps / 2
+    assert abs(taken - step_dot) <= step_check_tolerance(u, x_theta_abs, step_mag), (taken, step_dot)
+    assert step_dot != 0.0

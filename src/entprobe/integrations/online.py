@@ -264,12 +264,8 @@ class OnlineProbe:
             if still:  # theta_plus must be theta: the parameters' own sum is checked (online_checks.still_check)
                 x_theta, step_dot, step_mag, x_theta_abs = theta_sum(ctx.params), 0.0, 0.0, 0.0
             else:
-                x_theta = pv.dot(Xbar, [p.detach() for p in ctx.params], dtype=torch.float64)  # no copy of theta
-                with ctx.phase("step_check"):  # the predicted step's Xbar . Delta theta, to check the step taken
-                    step_dot, step_mag = update_dots(ctx, update, Xbar)
-                    x_theta_abs = sum(float(torch.dot(x.reshape(-1).double().abs(),
-                                                      p.detach().reshape(-1).double().abs()))
-                                      for x, p in zip(Xbar, ctx.params))
+                with ctx.phase("step_check"):  # the predicted step's Xbar . Delta theta and Xbar . theta, in fp64
+                    step_dot, step_mag, x_theta, x_theta_abs = update_dots(ctx, update, Xbar)
             del update
         res.update({"lr": geo.lr, "step": step})
         u = max(torch.finfo(t).eps / 2 for t in {p.dtype for p in ctx.params} | {

@@ -195,9 +195,10 @@ class StepModel:
     # the closed forms without clipping: ``unit_dots(X, Y, alpha, beta, J)``, math/unit_dots.py's values for
     # one prompt (X . each part at Ybar and at ``alpha Ybar - beta Y``, X . J Ybar, X . J Y) in one blocked pass
     unit_dots: Callable[..., torch.Tensor] | None = None
-    # the closed forms: ``dots_with(x) -> (x . Delta theta, sum_i |x_i| sum_part |Delta theta_part,i|)`` in
-    # fp64 without writing the update out (the online probe's check of the step taken; None: write it)
-    dots_with: Callable[[list[torch.Tensor]], tuple[float, float]] | None = None
+    # the closed forms: ``dots_with(x) -> (x . Delta theta, sum_i |x_i| sum_part |Delta theta_part,i|, x . theta,
+    # sum_i |x_i| |theta_i|)`` in fp64 without writing the update out (the online probe's check of the step
+    # taken; None: write it)
+    dots_with: Callable[[list[torch.Tensor]], tuple[float, float, float, float]] | None = None
     # the closed forms: whether the update at a zero gradient is exactly 0 but for the weight decay (nothing
     # carried: SGD without momentum; AdamW whose every m is 0, e.g. before its first step), read off the
     # optimizer's state without writing the update (None: write it and look)

@@ -70,3 +70,51 @@ def unit_dots(x: torch.Tensor, y: torch.Tensor, Y: torch.Tensor | None, jd: torc
             row[0], row[4] = torch.dot(xb, yb), torch.dot(xb, yl)
         raw += torch.stack(row).double()
     return raw * torch.tensor([cg, cm, wd, 1.0, cg, cm, 1.0], dtype=torch.float64, device=x.device)
+
+
+CHECK_SLOTS = ("gradient", "momentum", "weight_decay", "x_delta_abs", "x_theta", "x_theta_abs")
+
+
+def check_dots(x: torch.Tensor, y: torch.Tensor, theta: torch.Tensor, h: AdamWHyper, adam: bool,
+               m: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+    """What the online step check needs of Xbar, in one blocked pass and in fp64 throughout (``CHECK_SLOTS``
+    order, over flat tensors of one parameter group and step count ``h``; ``y`` the step's gradient input)::
+
+        [X . Delta_gradient(y), X . Delta_momentum(y), X . Delta_weight_decay,
+         sum_i |X_i| sum_part |Delta_part,i|, X . theta, sum_i |X_i| |theta_i|]
+
+    with the parts of the module docstring. Every input is exactly representable in fp64, so each
+    value is the exact one to the fp64 sums' rounding (``n eps64`` of its magnitude): the step taken,
+    ``-X . (theta_plus - theta)``, differenced from the fp64 dots before and after it, is compared with
+    the first three's sum within the update's own fp32 roundings (math/adamw.py, step_check_tolerance).
+    It replaces three parameter-sized passes (the update written out chunk by chunk, then dotted; and
+    the two dots with theta), each converting whole tensors to fp64."""
+    dt = torch.float64
+    if adam:
+        bc1, bc2 = 1.0 - h.beta1 ** (h.step + 1.0), 1.0 - h.beta2 ** (h.step + 1.0)
+        sq = bc2 ** 0.5
+        cg, cm, eps = h.lr / bc1 * (1.0 - h.beta1) * sq, -h.lr / bc1 * h.beta1 * sq, h.eps * sq
+    else:
+        cg, cm, eps = h.lr, 0.0, 0.0
+    wd = -h.lr * h.weight_decay
+    out = torch.zeros(len(CHECK_SLOTS), dtype=dt, device=x.device)
+    n = x.numel()
+    zero = torch.zeros((), dtype=dt, device=x.device)
+    for s in range(0, n, BLOCK):
+        e = min(n, s + BLOCK)
+        xb, yb, tb = x[s:e].to(dt), y[s:e].to(dt), theta[s:e].to(dt)
+        xa, ta = xb.abs(), tb.abs()
+        if adam:  # 1 / D'(y), then the two parts (fresh tensors: the inputs are never written)
+            inv = torch.addcmul(v[s:e].to(dt) * h.beta2, yb, yb, value=1.0 - h.beta2).sqrt_().add_(eps).reciprocal_()
+            g, mo = torch.mul(yb, inv).mul_(cg), inv.mul_(m[s:e].to(dt)).mul_(cm)
+        else:
+            g, mo = torch.mul(yb, cg), None
+        mag = g.abs()
+        if mo is not None:
+            mag.add_(mo.abs())
+        if wd:
+            mag.add_(ta, alpha=abs(wd))
+        xt = torch.dot(xb, tb)
+        out += torch.stack([torch.dot(xb, g), torch.dot(xb, mo) if mo is not None else zero, wd * xt,
+                            torch.dot(xa, mag), xt, torch.dot(xa, ta)])
+    return out

@@ -39,24 +39,28 @@ from entprobe.pipeline.stages.step_model import (  # noqa: F401  (re-exported: c
     LINEAR_IN_LR, build_step_model, step_model_kind, torch_own_step)
 
 
-def update_dots(ctx: ProbeContext, step: StepModel, xs: pv.Buffer) -> tuple[float, float]:
-    """``(x . Delta theta, sum_i |x_i| sum_part |Delta theta_part,i|)`` in fp64 for the step model's
-    update: the closed forms' ``dots_with`` (chunk by chunk), else the update written into
-    parameter-sized buffers (the snapshot step: it holds a copy of the parameters already)."""
+def update_dots(ctx: ProbeContext, step: StepModel, xs: pv.Buffer) -> tuple[float, float, float, float]:
+    """``(x . Delta theta, sum_i |x_i| sum_part |Delta theta_part,i|, x . theta, sum_i |x_i| |theta_i|)``
+    in fp64 for the step model's update (what the online step check compares the step taken with):
+    the closed forms' ``dots_with`` (one blocked pass), else the update written into parameter-sized
+    buffers (the snapshot step: it holds a copy of the parameters already)."""
     if step.dots_with is not None:
         return step.dots_with(xs)
     dev = xs[0].device
     dt = torch.promote_types(ctx.buffers_dtype, torch.float32)
     outs = {k: [torch.empty(local(p).shape, device=dev, dtype=dt) for p in ctx.params] for k in step.names}
     step.write(outs)
-    total = torch.zeros(2, dtype=torch.float64, device=dev)
+    total = torch.zeros(4, dtype=torch.float64, device=dev)
     for i, x in enumerate(xs):  # one tensor at a time: no parameter-sized |x| or |Delta theta|
         xi = x.reshape(-1).to(dev, torch.float64)
+        th = local(ctx.params[i]).detach().reshape(-1).to(dev, torch.float64)
         parts = [o[i].reshape(-1).double() for o in outs.values()]
         total[0] += sum(xi @ p for p in parts)
         total[1] += xi.abs() @ sum(p.abs() for p in parts)
+        total[2] += xi @ th
+        total[3] += xi.abs() @ th.abs()
     total = reduce_shards(total)
-    return float(total[0]), float(total[1])
+    return float(total[0]), float(total[1]), float(total[2]), float(total[3])
 
 
 def directions(ctx: ProbeContext, first: list, step: StepModel | None, device,

@@ -60,14 +60,23 @@ class RolloutPasses:
 
 
 def _dot(a: pv.Buffer, b: pv.Buffer, c: pv.Buffer | None = None) -> torch.Tensor:
-    """``sum_i a_i (c_i) b_i`` as a 0-dim fp64 tensor on a's device (products in fp32 or wider)."""
+    """``sum_i a_i (c_i) b_i`` as a 0-dim fp64 tensor on a's device (products in fp32 or wider). Where
+    an input must be converted (a bf16 J X_n of the pair term) or multiplied by c, block by block
+    (``unit_dots.BLOCK``): a parameter-sized temporary is a fresh, page-faulted allocation each time."""
     total = torch.zeros((), dtype=torch.float64, device=a[0].device)
     for i, (x, y) in enumerate(zip(a, b)):
         dt = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
-        y = y.to(x.device, dt)
-        if c is not None:
-            y = y * c[i].to(x.device, dt)
-        total += torch.dot(x.reshape(-1).to(dt), y.reshape(-1)).double()
+        xf, yf = x.reshape(-1), y.reshape(-1).to(x.device)
+        cf = c[i].reshape(-1).to(x.device) if c is not None else None
+        if cf is None and xf.dtype == dt and yf.dtype == dt:
+            total += torch.dot(xf, yf).double()
+            continue
+        for s in range(0, xf.numel(), ud.BLOCK):
+            e = s + ud.BLOCK
+            yb = yf[s:e].to(dt)
+            if cf is not None:
+                yb = yb * cf[s:e].to(dt)
+            total += torch.dot(xf[s:e].to(dt), yb).double()
     return total
 
 
@@ -85,7 +94,7 @@ def keeps_y(ctx: ProbeContext, B: int, budget_mb: float) -> bool:
 
 
 def pair_copies(ctx: ProbeContext, n_y: int, B: int, budget_mb: float) -> torch.dtype | None:
-    """The dtype the B prompts' J X_n are kept in for the pairs ``X_n . J Y_m`` (``rollout_ustat.pair_variance``)
+    """The dtype the B prompts' X_n are kept in for the pairs ``X_n . J Y_m`` (``rollout_ustat.pair_variance``)
     beside the n_y kept Y_n: the gradients' own when both fit ``budget_mb``, else bf16 (a variance
     term: bf16's 3 digits are plenty) when that fits, else None (no pair term)."""
     per = sum(p.numel() * p.element_size() for p in ctx.params)
@@ -173,9 +182,11 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
     k = [0.0] * B if coupling is None else [float(v) for v in coupling]
     moving = [p for p in step.names if p != "weight_decay"]  # the parts that depend on the gradient
     with ctx.phase("step_parts"):  # the Jacobian's diagonal J 1; row 0: J y; rows 1..: the update's parts
-        jdiag = [torch.ones(local_shape, device=dev, dtype=torch.promote_types(ctx.buffers_dtype, torch.float32))
-                 for local_shape in (p.shape for p in ctx.params)]
-        step.jacobian_times_into([t.clone() for t in jdiag], jdiag)
+        jdt = torch.promote_types(ctx.buffers_dtype, torch.float32)
+        jdiag = [torch.empty(p.shape, device=dev, dtype=jdt) for p in ctx.params]
+        ones = torch.ones(max((p.numel() for p in ctx.params), default=0), device=dev, dtype=jdt)
+        step.jacobian_times_into([ones[:p.numel()].view(p.shape) for p in ctx.params], jdiag)  # J 1: one ones buffer
+        del ones
         fused = step.unit_dots is not None  # one blocked pass a prompt (math/unit_dots.py), no directions held
         dset = loo_set = y_loo = None
         if not fused:
@@ -201,7 +212,7 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
     n_y = sum(not zero_y[n] for n in units)
     keep = keeps_y(ctx, n_y, budget_mb)
     pair_dtype = pair_copies(ctx, n_y, k_units, budget_mb) if keep else None
-    kept_jx: dict[int, pv.Buffer] = {}  # J X_n of the prompts so far, for the pairs
+    kept_x: dict[int, pv.Buffer] = {}  # X_n of the prompts so far (in pair_dtype), for the pairs
     pairs = torch.zeros((B, B), dtype=torch.float64)
     Xsum = [torch.zeros_like(t) for t in jdiag]
     rows, loo, yy, xjyn, kept = [None] * B, [None] * B, [None] * B, [None] * B, {}
@@ -235,14 +246,14 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
             yy[n] = zero if Y is None else _dot(Y, y)
             if jgh is not None:
                 bonus_units[n] = -float(_dot(X, jgh))
-            if pair_dtype is not None:  # (J X_n) . Y_m and (J X_m) . Y_n with every prompt m before it
-                jx_n = [(j * x.to(j.dtype)).to(pair_dtype) for j, x in zip(jdiag, X)]
-                for m_, jx_m in kept_jx.items():
+            if pair_dtype is not None:  # X_n . J Y_m and X_m . J Y_n with every prompt m before it (J diagonal)
+                for m_, x_m in kept_x.items():
                     if m_ in kept:
-                        pairs[n, m_] = float(_dot(jx_n, kept[m_]))
+                        pairs[n, m_] = float(_dot(X, kept[m_], jdiag))
                     if Y is not None:
-                        pairs[m_, n] = float(_dot(jx_m, Y))
-                kept_jx[n] = jx_n
+                        pairs[m_, n] = float(_dot(x_m, Y, jdiag))
+                # X_n itself where it fits (the gradient's own buffer: no copy), else a bf16 copy
+                kept_x[n] = X if X[0].dtype == pair_dtype else [x.to(pair_dtype) for x in X]
             for a_, t in zip(Xsum, X):
                 a_.add_(t.to(a_.dtype))
             if fused:
@@ -272,7 +283,7 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
             if fwd.ent is not None:
                 ent_all[n] = fwd.ent.detach().cpu()
             del X, Y, fwd, x_loss
-    del loo_set, y_loo, kept_jx, jgh
+    del loo_set, y_loo, kept_x, jgh
     Xbar = pv.scale_(Xsum, 1.0 / k_units)
     if fused:  # Xbar . each part, before J's buffer takes J Xbar
         step_dots = [float(v) for v in step.unit_dots(Xbar, None, 1.0, 0.0, jdiag)[[_SLOT[p] for p in step.names]]]

@@ -226,20 +226,23 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
                 cat([local(ctx.params[i].detach()) for i in ch]) if h.weight_decay else None)
         return reduce_shards(total)
 
-    def dots_with(xs: pv.Buffer) -> tuple[float, float]:
-        """``(x . Delta theta, sum_i |x_i| sum_part |Delta theta_part,i|)`` in fp64, chunk by chunk
-        (the update recomputed in chunk-sized buffers: nothing parameter-sized is written)."""
+    def dots_with(xs: pv.Buffer) -> tuple[float, float, float, float]:
+        """``(x . Delta theta, sum_i |x_i| sum_part |Delta theta_part,i|, x . theta, sum_i |x_i| |theta_i|)``
+        in fp64, in one blocked pass (math/unit_dots.py ``check_dots``): nothing parameter-sized is
+        written, and every input is read once."""
         dev = xs[0].device
-        dt = torch.promote_types(ctx.buffers_dtype, torch.float32)
-        total = torch.zeros(2, dtype=torch.float64, device=dev)
-        for ch, h, n, ins, scratch in chunk_inputs(dev, dt):
-            out = {k: torch.empty(n, device=dev, dtype=dt) for k in names}
-            update(ch, h, ins, out, scratch)
-            x = torch.cat([xs[i].reshape(-1) for i in ch]).to(dev, torch.float64)
-            total[0] += sum(x @ o.double() for o in out.values())
-            total[1] += x.abs() @ sum(o.double().abs() for o in out.values())
+        total = torch.zeros(len(ud.CHECK_SLOTS), dtype=torch.float64, device=dev)
+
+        def cat(ts):  # tensors of one chunk as one flat tensor on dev (a view for one tensor there)
+            return (ts[0].reshape(-1) if len(ts) == 1 else torch.cat([t.reshape(-1) for t in ts])).to(dev)
+        for ch, h in chunks:
+            st = [_state_of(optimizer, ctx.params[i], dev, None) for i in ch] if adam else None  # own dtype
+            y = cat([Ybar[i] for i in ch])
+            total += ud.check_dots(cat([xs[i] for i in ch]), y if s == 1.0 else y * s,
+                                   cat([local(ctx.params[i].detach()) for i in ch]), h, adam,
+                                   cat([x[0] for x in st]) if adam else None, cat([x[1] for x in st]) if adam else None)
         total = reduce_shards(total)
-        return float(total[0]), float(total[1])
+        return float(total[:3].sum()), float(total[3]), float(total[4]), float(total[5])
 
     def carries_nothing() -> bool:  # at a zero gradient SGD has no momentum part; AdamW's, -(lr/bc1) b1 m / D
         ms = [(optimizer.state.get(p) or {}).get("exp_avg") for p in ctx.params] if adam else []  # (D >= eps > 0)
