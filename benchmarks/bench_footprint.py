@@ -14,7 +14,8 @@ Each prints its whole-process peak (``VmHWM``), its RSS after imports (the inter
 transformers) and the peak above that. In the probe, at every phase's end, the live tensors are
 counted by storage (``gc``) and printed in parameter-sized copies (bytes / the trainable
 parameters' bytes): what the probe holds between its passes, phase by phase (docs/memory.md lists
-each parameter-sized tensor and why it is needed).
+each parameter-sized tensor and why it is needed), and the process's high-water mark then (the
+phase that first ends at the peak is the one that reached it).
 
     python benchmarks/bench_footprint.py                                       # built-in default, ~1 min
     python benchmarks/bench_footprint.py --model smollm2                       # ~10 min on 2 cores
@@ -110,8 +111,9 @@ def child_probe(overrides: list[str], out: Path) -> dict:
     context.ProbeContext.phase = counting_phases(copies, sizes)
     cfg = compose(overrides + [f"run_dir={out}"])
     res = run(cfg)
+    hwm = {k[4:-8]: v for k, v in res.items() if k.startswith("mem/") and k.endswith("_peak_mb")}
     return {"peak_mib": proc_kb("VmHWM") / 1024, "after_imports_mib": base / 1024, **sizes,
-            "copies_at_phase_end": copies, "deltaH_pred": res.get("deltaH_pred")}
+            "copies_at_phase_end": copies, "hwm_at_phase_end": hwm, "deltaH_pred": res.get("deltaH_pred")}
 
 
 def child_train(overrides: list[str]) -> dict:
@@ -177,6 +179,9 @@ def main() -> None:
     print(f"probe peak / training-process peak: {ratio:.2f} (above imports: {above:.2f}; target <= 2.0)")
     print("live tensors at each phase's end, in parameter-sized copies: " +
           ", ".join(f"{k} {v}" for k, v in probe["copies_at_phase_end"].items()))
+    if probe.get("hwm_at_phase_end"):  # where the peak was reached: the first phase that ends at it
+        print("process high-water mark at each phase's end, MiB: " +
+              ", ".join(f"{k} {v:.0f}" for k, v in probe["hwm_at_phase_end"].items()))
 
 
 if __name__ == "__main__":
