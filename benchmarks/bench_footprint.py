@@ -112,8 +112,10 @@ def child_probe(overrides: list[str], out: Path) -> dict:
     cfg = compose(overrides + [f"run_dir={out}"])
     res = run(cfg)
     hwm = {k[4:-8]: v for k, v in res.items() if k.startswith("mem/") and k.endswith("_peak_mb")}
+    secs = {k[5:-2]: v for k, v in res.items() if k.startswith("time/") and k.endswith("_s")}
     return {"peak_mib": proc_kb("VmHWM") / 1024, "after_imports_mib": base / 1024, **sizes,
-            "copies_at_phase_end": copies, "hwm_at_phase_end": hwm, "deltaH_pred": res.get("deltaH_pred")}
+            "copies_at_phase_end": copies, "hwm_at_phase_end": hwm, "seconds": secs,
+            "deltaH_pred": res.get("deltaH_pred")}
 
 
 def child_train(overrides: list[str]) -> dict:
@@ -182,6 +184,7 @@ def main() -> None:
     if probe.get("hwm_at_phase_end"):  # where the peak was reached: the first phase that ends at it
         print("process high-water mark at each phase's end, MiB: " +
               ", ".join(f"{k} {v:.0f}" for k, v in probe["hwm_at_phase_end"].items()))
+        print("phase seconds (wall): " + ", ".join(f"{k} {v:.2f}" for k, v in probe["seconds"].items()))
 
 
 if __name__ == "__main__":

@@ -91,10 +91,11 @@ def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Ge
         with ctx.phase("variance"):
             # U-side directions: P Xbar (deltaH1), then J^T Xbar (the prediction's delta method)
             fill_JX = [lambda out: step.jacobian_times_into(Xbar, out)] if step.jacobian_times_into else []
-            # with a_u taken in the X pass, the E directions are spent: U's are written over them
-            reuse = dirE if fused else None
-            dirU = directions(ctx, [mul_into(Xbar, geo.P)] + fill_JX, None, dir_dev, storage=reuse)
-            del reuse
+            # with a_u taken in the X pass, the E directions are spent: freed before U's two are
+            # built (written over them, the four rows' storage would stay held through U's passes)
+            if fused:
+                dirE = None
+            dirU = directions(ctx, [mul_into(Xbar, geo.P)] + fill_JX, None, dir_dev)
             if keep_u:
                 a, b = accX.proj, project_stored(accY.unit_grads, dirU)
                 accY.unit_grads = None
