@@ -64,7 +64,7 @@ DOT_BLOCK = 1 << 18  # elements a block of _dot: 1 MiB an fp32 input (fewer host
 
 def _dot(a: pv.Buffer, b: pv.Buffer, c: pv.Buffer | None = None) -> torch.Tensor:
     """``sum_i a_i (c_i) b_i`` as a 0-dim fp64 tensor on a's device (products in fp32 or wider). Where
-    an input must be converted (a bf16 X_n of the pair term) or multiplied by c, block by block
+    an input must be converted (a bf16 J X_n of the pair term) or multiplied by c, block by block
     (``DOT_BLOCK``): a parameter-sized temporary is a fresh, page-faulted allocation each time (1.6 s
     for SmolLM2-135M's 540 MB on a 2-core VM, against 0.13 s for the blocked dot)."""
     total = torch.zeros((), dtype=torch.float64, device=a[0].device)
@@ -98,7 +98,7 @@ def keeps_y(ctx: ProbeContext, B: int, budget_mb: float) -> bool:
 
 
 def pair_copies(ctx: ProbeContext, n_y: int, B: int, budget_mb: float) -> torch.dtype | None:
-    """The dtype the B prompts' X_n are kept in for the pairs ``X_n . J Y_m`` (``rollout_ustat.pair_variance``)
+    """The dtype the B prompts' J X_n are kept in for the pairs ``X_n . J Y_m`` (``rollout_ustat.pair_variance``)
     beside the n_y kept Y_n: the gradients' own when both fit ``budget_mb``, else bf16 (a variance
     term: bf16's 3 digits are plenty) when that fits, else None (no pair term)."""
     per = sum(p.numel() * p.element_size() for p in ctx.params)
@@ -216,7 +216,7 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
     n_y = sum(not zero_y[n] for n in units)
     keep = keeps_y(ctx, n_y, budget_mb)
     pair_dtype = pair_copies(ctx, n_y, k_units, budget_mb) if keep else None
-    kept_x: dict[int, pv.Buffer] = {}  # X_n of the prompts so far (in pair_dtype), for the pairs
+    kept_jx: dict[int, pv.Buffer] = {}  # J X_n of the prompts so far (in pair_dtype), for the pairs
     pairs = torch.zeros((B, B), dtype=torch.float64)
     Xsum = [torch.zeros_like(t) for t in jdiag]
     rows, loo, yy, xjyn, kept = [None] * B, [None] * B, [None] * B, [None] * B, {}
@@ -250,14 +250,6 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
             yy[n] = zero if Y is None else _dot(Y, y)
             if jgh is not None:
                 bonus_units[n] = -float(_dot(X, jgh))
-            if pair_dtype is not None:  # X_n . J Y_m and X_m . J Y_n with every prompt m before it (J diagonal)
-                for m_, x_m in kept_x.items():
-                    if m_ in kept:
-                        pairs[n, m_] = float(_dot(X, kept[m_], jdiag))
-                    if Y is not None:
-                        pairs[m_, n] = float(_dot(x_m, Y, jdiag))
-                # X_n itself where it fits (the gradient's own buffer: no copy), else a bf16 copy
-                kept_x[n] = X if X[0].dtype == pair_dtype else [x.to(pair_dtype) for x in X]
             for a_, t in zip(Xsum, X):
                 a_.add_(t.to(a_.dtype))
             if fused:
@@ -279,6 +271,17 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
                     xjyn[n] = zero
                 else:
                     xjyn[n] = _dot(X, Y, jdiag)
+            if pair_dtype is not None:  # (J X_n) . Y_m and (J X_m) . Y_n with every prompt m before it
+                # J X_n written over X_n's own buffer, whose other uses are done: no parameter-sized
+                # allocation (a fresh one is page-faulted: 1.1 s a prompt on SmolLM2), unless kept in bf16
+                jx_n = [x.mul_(j.to(x.dtype)) if x.dtype == pair_dtype else (j * x.to(j.dtype)).to(pair_dtype)
+                        for j, x in zip(jdiag, X)]
+                for m_, jx_m in kept_jx.items():
+                    if m_ in kept:
+                        pairs[n, m_] = float(_dot(jx_n, kept[m_]))
+                    if Y is not None:
+                        pairs[m_, n] = float(_dot(jx_m, Y))
+                kept_jx[n] = jx_n
             if Y is not None and keep:
                 kept[n] = Y
             if pair_dtype is not None:
@@ -287,7 +290,7 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
             if fwd.ent is not None:
                 ent_all[n] = fwd.ent.detach().cpu()
             del X, Y, fwd, x_loss
-    del loo_set, y_loo, kept_x, jgh
+    del loo_set, y_loo, kept_jx, jgh
     Xbar = pv.scale_(Xsum, 1.0 / k_units)
     if fused:  # Xbar . each part, before J's buffer takes J Xbar
         step_dots = [float(v) for v in step.unit_dots(Xbar, None, 1.0, 0.0, jdiag)[[_SLOT[p] for p in step.names]]]
