@@ -29,6 +29,17 @@ BLOCK = 1 << 16  # elements per block: ~10 fp32 inputs and temporaries of 256 Ki
 SLOTS = ("gradient", "momentum", "weight_decay", "jy", "gradient_loo", "momentum_loo", "jY")
 
 
+def _coefficients(h: AdamWHyper, adam: bool) -> tuple[float, float, float, float]:
+    """``(c_g, c_m, eps', c_wd)`` of the module docstring's parts: ``Delta_gradient(u) = c_g u / D'(u)``,
+    ``Delta_momentum(u) = c_m m / D'(u)``, ``D'(u) = sqrt(beta2 v + (1 - beta2) u^2) + eps'``,
+    ``Delta_weight_decay = c_wd theta`` (plain SGD: ``c_g = lr``, no momentum, ``D' = 1``)."""
+    if adam:
+        bc1, bc2 = 1.0 - h.beta1 ** (h.step + 1.0), 1.0 - h.beta2 ** (h.step + 1.0)
+        sq = bc2 ** 0.5
+        return h.lr / bc1 * (1.0 - h.beta1) * sq, -h.lr / bc1 * h.beta1 * sq, h.eps * sq, -h.lr * h.weight_decay
+    return h.lr, 0.0, 0.0, -h.lr * h.weight_decay
+
+
 def unit_dots(x: torch.Tensor, y: torch.Tensor, Y: torch.Tensor | None, jd: torch.Tensor, h: AdamWHyper, adam: bool,
               alpha: float, beta: float, m: torch.Tensor | None = None, v: torch.Tensor | None = None,
               theta: torch.Tensor | None = None) -> torch.Tensor:
@@ -36,13 +47,7 @@ def unit_dots(x: torch.Tensor, y: torch.Tensor, Y: torch.Tensor | None, jd: torc
     parameter group and step count (``h``); ``m, v`` AdamW's state (``adam``), ``theta`` only with
     weight decay, ``Y`` None: a prompt with no objective gradient (``X . J Y`` 0, ``y' = alpha y``)."""
     dt = torch.promote_types(torch.promote_types(x.dtype, jd.dtype), torch.float32)
-    if adam:
-        bc1, bc2 = 1.0 - h.beta1 ** (h.step + 1.0), 1.0 - h.beta2 ** (h.step + 1.0)
-        sq = bc2 ** 0.5
-        cg, cm, eps = h.lr / bc1 * (1.0 - h.beta1) * sq, -h.lr / bc1 * h.beta1 * sq, h.eps * sq
-    else:
-        cg, cm, eps = h.lr, 0.0, 0.0
-    wd = -h.lr * h.weight_decay
+    cg, cm, eps, wd = _coefficients(h, adam)
     zero = torch.zeros((), dtype=dt, device=x.device)
     raw = torch.zeros(len(SLOTS), dtype=torch.float64, device=x.device)  # the dots before the constants
     n = x.numel()
@@ -90,13 +95,7 @@ def check_dots(x: torch.Tensor, y: torch.Tensor, theta: torch.Tensor, h: AdamWHy
     It replaces three parameter-sized passes (the update written out chunk by chunk, then dotted; and
     the two dots with theta), each converting whole tensors to fp64."""
     dt = torch.float64
-    if adam:
-        bc1, bc2 = 1.0 - h.beta1 ** (h.step + 1.0), 1.0 - h.beta2 ** (h.step + 1.0)
-        sq = bc2 ** 0.5
-        cg, cm, eps = h.lr / bc1 * (1.0 - h.beta1) * sq, -h.lr / bc1 * h.beta1 * sq, h.eps * sq
-    else:
-        cg, cm, eps = h.lr, 0.0, 0.0
-    wd = -h.lr * h.weight_decay
+    cg, cm, eps, wd = _coefficients(h, adam)
     out = torch.zeros(len(CHECK_SLOTS), dtype=dt, device=x.device)
     n = x.numel()
     zero = torch.zeros((), dtype=dt, device=x.device)
