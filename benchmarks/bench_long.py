@@ -10,7 +10,8 @@ sampling is paid once), and each repetition times, as ``bench_probe.py`` does:
 - ``step``: AdamW's ``step()`` (``train`` + ``step`` = 1 unit, a training step without sampling);
 - ``probe``: ``run_two_batch`` as configured (Stages 1-3; ``auto`` projection, Rao-Blackwellised X).
 
-Per T it prints the probe in units, its CPU (CUDA: wall) seconds and peak rise per response token,
+After each T it prints the table so far (and rewrites ``--json``), so a run cut short keeps the
+lengths it finished. Per T it prints the probe in units, its CPU (CUDA: wall) seconds and peak rise per response token,
 the marginal memory per token between successive T (flat when nothing grows faster than T: the
 entropies are taken ``ENTROPY_CHUNK_ROWS`` rows of [rows, V] logits at a time,
 ``rollouts/logprobs.py``), the per-decision and whole-response ESS/N after the real step, the score
@@ -223,10 +224,17 @@ def main() -> int:
     rows = []
     for i, T in enumerate(sorted(a.tokens)):
         rows.append(one_length(a, T, lm, task, ctx, geo, root, warm=i == 0))
-    report(a, rows, info)
-    if a.json:
-        Path(a.json).write_text(json.dumps({**info, "rows": rows}, indent=1))
+        report(a, rows, info)  # after every T, so a run cut short keeps the lengths it finished
+        if a.json:
+            write_json(Path(a.json), {**info, "rows": rows})
     return 0
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """Write ``obj`` to ``path`` atomically (a temporary file in the same folder, then a rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
 
 
 if __name__ == "__main__":

@@ -245,6 +245,8 @@ def bench(model: str, reps: int, extra: list[str], compare: tuple[str, ...] = ()
             if name == "step":
                 undo()
                 del undo
+            print(f"[bench_probe] repetition {rep}{' (warm-up)' if rep == 0 else ''}: {name} {t:.1f} CPU s, "
+                  f"{w:.1f} wall s, peak +{mib:.0f} MiB ({abs_mib:.0f} MiB held at its high point)", flush=True)
             wall[name].append(w)
             cpu[name].append(t)
             mem[name].append(mib)
