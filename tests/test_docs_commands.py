@@ -117,6 +117,8 @@ COVERAGE: dict[str, tuple[str, str]] = {
     # docs/scaling.md
     "python benchmarks/scaling_on_paper.py --checkpointing":
         ("run", "tests/test_memory.py::test_scaling_on_paper_runs_as_documented"),
+    "python benchmarks/scaling_on_paper.py --one-process":
+        ("run", "tests/test_memory.py::test_scaling_on_paper_one_process_runs_as_documented"),
     f"launchers/torchrun.sh 4 {CKPT} batch.B_E=64 batch.B_U=64": ("compose", "4 GPUs, your checkpoint"),
     f"ENTPROBE_RUN_DIR=outputs/probe-step500 launchers/torchrun.sh 4 {CKPT}": ("compose", "4 GPUs, your checkpoint"),
     "launchers/torchrun.sh 2 batch.B_E=8 batch.B_U=8":
