@@ -54,8 +54,10 @@ def run(out: str, lr: float, seed: int, steps: int, every: int) -> list[dict]:
     return hist
 
 
-def run_trl(out: str, lr: float, seed: int, steps: int, every: int, model: str, B: int, max_new: int) -> list[dict]:
-    """TRL's log entries (one a step: ``entropy``, and the probe's ``entprobe/forecast_*`` on probed steps)."""
+def run_trl(out: str, lr: float, seed: int, steps: int, every: int, model: str, B: int, max_new: int,
+            rollouts_prompts: int | None = None) -> list[dict]:
+    """TRL's log entries (one a step: ``entropy``, and the probe's ``entprobe/forecast_*`` on probed steps);
+    ``rollouts_prompts``: ``probe.rollouts_prompts`` (X and Y on that many of the step's prompts)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -64,7 +66,8 @@ def run_trl(out: str, lr: float, seed: int, steps: int, every: int, model: str, 
 
     tr = build_trainer(out, steps, lr=lr, prompts_per_step=B, seed=seed, model=model, max_new=max_new,
                        question=model == "smollm2")
-    tr.add_callback(EntropyProbeCallback(tr, every_n_steps=every, source="rollouts", measure=False))
+    extra = {"probe": {"rollouts_prompts": rollouts_prompts}} if rollouts_prompts else {}
+    tr.add_callback(EntropyProbeCallback(tr, every_n_steps=every, source="rollouts", measure=False, **extra))
     tr.train()
     return [h for h in tr.state.log_history if "loss" in h]
 
@@ -107,12 +110,15 @@ def main() -> None:
                          "checkpoint / SmolLM2-135M-Instruct in TRL's GRPOTrainer (module docstring)")
     ap.add_argument("--B", type=int, default=4, help="--model smollm2: prompts a step (G = 4)")
     ap.add_argument("--max-new", type=int, default=8, help="--model smollm2: completion tokens")
+    ap.add_argument("--rollouts-prompts", type=int, default=None,
+                    help="TRL models: probe.rollouts_prompts (X and Y on this many of the step's prompts; default all)")
     a = ap.parse_args()
     lrs = [float(x) for x in a.lrs.split(",")]
     seeds = [int(x) for x in a.seeds.split(",")]
     every_run: dict[int, tuple[list, list]] = {k: ([], []) for k in HORIZONS}
     what = "built-in model" if a.model == "builtin" else \
-        f"{'SmolLM2-135M' if a.model == 'smollm2' else 'the built-in model'} in TRL, {a.B} prompts x 4, {a.max_new} tokens"
+        (f"{'SmolLM2-135M' if a.model == 'smollm2' else 'the built-in model'} in TRL, {a.B} prompts x 4, {a.max_new} tokens"
+         + (f", {a.rollouts_prompts} probed" if a.rollouts_prompts else ""))
     print(f"{what}, {a.steps} steps, the probe every {a.every} (source rollouts, token_mean), "
           f"seeds {seeds}; per lr and horizon k: forecasts with a realised logged entropy k steps later")
     record_one_batch()
@@ -124,7 +130,7 @@ def main() -> None:
                 out = str(Path(tmp) / f"lr{lr}-s{seed}")
                 ONE_BATCH.clear()
                 hist = (run(out, lr, seed, a.steps, a.every) if a.model == "builtin" else
-                        run_trl(out, lr, seed, a.steps, a.every, a.model, a.B, a.max_new))
+                        run_trl(out, lr, seed, a.steps, a.every, a.model, a.B, a.max_new, a.rollouts_prompts))
                 H0, H1 = (H0 or []) + [hist[0]["entropy"]], (H1 or []) + [hist[-1]["entropy"]]
                 for k in HORIZONS:
                     new, old = pairs(hist, k, ONE_BATCH)
