@@ -53,17 +53,24 @@ def test_live_preconditioner_equals_the_materialised_one_and_reads_the_restored_
         pv.LiveAdamPreconditioner(opt, params, 0, 0.999, 1e-8)
 
 
-@pytest.mark.parametrize("projection, at_x_end", [("fused", 9), ("stored", 13)])
-def test_parameter_sized_copies_between_phases(tmp_path, monkeypatch, projection, at_x_end):
+@pytest.mark.parametrize("projection, factored, at_x_end", [("fused", False, 9), ("stored", False, 13),
+                                                            ("fused", True, 7), ("stored", True, 11)])
+def test_parameter_sized_copies_between_phases(tmp_path, monkeypatch, projection, factored, at_x_end):
     """Live tensors at each phase's end, in parameter-sized copies (the small rest -- token
     batches, logits-free scalars -- is the fraction): weights and Adam's two moments (3); after Y
     over U the Ybar sum (+1; ``stored``: + B_U unit gradients); after X over E the Xbar sum and the
-    four E directions (+5); after the variance Xbar and Ybar only (5: the E directions freed before
-    U's two were built, those freed after their dots); during the ground truth the snapshot of weights and moments (3) with
-    Xbar and Ybar. No P copy anywhere."""
+    four E directions (+5), or, with the update's parts held as factors (models above
+    ``FACTORED_MIN_NUMEL`` parameters: forced here), ``P Ybar`` and R only (+3); after the variance
+    Xbar and Ybar only (5: the E directions freed before U's two were built, those freed after
+    their dots); during the ground truth the snapshot of weights and moments (3) with Xbar and
+    Ybar. No P copy anywhere."""
+    from entprobe.pipeline.stages import prediction
+
     copies: dict[str, float] = {}
     before = live_tensor_bytes()  # what earlier tests in this process left alive
     monkeypatch.setattr(context.ProbeContext, "phase", counting_phases(copies, baseline=before))
+    if factored:
+        monkeypatch.setattr(prediction, "FACTORED_MIN_NUMEL", 0)
     run(compose_cfg(tmp_path, f"probe.projection={projection}"))
     B_U = 4  # SHRINK
     # variance: U's two directions were fresh rows, freed at its end; the spent E directions (4) and

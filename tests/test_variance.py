@@ -292,6 +292,40 @@ def test_directions_stored_per_parameter_give_the_same_numbers(ex, proj, tmp_pat
                                 "blocks", torch.float64)
 
 
+@pytest.mark.parametrize("proj, unit_bwd", [("stored", "loop"), ("fused", "loop"), ("fused", "vmap")])
+def test_update_parts_held_as_factors_give_the_same_numbers(ex, proj, unit_bwd, tmp_path, monkeypatch):
+    """Above ``FACTORED_MIN_NUMEL`` parameters the X pass projects onto AdamW's update parts held
+    as factors of Ybar, m and theta (math/factored_directions.py) instead of written-out rows:
+    every projection, SE and part gives the written-out run's numbers to the rounding of the same
+    per-unit sums (forced here by a limit of 0 on the exact model, whose AdamW has weight decay)."""
+    from entprobe.pipeline.stages import prediction
+    from entprobe.pipeline.modes import two_batch
+
+    setup = ex.setup
+    E, U = setup.sample(6, 3, seed=11), setup.sample(5, 3, seed=12)
+    geo, icfg = Geometry(ex.opt, ex.lr, ex.P), ImportanceConfig(enabled=False)
+    pcfg = ProbeConfig(projection=ProjectionMode(proj), unit_backward=UnitBackward(unit_bwd), top_k_params=0)
+    written = run_two_batch(setup.ctx("per_token_avg", mb_size=2), E, U, geo, pcfg, icfg, tmp_path / "written")
+    with recording_units() as rec:
+        run_two_batch(setup.ctx("per_token_avg", mb_size=2), E, U, geo,
+                      dataclasses.replace(pcfg, projection=ProjectionMode.backward), icfg, tmp_path / "backward")
+    mags = rec.split(E.B)
+    made = []
+
+    def spy(*a, **k):
+        made.append(prediction.factored_directions(*a, **k))
+        return made[-1]
+    monkeypatch.setattr(prediction, "FACTORED_MIN_NUMEL", 0)
+    monkeypatch.setattr(two_batch, "factored_directions", spy)
+    factored = run_two_batch(setup.ctx("per_token_avg", mb_size=2), E, U, geo, pcfg, icfg, tmp_path / "factored")
+    assert len(made) == 1 and made[0] is not None and made[0].parts == ["gradient", "momentum", "weight_decay"]
+    assert factored["deltaH_pred_weight_decay"] != 0 and factored["deltaH_pred_momentum"] != 0
+    # the same passes; the parts' dots round x R . Ybar where the rows round Ybar / D': fp32-free here
+    # (an fp64 model), fp64 bounds of the same per-unit sums
+    assert_path_equals_backward(factored, per_unit(tmp_path / "factored"), written, per_unit(tmp_path / "written"),
+                                mags, "factored", torch.float64)
+
+
 def test_auto_projection_rule():
     """auto: stored when the largest U shard's per-unit gradients fit the budget and are at most
     ``unit_grads_max_copies`` parameter-sized copies (any number while under 256 MB); fused

@@ -160,6 +160,19 @@ def adamw_update_into(y: torch.Tensor, m: torch.Tensor, v: torch.Tensor, theta: 
         torch.mul(theta, -h.lr * h.weight_decay, out=out["weight_decay"])
 
 
+def adamw_factors_into(y: torch.Tensor, v: torch.Tensor, h: AdamWHyper, out: torch.Tensor, s: float = 1.0
+                       ) -> tuple[float, float, float]:
+    """The update's parts as factors (math/factored_directions.py): ``out = R = 1 / D'`` with
+    ``D' = sqrt(beta2 v + (1 - beta2) y^2) + eps sqrt(bc2)`` (y the clipped gradient ``s Ybar``;
+    pass y unclipped and s) and the constants ``(c_g, c_m, c_w)`` with ``gradient = c_g Ybar R``,
+    ``momentum = c_m m R``, ``weight_decay = c_w theta``: ``adamw_update_into``'s parts."""
+    bc1, bc2 = _corrections(h)
+    sq, scale = bc2 ** 0.5, h.lr / bc1
+    torch.mul(v, h.beta2, out=out).addcmul_(y, y, value=(1.0 - h.beta2) * s * s).sqrt_().add_(h.eps * sq)
+    out.reciprocal_()
+    return scale * (1.0 - h.beta1) * sq * s, -scale * h.beta1 * sq, -h.lr * h.weight_decay
+
+
 def adamw_jacobian_times_into(y: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: AdamWHyper,
                               x: torch.Tensor, out: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor) -> None:
     """``out = J x`` for the whole update's diagonal Jacobian J (gradient + momentum parts), in
@@ -203,3 +216,8 @@ class StepModel:
     # carried: SGD without momentum; AdamW whose every m is 0, e.g. before its first step), read off the
     # optimizer's state without writing the update (None: write it and look)
     carries_nothing: Callable[[], bool] | None = None
+    # plain AdamW's closed form: ``factors_into(out) -> (coefs, m)``, the update's parts as factors of held
+    # tensors (math/factored_directions.py): ``out[i] = R_i`` written, per parameter its
+    # ``PartCoefficients``-style ``(c_g, c_m, c_w)`` and AdamW's live ``exp_avg`` (None without state)
+    factors_into: Callable[[list[torch.Tensor]], tuple[list[tuple[float, float, float]],
+                                                       list[torch.Tensor | None]]] | None = None

@@ -229,7 +229,10 @@ class DirectionSet:
 
 def is_zero(dset: DirectionSet) -> bool:
     """Whether every entry of every direction is exactly 0 (a NaN is not), over all shards: one
-    count of nonzeros per storage tensor and one all-reduce."""
+    count of nonzeros per storage tensor and one all-reduce. (A set held as factors,
+    math/factored_directions.py, answers for itself, as in ``dot_set`` and ``dot_rows_set``.)"""
+    if hasattr(dset, "is_zero"):
+        return dset.is_zero()
     parts = [dset.mat] if dset.mat is not None else dset.blocks
     nonzero = torch.stack([torch.count_nonzero(t) for t in parts]).sum().double()
     return float(reduce_shards(nonzero)) == 0.0
@@ -268,6 +271,8 @@ def _dt(x: torch.Tensor, d: torch.Tensor) -> torch.dtype:
 def dot_set(a: Buffer, dset: DirectionSet) -> torch.Tensor:
     """``[dot(a, direction_j) for j]`` as [k] fp64 on the directions' device: one matrix-vector
     product over the concatenated tensors for small models, else one per tensor (terms in fp64)."""
+    if hasattr(dset, "dot"):
+        return dset.dot(a)
     dev, dt = dset.device, _dt(a[0], dset.block(0))
     if dset.mat is not None:
         flat = torch.cat([x.reshape(-1).to(dev, dt) for x in a])
@@ -281,6 +286,8 @@ def dot_set(a: Buffer, dset: DirectionSet) -> torch.Tensor:
 def dot_rows_set(rows: Buffer, dset: DirectionSet) -> torch.Tensor:
     """Per-unit dots of stacked rows (``[n, *shape]`` per parameter) with the k directions:
     [n, k] fp64 on the rows' device (one matrix product, per tensor for large models)."""
+    if hasattr(dset, "dot_rows"):
+        return dset.dot_rows(rows).to(rows[0].device)
     dev = rows[0].device
     dt = _dt(rows[0], dset.block(0))
     n = rows[0].shape[0]

@@ -38,7 +38,8 @@ from entprobe.pipeline.stages.accumulate import accumulate, global_mean, prepare
 from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.pipeline.stages.x_spec import functional_value
 from entprobe.pipeline.stages.ground_truth import StepInputs, run_ground_truth
-from entprobe.pipeline.stages.prediction import build_step_model, directions, mul_into, prediction_results
+from entprobe.pipeline.stages.prediction import (build_step_model, directions, factored_directions, mul_into,
+                                                 prediction_results, update_terms)
 from entprobe.pipeline.stages.paired import compare_with_prediction
 from entprobe.pipeline.stages.what_if import run_what_if
 from entprobe.pipeline.stages.zero_update import ZeroUpdate, zero_update_results
@@ -64,9 +65,11 @@ def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Ge
     step = build_step_model(ctx, geo.optimizer, geo.lr, Ybar, geo.P, icfg.step_mode.value, icfg.max_grad_norm)
     fused = mode in ("stored", "fused", "ghost")  # a_u taken during the X pass
     dir_dev = ctx.device if mode in ("stored", "fused", "jvp", "ghost") else ctx.buffers_device
-    # E-side directions, one [k, N] matrix: P Ybar (deltaH1), then each part of the update (the
-    # prediction), each written in place into its row
-    dirE = directions(ctx, [mul_into(Ybar, geo.P)], step, dir_dev)
+    # E-side directions: P Ybar (deltaH1), then each part of the update (the prediction). Projected
+    # during the X pass on a large model with AdamW, the parts stay factors of Ybar, m and theta
+    # (2 stored rows, not 4: math/factored_directions.py); else each is written into its row
+    dirE = (factored_directions(ctx, mul_into(Ybar, geo.P), step, Ybar, dir_dev)
+            if fused and mode != "ghost" else None) or directions(ctx, [mul_into(Ybar, geo.P)], step, dir_dev)
     PY = dirE.column(0)  # P Ybar: deltaH1 and the attribution table
     nPY = pv.norm(PY)
     if stop_if_zero and nPY == 0 and pv.is_zero(dirE):  # nothing moves: no E pass (stages/zero_update.py)
@@ -80,7 +83,7 @@ def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Ge
     step_dots = pv.dot_set(Xbar, dirE)[1:].tolist()  # Xbar . Delta theta_part
     # Xbar_i . Delta theta_i per parameter tensor, all parts summed: the headline's attribution
     # (on the directions' device: Xbar's tensors move to it, the update's parts stay)
-    step_terms = sum(pv.dot_terms(dirE.column(j), Xbar) for j in range(1, dirE.k)).to(terms.device)
+    step_terms = update_terms(dirE, Xbar).to(terms.device)
     nX = pv.norm(Xbar)
     # coordinates Adam never updated (v = 0: P = 1/eps there) inflate deltaH1, not
     # the real step, which moves them by about lr

@@ -28,6 +28,8 @@ import torch
 from entprobe.runtime import distributed as D
 from entprobe.math import estimators as est
 from entprobe.math import paramvec as pv
+from entprobe.math.factored_directions import FactoredDirections, PartCoefficients
+from entprobe.runtime import sharding
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.runtime.sharding import local, reduce_shards
 from entprobe.pipeline.stages.accumulate import accumulate, global_mean, prepare_x, x_loss_of
@@ -77,6 +79,43 @@ def directions(ctx: ProbeContext, first: list, step: StepModel | None, device,
     if step is not None:
         step.write({k: dset.column(len(first) + j) for j, k in enumerate(step.names)})
     return dset
+
+
+FACTORED_MIN_NUMEL = pv.FLAT_MAX_NUMEL  # below: the parts written out (memory is no limit; fewer host calls)
+
+
+def factored_directions(ctx: ProbeContext, first, step: StepModel, Ybar: pv.Buffer, device
+                        ) -> FactoredDirections | None:
+    """The E directions ``[first, update parts]`` with the parts held as factors of Ybar, AdamW's
+    ``exp_avg`` and the weights (math/factored_directions.py: 2 stored rows instead of 1 + parts),
+    when the step is plain AdamW's closed form, the model has more than ``FACTORED_MIN_NUMEL``
+    parameters, and the held tensors are where the directions are (the device, in their dtype),
+    unsharded; else None (``directions`` writes them out)."""
+    dt = torch.promote_types(ctx.buffers_dtype, torch.float32)
+    dev = torch.device(device)
+
+    def elsewhere(t: torch.Tensor) -> bool:
+        return t.device.type != dev.type or (t.device.index or 0) != (dev.index or 0) or t.dtype != dt
+    if step.factors_into is None or sharding.sharded() or \
+            sum(local(p).numel() for p in ctx.params) <= FACTORED_MIN_NUMEL:
+        return None
+    if any(elsewhere(t) for t in list(Ybar) + [local(p) for p in ctx.params]):
+        return None
+    rows = pv.empty_directions(2, ctx.params, dev, dt)
+    coefs, ms = step.factors_into(rows.column(1))
+    if any(m is not None and elsewhere(m) for m in ms):
+        return None  # AdamW's state elsewhere or in another dtype: a conversion per dot would cost more
+    first(rows.column(0))
+    return FactoredDirections(rows, Ybar, ms, [local(p.detach()) for p in ctx.params],
+                              [PartCoefficients(*c) for c in coefs], list(step.names))
+
+
+def update_terms(dset, Xbar: pv.Buffer, first: int = 1) -> torch.Tensor:
+    """Per parameter tensor ``Xbar_i . Delta theta_i`` (the parts from row ``first`` on, summed):
+    the headline's attribution, for written-out or factored directions."""
+    if isinstance(dset, FactoredDirections):
+        return dset.part_terms(Xbar)
+    return sum(pv.dot_terms(dset.column(j), Xbar) for j in range(first, dset.k))
 
 
 def mul_into(a: pv.Buffer, P: pv.Buffer | None):

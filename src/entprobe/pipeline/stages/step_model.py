@@ -16,8 +16,8 @@ from entprobe.runtime.sharding import like_param, local, reduce_shards
 from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.pipeline.stages.step_split import plain_adamw
 from entprobe.pipeline.stages.snapshot import restore, take
-from entprobe.math.adamw import (AdamWHyper, StepModel, adamw_jacobian_times_into, adamw_update_into, clip_factor,
-                                 clip_slope)
+from entprobe.math.adamw import (AdamWHyper, StepModel, adamw_factors_into, adamw_jacobian_times_into,
+                                 adamw_update_into, clip_factor, clip_slope)
 
 
 def _state_of(opt: torch.optim.Optimizer, p: torch.Tensor, dev, dt):
@@ -244,6 +244,20 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
         total = reduce_shards(total)
         return float(total[:3].sum()), float(total[3]), float(total[4]), float(total[5])
 
+    def factors_into(out: pv.Buffer) -> tuple[list[tuple[float, float, float]], list[torch.Tensor | None]]:
+        """``out[i] = R_i`` (math/adamw.py ``adamw_factors_into``) tensor by tensor, each
+        parameter's constants, and AdamW's live ``exp_avg`` (None: no state, a zero momentum)."""
+        coefs: list = [None] * len(ctx.params)
+        ms: list = [None] * len(ctx.params)
+        for ch, h in chunks:
+            for i in ch:
+                o, p = out[i], ctx.params[i]
+                st = optimizer.state.get(p) or {}
+                v = local(st["exp_avg_sq"]).to(o.device, o.dtype) if "exp_avg_sq" in st else torch.zeros_like(o)
+                coefs[i] = adamw_factors_into(Ybar[i].to(o.device, o.dtype).view(o.shape), v.view(o.shape), h, o, s)
+                ms[i] = local(st["exp_avg"]) if "exp_avg" in st else None
+        return coefs, ms
+
     def carries_nothing() -> bool:  # at a zero gradient SGD has no momentum part; AdamW's, -(lr/bc1) b1 m / D
         ms = [(optimizer.state.get(p) or {}).get("exp_avg") for p in ctx.params] if adam else []  # (D >= eps > 0)
         nonzero = torch.tensor(float(sum(int(torch.count_nonzero(local(m))) for m in ms if m is not None)))
@@ -251,4 +265,4 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
 
     return StepModel(names, lambda outs: run_chunks(outs, update), jacobian_times_into,
                      "adamw_closed_form" if adam else "sgd_closed_form", facts, unit_dots if s == 1.0 else None,
-                     dots_with, carries_nothing)
+                     dots_with, carries_nothing, factors_into if adam else None)

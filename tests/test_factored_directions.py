@@ -1,0 +1,90 @@
+"""The update's parts held as factors (math/factored_directions.py) against the parts written out by
+``adamw_update_into``: every dot, per-row dot and per-parameter term, in fp32 over several blocks,
+with clipping, a parameter without AdamW state, a group without weight decay; and ``is_zero``."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import fp_tol
+from entprobe.math import factored_directions as fd
+from entprobe.math import paramvec as pv
+from entprobe.math.adamw import AdamWHyper, adamw_factors_into, adamw_update_into
+
+PARTS = ["gradient", "momentum", "weight_decay"]
+
+
+def _state(seed: int = 0, clip: float = 1.0):
+    """Three parameters (one without AdamW state, the last in a group without decay), Ybar, the
+    hyper-parameters, and the written-out rows ``[P Ybar, gradient, momentum, weight_decay]``."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [torch.Size([5, 7]), torch.Size([13]), torch.Size([3, 4])]
+    theta = [torch.randn(sh, generator=g) for sh in shapes]
+    ybar = [torch.randn(sh, generator=g) * 1e-2 for sh in shapes]
+    m = [torch.randn(shapes[0], generator=g) * 1e-2, None, torch.randn(shapes[2], generator=g) * 1e-2]
+    v = [torch.rand(sh, generator=g) * 1e-4 if mi is not None else torch.zeros(sh) for sh, mi in zip(shapes, m)]
+    hyper = [AdamWHyper(1e-3, 0.1, 0.9, 0.999, 1e-8, 7.0), AdamWHyper(1e-3, 0.1, 0.9, 0.999, 1e-8, 0.0),
+             AdamWHyper(2e-3, 0.0, 0.8, 0.99, 1e-6, 3.0)]
+    P = [torch.rand(sh, generator=g) + 0.5 for sh in shapes]
+    rows = pv.empty_directions(4, theta, "cpu", torch.float32)
+    rows2 = pv.empty_directions(2, theta, "cpu", torch.float32)
+    coefs = []
+    for i, h in enumerate(hyper):
+        torch.mul(ybar[i], P[i], out=rows.column(0)[i])
+        torch.mul(ybar[i], P[i], out=rows2.column(0)[i])
+        mi = m[i] if m[i] is not None else torch.zeros(shapes[i])
+        out = {k: rows.column(1 + j)[i].view(-1) for j, k in enumerate(PARTS)}
+        adamw_update_into((ybar[i] * clip).view(-1), mi.view(-1), v[i].view(-1), theta[i].view(-1), h, out,
+                          torch.empty(shapes[i].numel()))
+        coefs.append(fd.PartCoefficients(*adamw_factors_into(ybar[i], v[i], h, rows2.column(1)[i], clip)))
+    return shapes, theta, ybar, m, rows, fd.FactoredDirections(rows2, ybar, m, theta, coefs, list(PARTS))
+
+
+@pytest.mark.parametrize("clip", [1.0, 0.3])
+def test_factored_dots_equal_the_written_out_parts(clip, monkeypatch):
+    monkeypatch.setattr(fd, "BLOCK", 4)  # several blocks a tensor, the last one partial
+    shapes, theta, ybar, m, rows, fac = _state(clip=clip)
+    assert fac.k == 4 and torch.equal(torch.cat([t.reshape(-1) for t in fac.column(0)]),
+                                      torch.cat([t.reshape(-1) for t in rows.column(0)]))
+    g = torch.Generator().manual_seed(5)
+    units = [[torch.randn((3, *sh), generator=g) for sh in shapes]]
+    got, want = pv.dot_rows_set(units[0], fac), pv.dot_rows_set(units[0], rows)
+    # each term x_i d_i rounds a few times more on one side (the reciprocal, the product x R): 4 eps
+    mag = sum((x.reshape(3, -1).abs().double() @ rows.block(i).abs().double().T) for i, x in enumerate(units[0]))
+    n = sum(sh.numel() for sh in shapes)
+    tol = torch.tensor([[fp_tol(torch.float32, float(mm), n, k=4.0) for mm in row] for row in mag])
+    assert ((got - want).abs() <= tol).all(), (got - want, tol)
+    assert (want[:, 1:].abs() > 100 * tol[:, 1:]).all()  # the parts are resolved: a dropped one would fail
+    one = [u[0] for u in units[0]]
+    assert torch.allclose(pv.dot_set(one, fac), got[0], rtol=0, atol=0)
+    terms = fac.part_terms(one)
+    for i, x in enumerate(one):
+        w = sum(float(x.reshape(-1).double() @ rows.block(i)[j].double()) for j in (1, 2, 3))
+        assert abs(float(terms[i]) - w) <= fp_tol(torch.float32, float(mag[0, 1:].sum()), n, k=4.0)
+    assert not pv.is_zero(fac)
+
+
+def test_is_zero_only_when_every_part_is():
+    shapes, theta, ybar, m, rows, fac = _state()
+    for y in ybar:
+        y.zero_()
+    for t in fac.column(0):
+        t.zero_()
+    assert not pv.is_zero(fac)  # momentum and weight decay move
+    for mi in m:
+        if mi is not None:
+            mi.zero_()
+    assert not pv.is_zero(fac)  # weight decay
+    for c in fac.coefs:
+        c.weight_decay = 0.0
+    assert pv.is_zero(fac)
+    m[2][1, 1] = 1e-30
+    assert not pv.is_zero(fac)
+
+
+def test_refuses_what_it_cannot_hold():
+    shapes, theta, ybar, m, rows, fac = _state()
+    with pytest.raises(ValueError, match="only P Ybar"):
+        fac.column(1)
+    with pytest.raises(ValueError, match="rows P Ybar and R"):
+        fd.FactoredDirections(rows, ybar, m, theta, fac.coefs, PARTS)
