@@ -26,7 +26,7 @@ from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.runtime.sharding import like_param, local
 from entprobe.pipeline.stages.context import ProbeContext, is_filler
 from entprobe.pipeline.stages.snapshot import resolve_snapshot_device, restore, take
-from entprobe.pipeline.stages.step_split import split_step, xbar_dot_step
+from entprobe.pipeline.stages.step_split import split_step, step_rounding_bound, xbar_dot_step  # noqa: F401
 from entprobe.pipeline.stages.token_measure import TokenSide, resampled_token_change, token_importance_estimates
 from entprobe.pipeline.stages.x_spec import XSpec
 
@@ -149,21 +149,6 @@ def forward_dtype(ctx: ProbeContext) -> torch.dtype:
 def forward_eps(ctx: ProbeContext) -> float:
     """``finfo(forward_dtype).eps``: 2^-23 in fp32, 2^-7 under bf16 (``forward_dtype``)."""
     return torch.finfo(forward_dtype(ctx)).eps
-
-
-def step_rounding_bound(Xbar: pv.Buffer, params, snap_params) -> float:
-    """A bound on ``|Xbar . r|``, r the rounding of the step the parameters took: the update is
-    added in the parameters' dtype (AdamW: the decay and the update, two roundings of at most half
-    an ulp each), so ``|r_i| <= ulp(max(|theta_i|, |theta+_i|))`` and the bound is
-    ``sum_i |Xbar_i| ulp_i`` (fp64 over tensors, summed over FSDP2 shards). When the step is below
-    the parameters' resolution it rounds away altogether, and this bound holds the lost change."""
-    total = torch.zeros((), dtype=torch.float64)
-    for x, p, s in zip(Xbar, params, snap_params):
-        now = local(p.detach()).to(x.device)
-        big = torch.maximum(now.abs(), s.to(x.device, now.dtype).abs())
-        ulp = torch.nextafter(big, torch.full_like(big, math.inf)) - big
-        total += (x.reshape(-1).abs().double() * ulp.reshape(-1).double()).sum().cpu()
-    return float(sharding.reduce_shards(total))
 
 
 def token_side_needed(x: XSpec) -> bool:

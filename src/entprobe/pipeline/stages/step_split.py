@@ -1,11 +1,14 @@
 """The measured step split into gradient, momentum and weight-decay parts (``importance.split_step``),
 and ``Xbar . (theta_plus - theta)`` (``deltaH1_step``): the first-order change of the step really
-taken, read off the parameters before they are restored.
+taken, read off the parameters before they are restored, with a bound on its rounding
+(``step_rounding_bound``).
 
 Plain AdamW splits in closed form from the snapshot's moments; other optimizers repeat their own
 step with a zero gradient on the snapshot (pipeline/stages/ground_truth.py restores after either).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -26,6 +29,21 @@ def xbar_dot_step(Xbar: pv.Buffer, params, snap_params) -> float:
         dt = torch.promote_types(torch.promote_types(p.dtype, x.dtype), torch.float32)
         d = local(p.detach()).to(x.device, dt) - s.to(x.device, dt)
         total += torch.dot(x.reshape(-1).to(dt), d.reshape(-1)).double().cpu()
+    return float(sharding.reduce_shards(total))
+
+
+def step_rounding_bound(Xbar: pv.Buffer, params, snap_params) -> float:
+    """A bound on ``|Xbar . r|``, r the rounding of the step the parameters took: the update is
+    added in the parameters' dtype (AdamW: the decay and the update, two roundings of at most half
+    an ulp each), so ``|r_i| <= ulp(max(|theta_i|, |theta+_i|))`` and the bound is
+    ``sum_i |Xbar_i| ulp_i`` (fp64 over tensors, summed over FSDP2 shards). When the step is below
+    the parameters' resolution it rounds away altogether, and this bound holds the lost change."""
+    total = torch.zeros((), dtype=torch.float64)
+    for x, p, s in zip(Xbar, params, snap_params):
+        now = local(p.detach()).to(x.device)
+        big = torch.maximum(now.abs(), s.to(x.device, now.dtype).abs())
+        ulp = torch.nextafter(big, torch.full_like(big, math.inf)) - big
+        total += (x.reshape(-1).abs().double() * ulp.reshape(-1).double()).sum().cpu()
     return float(sharding.reduce_shards(total))
 
 
