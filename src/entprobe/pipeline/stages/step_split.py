@@ -4,7 +4,8 @@ taken, read off the parameters before they are restored, with a bound on its rou
 (``step_rounding_bound``).
 
 Plain AdamW splits in closed form from the snapshot's moments; other optimizers repeat their own
-step with a zero gradient on the snapshot (pipeline/stages/ground_truth.py restores after either).
+step with a zero gradient on the snapshot (pipeline/stages/ground_truth.py restores after either;
+chunked, stages/chunked_step.py, when the snapshot refers to the live state).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from entprobe.math import paramvec as pv
 from entprobe.runtime import sharding
 from entprobe.runtime.sharding import local
+from entprobe.pipeline.stages.chunked_step import step_on
 from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.pipeline.stages.snapshot import restore
 
@@ -110,7 +112,8 @@ def _adamw_zero_grad_parts(ctx: ProbeContext, opt, Xbar: pv.Buffer, snap) -> tup
 
 def _repeated_zero_grad_part(ctx: ProbeContext, opt, Xbar: pv.Buffer, snap, decay: bool) -> float:
     """``-Xbar . Delta0`` from the optimizer's own step with a zero gradient, repeated on the
-    snapshot (weight decay switched off unless ``decay``); leaves theta_0 + Delta0 in place."""
+    snapshot (weight decay switched off unless ``decay``); leaves theta_0 + Delta0 in place. On a
+    live-state snapshot the step is chunked (``step_on``): the state stays the snapshot's."""
     restore(ctx.params, opt, snap)
     saved_wd = [g.get("weight_decay", 0.0) for g in opt.param_groups]
     if not decay:
@@ -119,7 +122,7 @@ def _repeated_zero_grad_part(ctx: ProbeContext, opt, Xbar: pv.Buffer, snap, deca
     for p in ctx.params:
         p.grad = torch.zeros_like(p)
     try:
-        opt.step()
+        step_on(opt, snap)
     finally:
         for g, wd in zip(opt.param_groups, saved_wd):
             g["weight_decay"] = wd
