@@ -2,6 +2,7 @@
 
 snapshot -> grads on U (reused ``-Ybar_raw`` or the recomputed objective's / NLL loss) -> one step ->
 S_upd on E -> importance-sampling estimates of H(theta_plus) -> restore bit-exactly (also on error).
+With torch's Adam, AdamW or SGD the snapshot holds the weights only (stages/chunked_step.py).
 
 Distributed: the reused gradient is already the global mean; the recomputed one is all-reduced
 once per rank (DDP sync on the last microbatch only, so ranks with different microbatch counts
@@ -24,9 +25,10 @@ from entprobe.math import paramvec as pv
 from entprobe.runtime import sharding
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.runtime.sharding import like_param, local
+from entprobe.pipeline.stages.chunked_step import chunked_step, chunked_step_applies
 from entprobe.pipeline.stages.context import ProbeContext, is_filler
 from entprobe.pipeline.stages.snapshot import resolve_snapshot_device, restore, take
-from entprobe.pipeline.stages.step_split import split_step, xbar_dot_step
+from entprobe.pipeline.stages.step_split import split_step, step_rounding_bound, xbar_dot_step  # noqa: F401
 from entprobe.pipeline.stages.token_measure import TokenSide, resampled_token_change, token_importance_estimates
 from entprobe.pipeline.stages.x_spec import XSpec
 
@@ -115,8 +117,9 @@ def _check_grads_finite(ctx: ProbeContext) -> None:
                                  "stepped (weights and optimizer state are restored)")
 
 
-def _step(ctx: ProbeContext, inp: StepInputs, icfg, grads_from: Callable[[], None]) -> None:
-    """Exactly one parameter update: ``optimizer.step()`` on the U gradient, or in
+def _step(ctx: ProbeContext, inp: StepInputs, icfg, grads_from: Callable[[], None], chunked: bool) -> None:
+    """Exactly one parameter update: ``optimizer.step()`` on the U gradient (clipped once over all
+    of it; ``chunked``: ``chunked_step``, which leaves the optimizer state as it was), or in
     ``preconditioned_sgd`` mode exactly ``theta += lr * P * Ybar_raw`` (no gradient pass needed)."""
     if icfg.step_mode.value == "preconditioned_sgd":
         with torch.no_grad():
@@ -128,7 +131,10 @@ def _step(ctx: ProbeContext, inp: StepInputs, icfg, grads_from: Callable[[], Non
     _check_grads_finite(ctx)
     if icfg.max_grad_norm:
         torch.nn.utils.clip_grad_norm_(ctx.params, icfg.max_grad_norm)
-    inp.optimizer.step()
+    if chunked:
+        chunked_step(inp.optimizer)
+    else:
+        inp.optimizer.step()
     ctx.zero_grad()
 
 
@@ -149,21 +155,6 @@ def forward_dtype(ctx: ProbeContext) -> torch.dtype:
 def forward_eps(ctx: ProbeContext) -> float:
     """``finfo(forward_dtype).eps``: 2^-23 in fp32, 2^-7 under bf16 (``forward_dtype``)."""
     return torch.finfo(forward_dtype(ctx)).eps
-
-
-def step_rounding_bound(Xbar: pv.Buffer, params, snap_params) -> float:
-    """A bound on ``|Xbar . r|``, r the rounding of the step the parameters took: the update is
-    added in the parameters' dtype (AdamW: the decay and the update, two roundings of at most half
-    an ulp each), so ``|r_i| <= ulp(max(|theta_i|, |theta+_i|))`` and the bound is
-    ``sum_i |Xbar_i| ulp_i`` (fp64 over tensors, summed over FSDP2 shards). When the step is below
-    the parameters' resolution it rounds away altogether, and this bound holds the lost change."""
-    total = torch.zeros((), dtype=torch.float64)
-    for x, p, s in zip(Xbar, params, snap_params):
-        now = local(p.detach()).to(x.device)
-        big = torch.maximum(now.abs(), s.to(x.device, now.dtype).abs())
-        ulp = torch.nextafter(big, torch.full_like(big, math.inf)) - big
-        total += (x.reshape(-1).abs().double() * ulp.reshape(-1).double()).sum().cpu()
-    return float(sharding.reduce_shards(total))
 
 
 def token_side_needed(x: XSpec) -> bool:
@@ -335,6 +326,8 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
     res: dict[str, float] = {}
     snap_dev = resolve_snapshot_device(icfg.snapshot_device, ctx.device, ctx.params, inp.optimizer)
     res["snapshot_device"] = str(snap_dev)
+    chunked = chunked_step_applies(inp.optimizer, ctx.params, snap_dev, icfg.step_mode.value)
+    res["gt/chunked_step"] = float(chunked)  # 1: the snapshot holds the weights only
     reuse = icfg.reuse_probe_gradient and icfg.training_loss.value == "rl"
     U_lp = inp.U_token_logp
     was_training = ctx.model.training
@@ -351,11 +344,11 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
             U_lp = _recompute_grads(ctx, U, icfg, inp.B_U_global)
 
     with ctx.phase("gt_snapshot"):
-        snap = take(ctx.params, inp.optimizer, snap_dev)
+        snap = take(ctx.params, inp.optimizer, snap_dev, live_state=chunked)
     try:
         with ctx.phase("gt_step"):  # peak memory around the update is recorded for this phase
             try:
-                _step(ctx, inp, icfg, grads_from)
+                _step(ctx, inp, icfg, grads_from, chunked)
             finally:
                 if aliased:  # Ybar_raw back to its sign, whatever happened in the step
                     _unnegate(ctx, inp.Ybar_raw)

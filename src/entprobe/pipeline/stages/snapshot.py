@@ -1,5 +1,7 @@
 """Snapshot and bit-exact restore of parameters and the full optimizer state. Under FSDP2 each rank
-copies and restores its own shards (``sharding.local``) of the parameters and of the state."""
+copies and restores its own shards (``sharding.local``) of the parameters and of the state. A
+snapshot with ``live_state`` copies the parameters only and refers to the optimizer's own state
+tensors, for a step that leaves the state as it was (stages/chunked_step.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -16,6 +18,7 @@ class Snapshot:
     params: list[torch.Tensor]  # copies of p.data on the snapshot device
     state: dict[int, dict]  # param index -> {key: copied tensor or value}
     groups: list[dict]  # hyper-parameters of each param group (no 'params')
+    live: bool = False  # state's tensors are the optimizer's own (not copies): steps must leave them as they are
 
 
 def _copy(v, device):
@@ -46,20 +49,26 @@ def resolve_snapshot_device(spec: str, device: torch.device, params: list[torch.
     return device if snapshot_bytes(params, optimizer) <= device_budget_bytes(device) else torch.device("cpu")
 
 
-def take(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None, device) -> Snapshot:
+def take(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None, device,
+         live_state: bool = False) -> Snapshot:
+    """Copies of the parameters on ``device``, the param groups' hyper-parameters and, per
+    parameter with state, its state: copies of the tensors, or with ``live_state`` the live tensors
+    themselves (``(tensor, its device)`` either way; nothing state-sized is copied then)."""
     state = {}
     if optimizer is not None:
         for i, p in enumerate(params):
             if p in optimizer.state:
-                state[i] = {k: _copy(v, device) for k, v in optimizer.state[p].items()}
+                state[i] = {k: (v, v.device) if live_state and isinstance(v, torch.Tensor) else _copy(v, device)
+                            for k, v in optimizer.state[p].items()}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] \
         if optimizer is not None else []
-    return Snapshot([local(p.detach()).to(device, copy=True) for p in params], state, groups)
+    return Snapshot([local(p.detach()).to(device, copy=True) for p in params], state, groups, live_state)
 
 
 @torch.no_grad()
 def restore(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None, snap: Snapshot) -> None:
-    """Copy everything back in place (same tensors, same bits); drop state the step created."""
+    """Copy everything back in place (same tensors, same bits); drop state the step created. A
+    live-state snapshot's tensors are the live ones: they are put back under their keys, not copied."""
     datas = [local(p.data) for p in params]
     if all(d.device == s.device for d, s in zip(datas, snap.params)):
         torch._foreach_copy_(datas, snap.params)  # one multi-tensor copy; the same bits
@@ -81,7 +90,9 @@ def restore(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None,
                 continue
             saved, dev = v
             cur = live.get(k)
-            if isinstance(cur, torch.Tensor) and local(cur).shape == saved.shape and cur.device == dev:
+            if snap.live:
+                live[k] = saved
+            elif isinstance(cur, torch.Tensor) and local(cur).shape == saved.shape and cur.device == dev:
                 local(cur).copy_(saved)
             elif is_dtensor(p) and saved.shape == local(p).shape and saved.dim():  # a sharded state tensor
                 live[k] = like_param(p, saved.to(dev, copy=True))

@@ -6,13 +6,12 @@ which are exactly linear in the lr at a fixed gradient.
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from entprobe.math import paramvec as pv
 from entprobe.math import unit_dots as ud
 from entprobe.runtime.sharding import like_param, local, reduce_shards
+from entprobe.pipeline.stages.chunked_step import torch_own_step  # noqa: F401 (prediction.py imports it here)
 from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.pipeline.stages.step_split import plain_adamw
 from entprobe.pipeline.stages.snapshot import restore, take
@@ -33,14 +32,6 @@ def _state_of(opt: torch.optim.Optimizer, p: torch.Tensor, dev, dt):
 def _step_of(opt: torch.optim.Optimizer, p: torch.Tensor) -> float:
     st = opt.state.get(p)
     return float(st["step"]) if st and "exp_avg" in st else 0.0
-
-
-def torch_own_step(opt: torch.optim.Optimizer) -> bool:
-    """Whether ``opt.step`` is torch's own Adam/AdamW/SGD step (a subclass that does not override
-    ``step`` keeps it; torch's profiling wrapper is seen through). A subclass with its own step may
-    update differently from the closed form: it is stepped on a snapshot instead."""
-    own = {inspect.unwrap(c.step) for c in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)}
-    return inspect.unwrap(type(opt).step) in own
 
 
 def _plain_sgd(opt: torch.optim.Optimizer) -> bool:

@@ -1,17 +1,22 @@
 """The measured step split into gradient, momentum and weight-decay parts (``importance.split_step``),
 and ``Xbar . (theta_plus - theta)`` (``deltaH1_step``): the first-order change of the step really
-taken, read off the parameters before they are restored.
+taken, read off the parameters before they are restored, with a bound on its rounding
+(``step_rounding_bound``).
 
 Plain AdamW splits in closed form from the snapshot's moments; other optimizers repeat their own
-step with a zero gradient on the snapshot (pipeline/stages/ground_truth.py restores after either).
+step with a zero gradient on the snapshot (pipeline/stages/ground_truth.py restores after either;
+chunked, stages/chunked_step.py, when the snapshot refers to the live state).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 from entprobe.math import paramvec as pv
 from entprobe.runtime import sharding
 from entprobe.runtime.sharding import local
+from entprobe.pipeline.stages.chunked_step import step_on
 from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.pipeline.stages.snapshot import restore
 
@@ -26,6 +31,21 @@ def xbar_dot_step(Xbar: pv.Buffer, params, snap_params) -> float:
         dt = torch.promote_types(torch.promote_types(p.dtype, x.dtype), torch.float32)
         d = local(p.detach()).to(x.device, dt) - s.to(x.device, dt)
         total += torch.dot(x.reshape(-1).to(dt), d.reshape(-1)).double().cpu()
+    return float(sharding.reduce_shards(total))
+
+
+def step_rounding_bound(Xbar: pv.Buffer, params, snap_params) -> float:
+    """A bound on ``|Xbar . r|``, r the rounding of the step the parameters took: the update is
+    added in the parameters' dtype (AdamW: the decay and the update, two roundings of at most half
+    an ulp each), so ``|r_i| <= ulp(max(|theta_i|, |theta+_i|))`` and the bound is
+    ``sum_i |Xbar_i| ulp_i`` (fp64 over tensors, summed over FSDP2 shards). When the step is below
+    the parameters' resolution it rounds away altogether, and this bound holds the lost change."""
+    total = torch.zeros((), dtype=torch.float64)
+    for x, p, s in zip(Xbar, params, snap_params):
+        now = local(p.detach()).to(x.device)
+        big = torch.maximum(now.abs(), s.to(x.device, now.dtype).abs())
+        ulp = torch.nextafter(big, torch.full_like(big, math.inf)) - big
+        total += (x.reshape(-1).abs().double() * ulp.reshape(-1).double()).sum().cpu()
     return float(sharding.reduce_shards(total))
 
 
@@ -92,7 +112,8 @@ def _adamw_zero_grad_parts(ctx: ProbeContext, opt, Xbar: pv.Buffer, snap) -> tup
 
 def _repeated_zero_grad_part(ctx: ProbeContext, opt, Xbar: pv.Buffer, snap, decay: bool) -> float:
     """``-Xbar . Delta0`` from the optimizer's own step with a zero gradient, repeated on the
-    snapshot (weight decay switched off unless ``decay``); leaves theta_0 + Delta0 in place."""
+    snapshot (weight decay switched off unless ``decay``); leaves theta_0 + Delta0 in place. On a
+    live-state snapshot the step is chunked (``step_on``): the state stays the snapshot's."""
     restore(ctx.params, opt, snap)
     saved_wd = [g.get("weight_decay", 0.0) for g in opt.param_groups]
     if not decay:
@@ -101,7 +122,7 @@ def _repeated_zero_grad_part(ctx: ProbeContext, opt, Xbar: pv.Buffer, snap, deca
     for p in ctx.params:
         p.grad = torch.zeros_like(p)
     try:
-        opt.step()
+        step_on(opt, snap)
     finally:
         for g, wd in zip(opt.param_groups, saved_wd):
             g["weight_decay"] = wd
