@@ -35,8 +35,8 @@ process (no sharding), for 1.5B / 7B / 32B at 1k and 4k new tokens, from costs m
   ``(L h)_0 = 30 x 576`` SmolLM2's; c (the parameter-sized passes), a (the matmuls, per parameter and
   token) and b (attention, per layer-width and token per position) solved from the three lengths;
   units = t_probe / t_step (B_E = B_U = 64 prompts x G 8);
-- memory: 9 fp32 parameter-sized copies for the probe (its X pass: weights, 2 moments, Ybar, Xbar, 4
-  directions, docs/memory.md) against 4 for a step plus AdamW's foreach temporaries (3); activations of
+- memory: 7 fp32 parameter-sized copies for the probe (its X pass with AdamW's update parts held as
+  factors: weights, 2 moments, Ybar, Xbar, P Ybar and 1/D', docs/memory.md) against 4 for a step plus AdamW's foreach temporaries (3); activations of
   one microbatch (one prompt's G x T tokens) at the measured bytes per token, layer and hidden unit
   (fp32, no checkpointing): 55 for the probe's passes, 135 for the step's forward+backward (the
   marginal MiB per token bench_long.py printed, over the 8 x T tokens of a microbatch);
@@ -86,6 +86,9 @@ def seconds(kind: str, N: float, L: int, h: int, n: float, T: float) -> float:
     return c * N / N0 + a * (N / N0) * n + b * (L * h / (L0 * h0)) * n * T
 
 
+PROBE_COPIES = 7  # the X pass's live parameter-sized copies above 10 M parameters with AdamW (docs/memory.md)
+
+
 def one_process(N: float, L: int, h: int, T: int, B: int, G: int, bf16_act: bool) -> dict:
     """Probe units and peaks (GB) of one process for a model of N parameters, L layers, width h."""
     n = 2 * B * G * T
@@ -93,8 +96,8 @@ def one_process(N: float, L: int, h: int, T: int, B: int, G: int, bf16_act: bool
     scale = 0.5 if bf16_act else 1.0
     mb = G * T
     act = {k: ACT_BYTES[k] * scale * mb * L * h for k in ACT_BYTES}
-    probe, step = 9 * 4 * N + act["probe"], (4 + 3) * 4 * N + act["step"]
-    return {"units": units, "copies_probe": 9 * 4 * N, "act_probe": act["probe"], "probe": probe,
+    probe, step = PROBE_COPIES * 4 * N + act["probe"], (4 + 3) * 4 * N + act["step"]
+    return {"units": units, "copies_probe": PROBE_COPIES * 4 * N, "act_probe": act["probe"], "probe": probe,
             "copies_step": 7 * 4 * N, "act_step": act["step"], "step": step}
 
 
