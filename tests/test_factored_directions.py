@@ -84,7 +84,45 @@ def test_is_zero_only_when_every_part_is():
 
 def test_refuses_what_it_cannot_hold():
     shapes, theta, ybar, m, rows, fac = _state()
-    with pytest.raises(ValueError, match="only P Ybar"):
+    with pytest.raises(ValueError, match="only the 1 leading row"):
         fac.column(1)
-    with pytest.raises(ValueError, match="rows P Ybar and R"):
+    with pytest.raises(ValueError, match="rows .P Ybar,. R"):
         fd.FactoredDirections(rows, ybar, m, theta, fac.coefs, PARTS)
+
+
+@pytest.mark.parametrize("total_only", [True, False])
+def test_held_out_prediction_with_the_parts_as_factors(total_only, monkeypatch):
+    """The held-out prediction (the online probe's, ``total_only``: one direction, the whole update;
+    the single-batch mode's: one per part) gives the written-out directions' numbers with the parts
+    held as factors (forced on the fp64 exact model, whose AdamW has weight decay)."""
+    from exact_model import adamw_with_state, make_setup
+    from entprobe.config import ProbeConfig, UnitBackward
+    from entprobe.pipeline.stages import prediction
+    from entprobe.pipeline.stages.accumulate import accumulate, global_mean, y_loss_of
+
+    setup = make_setup(seed=1)
+    opt = adamw_with_state(setup)
+    E, U = setup.sample(6, 3, seed=11), setup.sample(5, 3, seed=12)
+    pcfg = ProbeConfig(unit_backward=UnitBackward.loop, top_k_params=2)
+
+    def predicted():
+        ctx = setup.ctx("per_token_avg", mb_size=2)
+        Ybar, _ = global_mean(accumulate(ctx, U, y_loss_of(ctx), "Y").sum_buf, U.B)
+        step = prediction.build_step_model(ctx, opt, opt.param_groups[0]["lr"], Ybar, None, "optimizer", None)
+        return prediction.predict_on_held_out(ctx, E, step, pcfg, total_only=total_only)
+    written = predicted()
+    made = []
+    real = prediction.factored_directions
+    monkeypatch.setattr(prediction, "FACTORED_MIN_NUMEL", 0)
+    monkeypatch.setattr(prediction, "factored_directions", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    factored = predicted()
+    assert len(made) == 1 and made[0] is not None
+    assert factored.e.shape == written.e.shape == (6, 1 if total_only else 3)
+    # fp64 throughout: the two orders of the same per-unit sums differ by fp64 rounding of their terms
+    mag = float(written.e.abs().max())
+    assert (factored.e - written.e).abs().max() <= 1e3 * torch.finfo(torch.float64).eps * mag * 6
+    for k in ("deltaH_pred", "deltaH_pred_gradient", "deltaH_pred_momentum", "deltaH_pred_weight_decay",
+              "SE_deltaH_pred"):
+        assert factored.res[k] == pytest.approx(written.res[k], rel=1e-10, abs=1e-12 * mag), k
+    assert written.res["deltaH_pred_weight_decay"] != 0
+    assert [k for k in factored.res if k.startswith("attr_pred")] == [k for k in written.res if k.startswith("attr_pred")]

@@ -216,8 +216,8 @@ class StepModel:
     # carried: SGD without momentum; AdamW whose every m is 0, e.g. before its first step), read off the
     # optimizer's state without writing the update (None: write it and look)
     carries_nothing: Callable[[], bool] | None = None
-    # plain AdamW's closed form: ``factors_into(out) -> (coefs, m)``, the update's parts as factors of held
-    # tensors (math/factored_directions.py): ``out[i] = R_i`` written, per parameter its
-    # ``PartCoefficients``-style ``(c_g, c_m, c_w)`` and AdamW's live ``exp_avg`` (None without state)
+    # plain AdamW's closed form: ``factors_into(out) -> (coefs, m, ybar)``, the update's parts as factors of
+    # held tensors (math/factored_directions.py): ``out[i] = R_i`` written, per parameter its
+    # ``PartCoefficients``-style ``(c_g, c_m, c_w)``, AdamW's live ``exp_avg`` (None without state) and Ybar
     factors_into: Callable[[list[torch.Tensor]], tuple[list[tuple[float, float, float]],
-                                                       list[torch.Tensor | None]]] | None = None
+                                                       list[torch.Tensor | None], list[torch.Tensor]]] | None = None

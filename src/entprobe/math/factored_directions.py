@@ -30,7 +30,7 @@ from entprobe.math.paramvec import Buffer, DirectionSet
 from entprobe.runtime.sharding import reduce_shards
 
 BLOCK = 1 << 18  # elements a block: its products stay in cache; few host calls on a 135M model
-PART_SLOTS = {"gradient": 1, "momentum": 2, "weight_decay": 3}  # column of each part in _dots' [n, 4]
+PART_SLOTS = {"gradient": 1, "momentum": 2, "weight_decay": 3}  # column of each part in _dots', after the lead
 
 
 @dataclass
@@ -44,23 +44,29 @@ class PartCoefficients:
 
 
 class FactoredDirections:
-    """``k = 1 + len(parts)`` directions: row 0 ``P Ybar``, then the update's ``parts`` (names in
-    ``math.adamw.PARTS``, the step model's order), formed from ``rows`` (a two-row ``DirectionSet``:
-    ``P Ybar``, R) and the held ``ybar``, ``m`` (None for a parameter without AdamW state: its
-    momentum part is 0) and ``theta`` with per-parameter ``coefs``. ``paramvec.dot_set``,
-    ``dot_rows_set`` and ``is_zero`` accept it in place of a ``DirectionSet``."""
+    """``k = lead + len(parts)`` directions (``lead + 1`` with ``total``): the ``lead`` leading rows of
+    ``rows`` as stored (the two-batch probe's ``P Ybar``; none in the held-out online probe), then
+    the update's ``parts`` (names in ``math.adamw.PARTS``, the step model's order), or with
+    ``total`` their sum (the whole update) as one direction, formed from ``rows``' last row R and the
+    held ``ybar``, ``m`` (None for a parameter without AdamW state: its momentum part is 0) and
+    ``theta`` with per-parameter ``coefs``. ``paramvec.dot_set``, ``dot_rows_set`` and ``is_zero``
+    accept it in place of a ``DirectionSet``."""
 
     def __init__(self, rows: DirectionSet, ybar: Buffer, m: list[torch.Tensor | None], theta: Buffer,
-                 coefs: list[PartCoefficients], parts: list[str]):
-        if rows.k != 2 or not set(parts) <= set(PART_SLOTS):
-            raise ValueError(f"FactoredDirections: rows P Ybar and R, parts from {list(PART_SLOTS)}; got "
+                 coefs: list[PartCoefficients], parts: list[str], total: bool = False):
+        if rows.k not in (1, 2) or not parts or not set(parts) <= set(PART_SLOTS):
+            raise ValueError(f"FactoredDirections: rows [P Ybar,] R and parts from {list(PART_SLOTS)}; got "
                              f"{rows.k} rows, parts {parts}")
         self.rows, self.ybar, self.m, self.theta, self.coefs, self.parts = rows, ybar, m, theta, coefs, parts
-        self.shapes = rows.shapes
+        self.lead, self.total, self.shapes = rows.k - 1, total, rows.shapes
+
+    def with_total(self, total: bool) -> "FactoredDirections":
+        """The same directions with the parts separate (False) or summed (True), sharing storage."""
+        return FactoredDirections(self.rows, self.ybar, self.m, self.theta, self.coefs, self.parts, total)
 
     @property
     def k(self) -> int:
-        return 1 + len(self.parts)
+        return self.lead + (1 if self.total else len(self.parts))
 
     @property
     def device(self) -> torch.device:
@@ -71,36 +77,43 @@ class FactoredDirections:
         return self.rows.dtype
 
     def column(self, j: int) -> Buffer:
-        """Row 0 (``P Ybar``) as a buffer of views; the parts are not written out."""
-        if j != 0:
-            raise ValueError("FactoredDirections: only P Ybar (row 0) is stored; the update's parts are factors")
-        return self.rows.column(0)
+        """A leading (stored) row as a buffer of views; the parts are not written out."""
+        if not 0 <= j < self.lead:
+            raise ValueError(f"FactoredDirections: only the {self.lead} leading row(s) are stored; the update's "
+                             "parts are factors")
+        return self.rows.column(j)
 
     def _dots(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """[n, 4] fp64: ``x . P Ybar``, ``x R . Ybar``, ``x R . m``, ``x . theta`` for parameter i's
-        rows x [n, n_i] (constants not applied)."""
+        """[n, lead + 3] fp64: ``x . lead row``, then ``x R . Ybar``, ``x R . m``, ``x . theta`` for
+        parameter i's rows x [n, n_i] (constants not applied)."""
         block = self.rows.block(i)
-        PY, R = block[0], block[1]
-        dev, dt = PY.device, PY.dtype
+        R = block[self.lead]
+        dev, dt = R.device, R.dtype
         y, th = self.ybar[i].reshape(-1), self.theta[i].reshape(-1)
         m = self.m[i].reshape(-1) if self.m[i] is not None else None
         n = x.shape[0]
-        out = torch.zeros((n, 4), dtype=torch.float64, device=dev)
+        out = torch.zeros((n, self.lead + 3), dtype=torch.float64, device=dev)
         one = n == 1  # one row: 1-D dots (BLAS dot), a third faster than a [1, b] @ [b] product here
         xs = x[0] if one else x
         zero = torch.zeros(() if one else n, dtype=dt, device=dev)
-        for s in range(0, PY.numel(), BLOCK):
-            e = min(s + BLOCK, PY.numel())
+        for s in range(0, R.numel(), BLOCK):
+            e = min(s + BLOCK, R.numel())
             xb = xs[..., s:e].to(dev, dt)
             t = xb * R[s:e]
-            out += torch.stack([xb @ PY[s:e], t @ y[s:e].to(dev, dt), t @ m[s:e].to(dev, dt) if m is not None else zero,
-                                xb @ th[s:e].to(dev, dt)], -1).double()
+            lead = [xb @ block[j, s:e] for j in range(self.lead)]
+            out += torch.stack(lead + [t @ y[s:e].to(dev, dt), t @ m[s:e].to(dev, dt) if m is not None else zero,
+                                       xb @ th[s:e].to(dev, dt)], -1).double()
         return out
 
-    def _apply(self, i: int, d: torch.Tensor) -> torch.Tensor:
-        """[n, k]: row 0's dot, then each part's with its constant."""
+    def _parts(self, i: int, d: torch.Tensor) -> torch.Tensor:
+        """[n, len(parts)]: each part's dot with its constant."""
         c = self.coefs[i]
-        return torch.stack([d[:, 0]] + [d[:, PART_SLOTS[p]] * getattr(c, p) for p in self.parts], 1)
+        return torch.stack([d[:, self.lead - 1 + PART_SLOTS[p]] * getattr(c, p) for p in self.parts], 1)
+
+    def _apply(self, i: int, d: torch.Tensor) -> torch.Tensor:
+        """[n, k]: the leading rows' dots, then the parts' (or their sum)."""
+        parts = self._parts(i, d)
+        return torch.cat([d[:, :self.lead], parts.sum(1, keepdim=True) if self.total else parts], 1)
 
     def dot_rows(self, rows: Buffer) -> torch.Tensor:
         """Per-row dots of stacked rows (``[n, *shape]`` per parameter) with the k directions: [n, k] fp64."""
@@ -117,18 +130,17 @@ class FactoredDirections:
     def part_terms(self, a: Buffer) -> torch.Tensor:
         """Per parameter tensor, ``a_i . (sum of the parts)_i``: [n_params] fp64 (the attribution
         of ``a . Delta theta``)."""
-        terms = [self._apply(i, self._dots(i, x.reshape(1, -1)))[0, 1:].sum() for i, x in enumerate(a)]
+        terms = [self._parts(i, self._dots(i, x.reshape(1, -1)))[0].sum() for i, x in enumerate(a)]
         return reduce_shards(torch.stack(terms)) if terms else torch.zeros(0, dtype=torch.float64)
 
     def is_zero(self) -> bool:
-        """Whether every direction is exactly 0 everywhere (over all shards): ``P Ybar``, and each
-        part (its constant 0, or its held factor 0 where R is finite; a NaN is not 0)."""
+        """Whether every direction is exactly 0 everywhere (over all shards): the leading rows, and
+        each part (its constant 0, or its held factor 0 where R is finite; a NaN is not 0)."""
         def nonzero(t: torch.Tensor) -> int:
             return int(torch.count_nonzero(t))
-        count = nonzero(self.rows.mat[0]) if self.rows.mat is not None else \
-            sum(nonzero(b[0]) for b in self.rows.blocks)
+        count = sum(nonzero(self.rows.block(i)[:self.lead]) for i in range(len(self.shapes))) if self.lead else 0
         for i, c in enumerate(self.coefs):
-            R = self.rows.block(i)[1]
+            R = self.rows.block(i)[self.lead]
             held = {"gradient": self.ybar[i], "momentum": self.m[i], "weight_decay": self.theta[i]}
             for p in self.parts:
                 f = held[p]

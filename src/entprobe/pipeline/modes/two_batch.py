@@ -68,7 +68,7 @@ def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Ge
     # E-side directions: P Ybar (deltaH1), then each part of the update (the prediction). Projected
     # during the X pass on a large model with AdamW, the parts stay factors of Ybar, m and theta
     # (2 stored rows, not 4: math/factored_directions.py); else each is written into its row
-    dirE = (factored_directions(ctx, mul_into(Ybar, geo.P), step, Ybar, dir_dev)
+    dirE = (factored_directions(ctx, [mul_into(Ybar, geo.P)], step, dir_dev)
             if fused and mode != "ghost" else None) or directions(ctx, [mul_into(Ybar, geo.P)], step, dir_dev)
     PY = dirE.column(0)  # P Ybar: deltaH1 and the attribution table
     nPY = pv.norm(PY)

@@ -84,30 +84,32 @@ def directions(ctx: ProbeContext, first: list, step: StepModel | None, device,
 FACTORED_MIN_NUMEL = pv.FLAT_MAX_NUMEL  # below: the parts written out (memory is no limit; fewer host calls)
 
 
-def factored_directions(ctx: ProbeContext, first, step: StepModel, Ybar: pv.Buffer, device
+def factored_directions(ctx: ProbeContext, first: list, step: StepModel, device, total: bool = False
                         ) -> FactoredDirections | None:
-    """The E directions ``[first, update parts]`` with the parts held as factors of Ybar, AdamW's
-    ``exp_avg`` and the weights (math/factored_directions.py: 2 stored rows instead of 1 + parts),
-    when the step is plain AdamW's closed form, the model has more than ``FACTORED_MIN_NUMEL``
-    parameters, and the held tensors are where the directions are (the device, in their dtype),
-    unsharded; else None (``directions`` writes them out)."""
+    """The directions ``directions(ctx, first, step, device)`` writes (with ``total``: ``first``,
+    then the whole update), with the update's parts held as factors of Ybar, AdamW's ``exp_avg``
+    and the weights (math/factored_directions.py: ``len(first) + 1`` stored rows instead of
+    ``len(first)`` + parts), when the step is plain AdamW's closed form, the model has more than
+    ``FACTORED_MIN_NUMEL`` parameters, and the held tensors are where the directions are (the
+    device, in their dtype), unsharded; else None."""
     dt = torch.promote_types(ctx.buffers_dtype, torch.float32)
     dev = torch.device(device)
 
     def elsewhere(t: torch.Tensor) -> bool:
         return t.device.type != dev.type or (t.device.index or 0) != (dev.index or 0) or t.dtype != dt
-    if step.factors_into is None or sharding.sharded() or \
+    if step.factors_into is None or sharding.sharded() or len(first) > 1 or \
             sum(local(p).numel() for p in ctx.params) <= FACTORED_MIN_NUMEL:
         return None
-    if any(elsewhere(t) for t in list(Ybar) + [local(p) for p in ctx.params]):
+    if any(elsewhere(local(p)) for p in ctx.params):
         return None
-    rows = pv.empty_directions(2, ctx.params, dev, dt)
-    coefs, ms = step.factors_into(rows.column(1))
-    if any(m is not None and elsewhere(m) for m in ms):
-        return None  # AdamW's state elsewhere or in another dtype: a conversion per dot would cost more
-    first(rows.column(0))
-    return FactoredDirections(rows, Ybar, ms, [local(p.detach()) for p in ctx.params],
-                              [PartCoefficients(*c) for c in coefs], list(step.names))
+    rows = pv.empty_directions(len(first) + 1, ctx.params, dev, dt)
+    coefs, ms, ybar = step.factors_into(rows.column(len(first)))
+    if any(elsewhere(t) for t in ybar) or any(m is not None and elsewhere(m) for m in ms):
+        return None  # Ybar or AdamW's state elsewhere or in another dtype: a conversion per dot would cost more
+    for j, fill in enumerate(first):
+        fill(rows.column(j))
+    return FactoredDirections(rows, ybar, ms, [local(p.detach()) for p in ctx.params],
+                              [PartCoefficients(*c) for c in coefs], list(step.names), total)
 
 
 def update_terms(dset, Xbar: pv.Buffer, first: int = 1) -> torch.Tensor:
@@ -200,21 +202,28 @@ def predict_on_held_out(ctx: ProbeContext, E: RolloutBatch, step: StepModel, pcf
     measurement after the step. ``total_only``: each prompt is projected onto the whole update
     only (one direction instead of one per part: ``SE_deltaH_pred`` needs no more); the parts'
     values ``deltaH_pred_<part>`` stay, their SEs are not computed."""
+    unit_backward = held_out_unit_backward(pcfg, ctx, E)
     with ctx.phase("step_parts"):  # the update's parts, written into the projection directions
         total = total_only and len(step.names) > 1
-        dirE = directions(ctx, [lambda out: None] if total else [], step, ctx.device)
-        if total:
-            _sum_rows_into_first(dirE)
+        # held as factors (large models, AdamW), unless layer hooks read the written-out rows
+        dirE = factored_directions(ctx, [], step, ctx.device) if unit_backward != "ghost" else None
+        if dirE is None:
+            dirE = directions(ctx, [lambda out: None] if total else [], step, ctx.device)
+            if total:
+                _sum_rows_into_first(dirE)
     prepare_x(ctx, E)  # token_mean's constants from E
     with ctx.phase("accumulate_X_E"):
-        accX = accumulate(ctx, E, x_loss_of(ctx), "X over held-out E", directions=dirE.first(1) if total else dirE,
+        projected = dirE.with_total(True) if total and isinstance(dirE, FactoredDirections) else \
+            dirE.first(1) if total else dirE
+        accX = accumulate(ctx, E, x_loss_of(ctx), "X over held-out E", directions=projected,
                           with_entropy=ctx.x.entropy if (ctx.x.measures_tokens or with_entropy) else False,
-                          unit_backward=held_out_unit_backward(pcfg, ctx, E))
+                          unit_backward=unit_backward)
         Xbar, B_E = global_mean(accX.sum_buf, accX.B)
-    step_dots = pv.dot_set(Xbar, dirE).tolist()[1 if total else 0:]  # Xbar . Delta theta_part
+    skip = 1 if total and not isinstance(dirE, FactoredDirections) else 0  # the written-out total row
+    step_dots = pv.dot_set(Xbar, dirE).tolist()[skip:]  # Xbar . Delta theta_part
     # each parameter tensor's part of the headline, -Xbar_i . Delta theta_i (nats): attr_pred/*
-    step_terms = sum(pv.dot_terms(dirE.column(j), Xbar) for j in range(1 if total else 0, dirE.k))
-    del dirE
+    step_terms = update_terms(dirE, Xbar, skip)
+    del dirE, projected
     e = -D.gather_units(accX.proj)
     res = {"gt/B_E": B_E, **prediction_results(step.names, step.kind, step_dots, e, None, step.facts),
            **headline(list(ctx.names), [-float(t) for t in step_terms], pcfg.top_k_params)}

@@ -235,9 +235,10 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
         total = reduce_shards(total)
         return float(total[:3].sum()), float(total[3]), float(total[4]), float(total[5])
 
-    def factors_into(out: pv.Buffer) -> tuple[list[tuple[float, float, float]], list[torch.Tensor | None]]:
+    def factors_into(out: pv.Buffer) -> tuple[list[tuple[float, float, float]], list[torch.Tensor | None], pv.Buffer]:
         """``out[i] = R_i`` (math/adamw.py ``adamw_factors_into``) tensor by tensor, each
-        parameter's constants, and AdamW's live ``exp_avg`` (None: no state, a zero momentum)."""
+        parameter's constants, AdamW's live ``exp_avg`` (None: no state, a zero momentum) and the
+        Ybar they are factors of (unclipped: the clipping factor is in the constants)."""
         coefs: list = [None] * len(ctx.params)
         ms: list = [None] * len(ctx.params)
         for ch, h in chunks:
@@ -247,7 +248,7 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
                 v = local(st["exp_avg_sq"]).to(o.device, o.dtype) if "exp_avg_sq" in st else torch.zeros_like(o)
                 coefs[i] = adamw_factors_into(Ybar[i].to(o.device, o.dtype).view(o.shape), v.view(o.shape), h, o, s)
                 ms[i] = local(st["exp_avg"]) if "exp_avg" in st else None
-        return coefs, ms
+        return coefs, ms, Ybar
 
     def carries_nothing() -> bool:  # at a zero gradient SGD has no momentum part; AdamW's, -(lr/bc1) b1 m / D
         ms = [(optimizer.state.get(p) or {}).get("exp_avg") for p in ctx.params] if adam else []  # (D >= eps > 0)
