@@ -142,6 +142,16 @@ def step_clock():
     return StepClock()
 
 
+def process_peak_mib(device: str) -> float:
+    """The process's peak memory so far, MiB: CPU ``VmHWM`` (resident set), CUDA the allocator's maximum."""
+    import torch
+
+    if device != "cpu":
+        return torch.cuda.max_memory_allocated() / 2**20
+    from _common import proc_kb
+    return proc_kb("VmHWM") / 1024
+
+
 def timed_run(out: str, a, probe: bool) -> dict:
     """``trainer.train()`` with or without the callback: ``wall`` and ``cpu`` seconds, the
     callback's ``history`` and the ``steps`` of ``step_clock``."""
@@ -361,6 +371,9 @@ def main() -> None:
                      / max(abs(r.get("deltaH_pred_plain", r["deltaH_pred"])), 1e-12) for r in hist)
         print(f"  closed-form update vs the real step: max relative gap {closed:.1e}")
         print(f"  probe time {sum(r['time_s'] for r in hist):.1f} s of {with_probe:.1f} s")
+        peak = process_peak_mib(a.device)
+        print(f"  process peak through the run with the probe: {peak:.0f} MiB "
+              f"({'VmHWM: model, trainer, generation and probe' if a.device == 'cpu' else 'CUDA max allocated'})")
         probed = {h["step"] for h in hist}
         unprobed = [c for st, _, c in first["steps"] if st not in probed]
         if unprobed:  # this run's own unprobed steps as the plain step (--overhead times plain runs too)
@@ -381,7 +394,8 @@ def main() -> None:
             if a.json:
                 Path(a.json).write_text(json.dumps({"model": a.model, "prompts_per_step": a.prompts_per_step,
                                                     "max_new": a.max_new, "rollouts_prompts": a.rollouts_prompts,
-                                                    "source": a.source, "device": a.device, **u}, indent=1))
+                                                    "source": a.source, "device": a.device, "peak_mib": peak,
+                                                    **u}, indent=1))
         assert all(math.isfinite(r["deltaH_pred"]) for r in hist)
         if a.overhead:
             overhead(out, a, hist[0])
