@@ -126,3 +126,17 @@ def test_held_out_prediction_with_the_parts_as_factors(total_only, monkeypatch):
         assert factored.res[k] == pytest.approx(written.res[k], rel=1e-10, abs=1e-12 * mag), k
     assert written.res["deltaH_pred_weight_decay"] != 0
     assert [k for k in factored.res if k.startswith("attr_pred")] == [k for k in written.res if k.startswith("attr_pred")]
+
+
+def test_one_direction_at_a_time_writes_each_into_one_buffer():
+    """``paramvec.OneAtATime`` (U's directions in the forward-mode passes): column j is direction j,
+    written over the previous one in the same storage."""
+    like = [torch.zeros(3, 2), torch.zeros(4)]
+    fills = [lambda out: [o.fill_(1.0) for o in out], lambda out: [o.copy_(torch.arange(o.numel()).view(o.shape))
+                                                                   for o in out]]
+    d = pv.OneAtATime(fills, like, "cpu", torch.float32)
+    first = d.column(0)
+    assert d.k == 2 and all(bool((t == 1).all()) for t in first)
+    second = d.column(1)
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(first, second))
+    assert torch.equal(second[1], torch.arange(4.0)) and torch.equal(second[0], torch.arange(6.0).view(3, 2))

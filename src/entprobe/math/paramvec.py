@@ -227,6 +227,24 @@ class DirectionSet:
         return DirectionSet(self.shapes, blocks=[b[:k] for b in self.blocks])
 
 
+class OneAtATime:
+    """k directions written one at a time into one buffer, for passes that read one direction each
+    (forward mode: one tangent a pass): ``column(j)`` writes direction j with ``fills[j](buffer)``
+    over the previous one and returns the buffer, so the passes hold one parameter-sized copy
+    instead of k. Each column must be used up before the next is asked for."""
+
+    def __init__(self, fills: list, like: Sequence[torch.Tensor], device, dtype):
+        self.fills, self.buffer = fills, [torch.empty(local(t).shape, device=device, dtype=dtype) for t in like]
+
+    @property
+    def k(self) -> int:
+        return len(self.fills)
+
+    def column(self, j: int) -> Buffer:
+        self.fills[j](self.buffer)
+        return self.buffer
+
+
 def is_zero(dset: DirectionSet) -> bool:
     """Whether every entry of every direction is exactly 0 (a NaN is not), over all shards: one
     count of nonzeros per storage tensor and one all-reduce. (A set held as factors,

@@ -98,7 +98,10 @@ def compute_stage12(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, geo: Ge
             # built (written over them, the four rows' storage would stay held through U's passes)
             if fused:
                 dirE = None
-            dirU = directions(ctx, [mul_into(Xbar, geo.P)] + fill_JX, None, dir_dev)
+            fills = [mul_into(Xbar, geo.P)] + fill_JX
+            # forward mode over U reads one direction a pass: both are written, in turn, into one buffer
+            dirU = pv.OneAtATime(fills, ctx.params, dir_dev, torch.promote_types(ctx.buffers_dtype, torch.float32)) \
+                if not keep_u and mode in ("fused", "jvp", "ghost") else directions(ctx, fills, None, dir_dev)
             if keep_u:
                 a, b = accX.proj, project_stored(accY.unit_grads, dirU)
                 accY.unit_grads = None
