@@ -186,6 +186,9 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "--out docs/img/entropy_guard_smollm2_forecast.png": ("slow", ""),
     # docs/forecast.md (its figures: 9 runs of 60 steps, minutes; a short run of the same script is tested)
     "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py": ("slow", ""),
+    # docs/memory.md: the job's peak against a TRL process's (SmolLM2, ~20 min on one core)
+    "OMP_NUM_THREADS=1 python benchmarks/bench_probe.py --model smollm2 --reps 2 --trl --no-literal -- "
+    "batch.B_E=6 batch.B_U=6 sampling.max_new_tokens=32": ("slow", ""),
     "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py --model smollm2 --lrs 3e-5,1e-5 --seeds 0 --steps 40 "
     "--B 4 --max-new 8": ("slow", ""),
     # docs/planning.md (all four run in order by one test)
