@@ -285,3 +285,48 @@ def test_chunks_are_bounded_by_bytes_and_whole_where_a_tensor_is_not_dense():
     assert all(sum(ps[i].numel() * 4 for i in c) <= cap for c in out) and len(out) <= 2 * cs.CHUNKS + 1
     assert cs.chunks(ps[:-1] + [torch.zeros(64, 64).t()], ps) == [list(range(len(ps)))]
     assert cs.chunks([], []) == []
+
+
+@pytest.mark.parametrize("name", ["adam_decay_amsgrad", "sgd_nesterov", "custom_step"])
+@pytest.mark.parametrize("clip", [None, 0.01], ids=["", "clipped"])
+def test_the_optimizer_step_model_is_chunked_with_a_weights_only_snapshot(world, name, clip, monkeypatch):
+    """The ``optimizer_step`` step model (optimizers without a closed form): where the chunked step
+    applies (torch's own Adam with amsgrad, SGD with nesterov momentum), its update is bitwise the
+    full-snapshot path's, it snapshots the weights alone (``take(..., live_state=True)``), and the
+    weights and state are restored bit for bit; a subclass with its own ``step`` keeps the full
+    snapshot."""
+    from entprobe.pipeline.stages import step_model as sm
+
+    class OwnStep(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    setup, _, ctx, _, accY, _, _ = world
+    make = {"adam_decay_amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True),
+            "sgd_nesterov": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True),
+            "custom_step": lambda ps: OwnStep(ps, lr=1e-2, momentum=0.9)}[name]
+    opt = make(setup.params)
+    with torch.no_grad():  # some state, theta kept
+        snap = take(setup.params, None, "cpu")
+        for _ in range(2):
+            _grads(setup.params, torch.Generator().manual_seed(3))
+            opt.step()
+        restore(setup.params, None, snap)
+    Ybar = pv.scale_(pv.clone(accY.sum_buf), 1.0 / accY.B)
+    assert sm.step_model_kind(opt, "optimizer") == "optimizer_step"
+    live = []
+    take_real = sm.take
+    monkeypatch.setattr(sm, "take", lambda *a, **k: live.append(k.get("live_state", False)) or take_real(*a, **k))
+
+    def update(chunked: bool):
+        monkeypatch.setattr(sm, "chunked_step_applies", lambda *a: chunked and cs.chunked_step_applies(*a))
+        out = {"update": [torch.empty_like(p) for p in setup.params]}
+        before = state_fingerprint(setup.params, opt)
+        sm.build_step_model(ctx, opt, 1e-2, Ybar, None, "optimizer", clip).write(out)
+        assert bitwise_equal(state_fingerprint(setup.params, opt), before)
+        return out["update"]
+
+    full = update(False)
+    chunked = update(True)
+    assert bitwise_equal(chunked, full) and any(bool(u.abs().sum() > 0) for u in full)
+    assert live == [False, name != "custom_step"]

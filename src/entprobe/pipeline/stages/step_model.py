@@ -11,6 +11,7 @@ import torch
 from entprobe.math import paramvec as pv
 from entprobe.math import unit_dots as ud
 from entprobe.runtime.sharding import like_param, local, reduce_shards
+from entprobe.pipeline.stages.chunked_step import chunked_step_applies, step_on
 from entprobe.pipeline.stages.chunked_step import torch_own_step  # noqa: F401 (prediction.py imports it here)
 from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.pipeline.stages.step_split import plain_adamw
@@ -69,7 +70,9 @@ def build_step_model(ctx: ProbeContext, optimizer: torch.optim.Optimizer, lr: fl
     gradient ``s Ybar`` with ``max_grad_norm`` (math/adamw.py: ``s = min(1, c / (||Ybar|| +
     1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` before the real step). Anything else (other
     optimizers): the optimizer's own step from a snapshot with gradient ``-Ybar`` (clipped by
-    ``clip_grad_norm_``), restored bit-exactly; no Jacobian then."""
+    ``clip_grad_norm_``), restored bit-exactly; no Jacobian then. Where the ground truth's step is
+    chunked (stages/chunked_step.py: torch's own Adam / AdamW / SGD, unsharded, no hooks), so is
+    this one, and its snapshot holds the weights only (Adam with amsgrad: 1 copy instead of 4)."""
     kind = step_model_kind(optimizer, step_mode)
     if kind == "preconditioned_sgd":
         def scaled_into(xs, out):
@@ -82,14 +85,15 @@ def build_step_model(ctx: ProbeContext, optimizer: torch.optim.Optimizer, lr: fl
     if kind != "optimizer_step":
         return _closed_form(ctx, optimizer, Ybar, max_grad_norm)
 
-    def step_into(outs):  # the optimizer's own step on a snapshot
-        snap = take(ctx.params, optimizer, ctx.buffers_device)
+    def step_into(outs):  # the optimizer's own step on a snapshot (of the weights only, when chunked)
+        chunked = chunked_step_applies(optimizer, ctx.params, ctx.buffers_device, "optimizer")
+        snap = take(ctx.params, optimizer, ctx.buffers_device, live_state=chunked)
         try:
             for p, y in zip(ctx.params, Ybar):
                 p.grad = like_param(p, (-y).to(p.device, p.dtype).contiguous())
             if max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(ctx.params, max_grad_norm)
-            optimizer.step()
+            step_on(optimizer, snap)
             for p, s, o in zip(ctx.params, snap.params, outs["update"]):
                 torch.sub(local(p.detach()).to(o.device, o.dtype), s.to(o.device, o.dtype), out=o)
         finally:
