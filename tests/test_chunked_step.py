@@ -268,11 +268,27 @@ def test_a_failure_in_a_later_chunk_of_the_ground_truth_restores_everything(worl
     assert bitwise_equal(ybar, inp.Ybar_raw) and all(p.grad is None for p in setup.params)
 
 
-def test_preconditioned_sgd_keeps_the_full_snapshot(world):
+def test_preconditioned_sgd_snapshots_the_weights_alone(world, monkeypatch):
+    """``preconditioned_sgd`` moves theta by ``lr P Ybar`` and never steps the optimizer, so its
+    snapshot refers to the live state (no copy); its results are the full snapshot's bit for bit,
+    and the state is left as it was. It is not a chunked step (``gt/chunked_step`` 0)."""
     setup, opt, ctx, U, _, E, _ = world
-    r = gt.run_ground_truth(ctx, E, U, _inputs(world, opt), dataclasses.replace(
-        ICFG, step_mode=StepMode.preconditioned_sgd, split_step=False))
-    assert r["gt/chunked_step"] == 0.0
+    icfg = dataclasses.replace(ICFG, step_mode=StepMode.preconditioned_sgd, split_step=False)
+    live = []
+    take_real = gt.take
+    monkeypatch.setattr(gt, "take", lambda *a, **k: live.append(k.get("live_state", False)) or take_real(*a, **k))
+    before = state_fingerprint(setup.params, opt)
+    r = gt.run_ground_truth(ctx, E, U, _inputs(world, opt), icfg)
+    assert live == [True] and r["gt/chunked_step"] == 0.0
+    assert bitwise_equal(state_fingerprint(setup.params, opt), before)
+    monkeypatch.setattr(gt, "take", lambda *a, **k: take_real(*a, **{**k, "live_state": False}))
+    full = gt.run_ground_truth(ctx, E, U, _inputs(world, opt), icfg)
+    assert full.keys() == r.keys()
+    for k, v in full.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, r[k]) or (v.isnan() == r[k].isnan()).all(), k
+        else:
+            assert _same(v, r[k]), k
 
 
 def test_chunks_are_bounded_by_bytes_and_whole_where_a_tensor_is_not_dense():

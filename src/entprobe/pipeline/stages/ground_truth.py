@@ -343,8 +343,9 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
         else:
             U_lp = _recompute_grads(ctx, U, icfg, inp.B_U_global)
 
-    with ctx.phase("gt_snapshot"):
-        snap = take(ctx.params, inp.optimizer, snap_dev, live_state=chunked)
+    with ctx.phase("gt_snapshot"):  # preconditioned_sgd never steps the optimizer: its state needs no copy
+        snap = take(ctx.params, inp.optimizer, snap_dev,
+                    live_state=chunked or icfg.step_mode.value == "preconditioned_sgd")
     try:
         with ctx.phase("gt_step"):  # peak memory around the update is recorded for this phase
             try:
