@@ -22,7 +22,9 @@ Which path ``run_ground_truth`` takes (``chunked_step_applies``):
   call; FSDP2 parameters and state are DTensor shards, restored through ``like_param``, and the
   chunked step is not tested on them; a snapshot on another device than the parameters'
   (``importance.snapshot_device=cpu``) is asked for to keep its copies off that device, where the
-  chunks' state copies would be made; ``preconditioned_sgd`` takes no optimizer step.
+  chunks' state copies would be made.
+- ``preconditioned_sgd`` takes no optimizer step: not chunked, and its snapshot is the weights alone
+  (the state is never touched).
 """
 from __future__ import annotations
 
