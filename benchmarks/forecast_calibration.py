@@ -18,10 +18,21 @@ whatever they are.
 chat prompts, ``--B`` prompts x G = 4 a step, ``--max-new`` tokens); the realised value is TRL's
 logged ``entropy`` k steps later (the entry of step s + k holds the entropy of the batch sampled
 after step s + k - 1, the forecast's k-th step).
+
+``--record DIR`` also writes each run's filter inputs (every probe's ``ForecastInputs`` and every
+logged entropy, in the order the filter received them) and its logged entropies to ``DIR/<run>.json``;
+``--replay DIR`` recomputes the tables from such files with the filter as it is now, in seconds, with
+no training (to compare the filter's versions on the same runs):
+
+    OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py --record /tmp/fc_runs
+    python benchmarks/forecast_calibration.py --replay /tmp/fc_runs
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import math
 import statistics
 import tempfile
 from pathlib import Path
@@ -43,6 +54,69 @@ def record_one_batch() -> None:
         return on_probe(self, step, f, lr)
 
     RunFilter.on_probe = recorded
+
+
+CALLS: list[list] = []  # the current run's filter inputs, in order: ["probe", step, inputs, lr] / ["observe", step, H]
+
+
+def record_calls() -> None:
+    """Keep every input the online probe's filter receives (``CALLS``): to replay the run later."""
+    from entprobe.integrations.online_filter import RunFilter
+
+    on_probe, observe = RunFilter.on_probe, RunFilter.observe
+
+    def probe(self, step, f, lr):
+        CALLS.append(["probe", step, None if f is None else inputs_to_json(f), lr])
+        return on_probe(self, step, f, lr)
+
+    def obs(self, step, H):
+        CALLS.append(["observe", step, H])
+        return observe(self, step, H)
+
+    RunFilter.on_probe, RunFilter.observe = probe, obs
+
+
+def inputs_to_json(f) -> dict:
+    """A ``ForecastInputs`` as plain numbers (tensors as lists; inf as the string "inf")."""
+    out = {}
+    for fld in dataclasses.fields(f):
+        v = getattr(f, fld.name)
+        out[fld.name] = v.double().tolist() if hasattr(v, "tolist") and not isinstance(v, float) else (
+            str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+    return out
+
+
+def inputs_from_json(d: dict):
+    import torch
+
+    from entprobe.math.forecast import ForecastInputs
+
+    kw = {}
+    for fld in dataclasses.fields(ForecastInputs):
+        v = d[fld.name]
+        kw[fld.name] = torch.tensor(v, dtype=torch.float64) if isinstance(v, list) else float(v)
+    return ForecastInputs(**kw)
+
+
+def replay(record: dict) -> list[dict]:
+    """A recorded run through the filter as it is now: its log entries (``step``, ``entropy`` and, on
+    probed steps, the ``entprobe/forecast_*`` keys the filter returns), and the one-batch forecasts in
+    ``ONE_BATCH``."""
+    from entprobe.integrations.online_filter import RunFilter
+    from entprobe.math.forecast import forecast_results
+
+    filt, logged = RunFilter(), {}
+    for call in record["calls"]:
+        if call[0] == "observe":
+            filt.observe(call[1], call[2])
+            continue
+        _, step, f, lr = call
+        f = None if f is None else inputs_from_json(f)
+        res = filt.on_probe(step, f, lr)
+        if f is not None:
+            ONE_BATCH[step] = forecast_results(f)
+            logged[step] = {f"entprobe/{k}": v for k, v in res.items()}
+    return [{"step": s, "entropy": H, **logged.get(s, {})} for s, H in record["entropy"]]
 
 
 def run(out: str, lr: float, seed: int, steps: int, every: int) -> list[dict]:
@@ -85,10 +159,15 @@ def pairs(hist: list[dict], k: int, one_batch: dict[int, dict]) -> tuple[list, l
     return new, old
 
 
-def stats(ps: list[tuple[float, float, float, float]]) -> str:
+def figures(ps: list[tuple[float, float, float, float]]) -> tuple[float, float, float]:
+    """(coverage, median width, median |error|) of (forecast, low, high, realised) tuples."""
     cover = sum(lo <= r <= hi for _, lo, hi, r in ps) / len(ps)
-    width = statistics.median(hi - lo for _, lo, hi, _ in ps)
-    err = statistics.median(abs(f - r) for f, _, _, r in ps)
+    return (cover, statistics.median(hi - lo for _, lo, hi, _ in ps),
+            statistics.median(abs(f - r) for f, _, _, r in ps))
+
+
+def stats(ps: list[tuple[float, float, float, float]]) -> str:
+    cover, width, err = figures(ps)
     ratio = f"{width / err:5.1f}" if err > 0 else "  inf"
     return f"coverage {cover:6.1%}  median width {width:.3f}  median |error| {err:.3f}  width/error {ratio}"
 
@@ -110,9 +189,14 @@ def main() -> None:
                          "checkpoint / SmolLM2-135M-Instruct in TRL's GRPOTrainer (module docstring)")
     ap.add_argument("--B", type=int, default=4, help="--model smollm2: prompts a step (G = 4)")
     ap.add_argument("--max-new", type=int, default=8, help="--model smollm2: completion tokens")
+    ap.add_argument("--record", default=None, help="write each run's filter inputs to DIR/<run>.json")
+    ap.add_argument("--replay", default=None, help="recompute the tables from DIR/*.json (--record's), no training")
+    ap.add_argument("--markdown", action="store_true", help="with --replay: print docs/forecast.md's table rows")
     ap.add_argument("--rollouts-prompts", type=int, default=None,
                     help="TRL models: probe.rollouts_prompts (X and Y on this many of the step's prompts; default all)")
     a = ap.parse_args()
+    if a.replay:
+        return replay_tables(Path(a.replay), a.markdown)
     lrs = [float(x) for x in a.lrs.split(",")]
     seeds = [int(x) for x in a.seeds.split(",")]
     every_run: dict[int, tuple[list, list]] = {k: ([], []) for k in HORIZONS}
@@ -122,6 +206,9 @@ def main() -> None:
     print(f"{what}, {a.steps} steps, the probe every {a.every} (source rollouts, token_mean), "
           f"seeds {seeds}; per lr and horizon k: forecasts with a realised logged entropy k steps later")
     record_one_batch()
+    if a.record:
+        record_calls()
+        Path(a.record).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for lr in lrs:
             per_lr: dict[int, tuple[list, list]] = {k: ([], []) for k in HORIZONS}
@@ -129,8 +216,16 @@ def main() -> None:
             for seed in seeds:
                 out = str(Path(tmp) / f"lr{lr}-s{seed}")
                 ONE_BATCH.clear()
+                CALLS.clear()
                 hist = (run(out, lr, seed, a.steps, a.every) if a.model == "builtin" else
                         run_trl(out, lr, seed, a.steps, a.every, a.model, a.B, a.max_new, a.rollouts_prompts))
+                if a.record:
+                    name = a.model if a.model == "builtin" else f"{a.model}-B{a.B}"
+                    rec = {"model": name, "lr": lr, "seed": seed, "calls": CALLS,
+                           "entropy": [[h["step"], h["entropy"]] for h in hist],
+                           "logged": {str(h["step"]): {k: v for k, v in h.items() if k.startswith("entprobe/forecast_")}
+                                      for h in hist if any(k.startswith("entprobe/forecast_") for k in h)}}
+                    Path(a.record, f"{name}-lr{lr:g}-s{seed}.json").write_text(json.dumps(rec))
                 H0, H1 = (H0 or []) + [hist[0]["entropy"]], (H1 or []) + [hist[-1]["entropy"]]
                 for k in HORIZONS:
                     new, old = pairs(hist, k, ONE_BATCH)
@@ -138,13 +233,90 @@ def main() -> None:
                     per_lr[k][1].extend(old)
             print(f"lr {lr:g} (logged entropy from {statistics.mean(H0):.3f} at step 1 to {statistics.mean(H1):.3f} "
                   f"at step {a.steps}, mean over seeds):")
-            for k in HORIZONS:
-                print(f"  k {k:2d}: {summary(*per_lr[k])}")
-                every_run[k][0].extend(per_lr[k][0])
-                every_run[k][1].extend(per_lr[k][1])
+            print_horizons(per_lr, every_run)
+    print_all(every_run)
+
+
+def print_horizons(per_lr: dict[int, tuple[list, list]], every_run: dict[int, tuple[list, list]]) -> None:
+    """One lr's line per horizon; its pairs join ``every_run``'s."""
+    for k in HORIZONS:
+        print(f"  k {k:2d}: {summary(*per_lr[k])}")
+        every_run[k][0].extend(per_lr[k][0])
+        every_run[k][1].extend(per_lr[k][1])
+
+
+def print_all(every_run: dict[int, tuple[list, list]]) -> None:
     print("all runs:")
     for k in HORIZONS:
         print(f"  k {k:2d}: {summary(*every_run[k])}")
+
+
+def replay_groups(where: Path) -> dict[tuple, list[dict]]:
+    """The recorded runs of ``where/*.json`` (``--record``), by (model, lr), seeds in order."""
+    groups: dict[tuple, list[dict]] = {}
+    for p in sorted(where.glob("*.json")):
+        rec = json.loads(p.read_text())
+        groups.setdefault((rec["model"], rec["lr"]), []).append(rec)
+    return {k: sorted(v, key=lambda r: r["seed"]) for k, v in sorted(groups.items())}
+
+
+def replayed_pairs(recs: list[dict]) -> dict[int, tuple[list, list]]:
+    """``pairs`` of every horizon over the runs ``recs``, replayed through the filter as it is now."""
+    out: dict[int, tuple[list, list]] = {k: ([], []) for k in HORIZONS}
+    for rec in recs:
+        ONE_BATCH.clear()
+        hist = replay(rec)
+        for k in HORIZONS:
+            new, old = pairs(hist, k, ONE_BATCH)
+            out[k][0].extend(new)
+            out[k][1].extend(old)
+    return out
+
+
+def cells(ps: list[tuple[float, float, float, float]]) -> list[str]:
+    """A table's cells for ``figures``: coverage, median width, median |error|, their ratio."""
+    cover, width, err = figures(ps)
+    return ["100%" if cover == 1 else f"{100 * cover:.1f}%", f"{width:.3f}", f"{err:.3f}", f"{width / err:.1f}" if err > 0 else "inf"]
+
+
+def _row(cells_: list[str]) -> str:
+    return "| " + " | ".join(cells_) + " |" if cells_[0] else "| | " + " | ".join(cells_[1:]) + " |"
+
+
+def markdown_rows(groups: dict[tuple, list[dict]]) -> list[str]:
+    """docs/forecast.md's table rows from recorded runs: per lr (its mean logged entropy at the first
+    and last step) and k, the forecasts, the filter's cells and the one-batch forecast's, then the
+    same over every run ("both" lrs, or "all")."""
+    every_label = "both" if len(groups) == 2 else "all"
+    rows, every = [], {k: ([], []) for k in HORIZONS}
+    for (_, lr), recs in groups.items():
+        per = replayed_pairs(recs)
+        H0 = statistics.mean(r["entropy"][0][1] for r in recs)
+        H1 = statistics.mean(r["entropy"][-1][1] for r in recs)
+        for i, k in enumerate(HORIZONS):
+            new, old = per[k]
+            every[k][0].extend(new)
+            every[k][1].extend(old)
+            head = f"{lr:.0e}".replace("e-0", "e-") + f" ({H0:.2f} -> {H1:.2f})" if i == 0 else ""
+            rows.append(_row([head, str(k), str(len(new)), *cells(new), *cells(old)]))
+    for i, k in enumerate(HORIZONS):
+        new, old = every[k]
+        rows.append(_row([every_label if i == 0 else "", str(k), str(len(new)), *cells(new), *cells(old)]))
+    return rows
+
+
+def replay_tables(where: Path, markdown: bool = False) -> None:
+    """The tables of ``main`` from recorded runs (``--record``), grouped by model and lr; ``markdown``:
+    as docs/forecast.md's table rows."""
+    groups = replay_groups(where)
+    if markdown:
+        print("\n".join(markdown_rows(groups)))
+        return
+    every_run: dict[int, tuple[list, list]] = {k: ([], []) for k in HORIZONS}
+    for (model, lr), recs in groups.items():
+        print(f"{model}, lr {lr:g}, {len(recs)} runs (seeds {', '.join(str(r['seed']) for r in recs)}):")
+        print_horizons(replayed_pairs(recs), every_run)
+    print_all(every_run)
 
 
 if __name__ == "__main__":

@@ -185,12 +185,16 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "--lower-lr 3e-5 --weighting-mode token_mean --show 30 --json /tmp/guard_smollm2.json "
     "--out docs/img/entropy_guard_smollm2_forecast.png": ("slow", ""),
     # docs/forecast.md (its figures: 9 runs of 60 steps, minutes; a short run of the same script is tested)
-    "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py": ("slow", ""),
+    "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py --record tests/data/forecast_runs/builtin": ("slow", ""),
+    "python benchmarks/forecast_calibration.py --replay tests/data/forecast_runs/builtin --markdown":
+        ("run", "tests/test_forecast_replay.py::test_docs_tables_are_the_recorded_runs_replayed"),
+    "python benchmarks/forecast_calibration.py --replay tests/data/forecast_runs/smollm2-B4 --markdown":
+        ("run", "tests/test_forecast_replay.py::test_docs_tables_are_the_recorded_runs_replayed"),
     # docs/memory.md: the job's peak against a TRL process's (SmolLM2, ~20 min on one core)
     "OMP_NUM_THREADS=1 python benchmarks/bench_probe.py --model smollm2 --reps 2 --trl --no-literal -- "
     "batch.B_E=6 batch.B_U=6 sampling.max_new_tokens=32": ("slow", ""),
     "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py --model smollm2 --lrs 3e-5,1e-5 --seeds 0 --steps 40 "
-    "--B 4 --max-new 8": ("slow", ""),
+    "--B 4 --max-new 8 --record tests/data/forecast_runs/smollm2-B4": ("slow", ""),
     # docs/planning.md (all four run in order by one test)
     ".venv/bin/python -m entprobe.main batch.B_E=8 batch.B_U=8 hydra.run.dir=outputs/pilot":
         ("run", "tests/test_plan.py::test_planning_doc_commands_run_verbatim"),

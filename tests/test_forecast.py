@@ -114,11 +114,18 @@ def test_calibration_script_runs(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    assert "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py" in (root / "docs" / "forecast.md").read_text()
+    assert "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py --record" in (root / "docs" / "forecast.md").read_text()
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "benchmarks/forecast_calibration.py", "--lrs", "1e-3", "--seeds", "0",
-                           "--steps", "20"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+                           "--steps", "20", "--record", str(tmp_path)], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [x for x in proc.stdout.splitlines() if "coverage" in x]
     assert len(lines) == 6 and all(f"k {k:2d}:" in "".join(lines) for k in (1, 5, 10))
+    # --replay of what --record wrote prints the same tables, with no training
+    again = subprocess.run([sys.executable, "benchmarks/forecast_calibration.py", "--replay", str(tmp_path)], cwd=root,
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [x.split(": ", 1)[1] for x in again.stdout.splitlines() if "coverage" in x] == \
+        [x.split(": ", 1)[1] for x in lines]
