@@ -80,6 +80,47 @@ def test_snapshot_device_rule(free_bytes):
     assert resolve_snapshot_device("cpu", CUDA, [p], opt) == CPU
     assert resolve_snapshot_device("auto", CPU, [p], opt) == CPU
     assert resolve_snapshot_device("gpu", CPU, [p], opt) == CPU  # no GPU: the model's device
+    # a chunked step's snapshot holds the weights alone: only they need to fit
+    free_bytes(snapshot_bytes([p], None) / DEVICE_SHARE)
+    assert resolve_snapshot_device("auto", CUDA, [p], opt) == CPU
+    assert resolve_snapshot_device("auto", CUDA, [p], opt, weights_only=True) == CUDA
+    free_bytes(snapshot_bytes([p], None) / DEVICE_SHARE - 4)
+    assert resolve_snapshot_device("auto", CUDA, [p], opt, weights_only=True) == CPU
+
+
+def test_the_ground_truth_sizes_a_chunked_steps_snapshot_by_the_weights(monkeypatch):
+    """``run_ground_truth`` asks ``resolve_snapshot_device`` for room for the weights alone where its
+    step would be chunked on the model's device (torch's AdamW) or takes no optimizer step
+    (``preconditioned_sgd``), for weights and state otherwise (an optimizer with its own step)."""
+    import dataclasses
+
+    from entprobe.config import ImportanceConfig, StepMode
+    from entprobe.math import paramvec as pv
+    from entprobe.pipeline.stages import ground_truth as gt
+    from entprobe.pipeline.stages.accumulate import accumulate, x_loss_of, y_loss_of
+    from exact_model import adamw_with_state, fixed_batch, make_setup
+
+    class OwnStep(torch.optim.AdamW):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    setup = make_setup()
+    ctx = setup.ctx("sequence", mb_size=64)
+    U, E = fixed_batch(setup, 4, 4, seed=500), setup.sample(4, 4, seed=12)
+    accY = accumulate(ctx, U, y_loss_of(ctx), "Y over U")
+    accX = accumulate(ctx, E, x_loss_of(ctx), "X over E", with_entropy=True)
+    Xbar, Ybar = (pv.scale_(pv.clone(a.sum_buf), 1.0 / a.B) for a in (accX, accY))
+    asked = []
+    real = gt.resolve_snapshot_device
+    monkeypatch.setattr(gt, "resolve_snapshot_device", lambda *a, **k: asked.append(k["weights_only"]) or real(*a, **k))
+    icfg = ImportanceConfig(importance_microbatch_size=64, resample_on_low_ess=False)
+    own = OwnStep(setup.params, lr=1e-3)
+    own.load_state_dict(adamw_with_state(setup).state_dict())
+    for opt, cfg in ((adamw_with_state(setup), icfg), (own, icfg),
+                     (adamw_with_state(setup), dataclasses.replace(icfg, step_mode=StepMode.preconditioned_sgd))):
+        inp = gt.StepInputs(opt, 1e-3, Xbar, Ybar, None, U.B, accX.S, accY.token_logp, accX.entropy)
+        gt.run_ground_truth(ctx, E, U, inp, cfg)
+    assert asked == [True, False, True]
 
 
 def test_stored_projection_reserves_device_buffers(free_bytes):

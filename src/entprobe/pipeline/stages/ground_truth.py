@@ -324,7 +324,9 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
     inject an exception there, or read theta_plus). The weights, the optimizer state and the
     model's train/eval mode are restored bit-exactly in every case."""
     res: dict[str, float] = {}
-    snap_dev = resolve_snapshot_device(icfg.snapshot_device, ctx.device, ctx.params, inp.optimizer)
+    mode = icfg.step_mode.value  # on the model's device the snapshot would hold the weights alone:
+    alone = mode == "preconditioned_sgd" or chunked_step_applies(inp.optimizer, ctx.params, ctx.device, mode)
+    snap_dev = resolve_snapshot_device(icfg.snapshot_device, ctx.device, ctx.params, inp.optimizer, weights_only=alone)
     res["snapshot_device"] = str(snap_dev)
     chunked = chunked_step_applies(inp.optimizer, ctx.params, snap_dev, icfg.step_mode.value)
     res["gt/chunked_step"] = float(chunked)  # 1: the snapshot holds the weights only

@@ -37,16 +37,19 @@ def snapshot_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer 
 
 
 def resolve_snapshot_device(spec: str, device: torch.device, params: list[torch.Tensor],
-                            optimizer: torch.optim.Optimizer | None) -> torch.device:
+                            optimizer: torch.optim.Optimizer | None, weights_only: bool = False) -> torch.device:
     """``importance.snapshot_device``: ``cpu``; ``gpu`` (or ``model``) the model's device; ``auto``
     the model's device when ``snapshot_bytes`` fit ``device_budget_bytes`` there, else the CPU
     (then taking the snapshot, the step's first-order terms and the restore cross the host link:
-    ~5 training-step units on an H100 with SmolLM2, benchmarks/README.md)."""
+    ~5 training-step units on an H100 with SmolLM2, benchmarks/README.md). ``weights_only``: the
+    snapshot there would hold the weights alone (a chunked step, stages/chunked_step.py), so only
+    they need to fit."""
     if spec == "cpu":
         return torch.device("cpu")
     if spec in ("gpu", "model") or device.type != "cuda":
         return device
-    return device if snapshot_bytes(params, optimizer) <= device_budget_bytes(device) else torch.device("cpu")
+    need = snapshot_bytes(params, None if weights_only else optimizer)
+    return device if need <= device_budget_bytes(device) else torch.device("cpu")
 
 
 def take(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None, device,
