@@ -25,7 +25,7 @@ from entprobe.math import paramvec as pv
 from entprobe.runtime import sharding
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.runtime.sharding import like_param, local
-from entprobe.pipeline.stages.chunked_step import chunked_step, chunked_step_applies
+from entprobe.pipeline.stages.chunked_step import chunked_step, chunked_step_applies, weights_only_snapshot
 from entprobe.pipeline.stages.context import ProbeContext, is_filler
 from entprobe.pipeline.stages.snapshot import resolve_snapshot_device, restore, take
 from entprobe.pipeline.stages.step_split import split_step, step_rounding_bound, xbar_dot_step  # noqa: F401
@@ -324,8 +324,7 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
     inject an exception there, or read theta_plus). The weights, the optimizer state and the
     model's train/eval mode are restored bit-exactly in every case."""
     res: dict[str, float] = {}
-    mode = icfg.step_mode.value  # on the model's device the snapshot would hold the weights alone:
-    alone = mode == "preconditioned_sgd" or chunked_step_applies(inp.optimizer, ctx.params, ctx.device, mode)
+    alone = weights_only_snapshot(inp.optimizer, ctx.params, ctx.device, icfg.step_mode.value)  # on the model's device
     snap_dev = resolve_snapshot_device(icfg.snapshot_device, ctx.device, ctx.params, inp.optimizer, weights_only=alone)
     res["snapshot_device"] = str(snap_dev)
     chunked = chunked_step_applies(inp.optimizer, ctx.params, snap_dev, icfg.step_mode.value)
@@ -345,9 +344,8 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
         else:
             U_lp = _recompute_grads(ctx, U, icfg, inp.B_U_global)
 
-    with ctx.phase("gt_snapshot"):  # preconditioned_sgd never steps the optimizer: its state needs no copy
-        snap = take(ctx.params, inp.optimizer, snap_dev,
-                    live_state=chunked or icfg.step_mode.value == "preconditioned_sgd")
+    with ctx.phase("gt_snapshot"):
+        snap = take(ctx.params, inp.optimizer, snap_dev, live_state=chunked or icfg.step_mode.value == "preconditioned_sgd")
     try:
         with ctx.phase("gt_step"):  # peak memory around the update is recorded for this phase
             try:
