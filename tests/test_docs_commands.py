@@ -184,6 +184,10 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "--max-new 8 --probe-every 10 --guard-every 2 --floor 0.5 --horizon 5 --runs unguarded,forecast,lower_lr "
     "--lower-lr 3e-5 --weighting-mode token_mean --show 30 --json /tmp/guard_smollm2.json "
     "--out docs/img/entropy_guard_smollm2_forecast.png": ("slow", ""),
+    # docs/guard.md: the recommended settings beside TRL's adaptive entropy on SmolLM2 (~50 min a run on one core)
+    "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --model smollm2 --steps 50 --lr 3e-4 --B 4 --B-E 4 "
+    "--max-new 8 --floor 0.5 --horizon 5 --runs recommended,trl_adaptive --weighting-mode token_mean "
+    "--json /tmp/guard_smollm2_recommended.json": ("slow", ""),
     # docs/forecast.md (its figures: 9 runs of 60 steps, minutes; a short run of the same script is tested)
     "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py --record tests/data/forecast_runs/builtin": ("slow", ""),
     "python benchmarks/forecast_calibration.py --replay tests/data/forecast_runs/builtin --markdown":
