@@ -208,6 +208,23 @@ def _same(a, b) -> bool:
     return a == b or (a != a and b != b)  # NaN == NaN here
 
 
+def assert_same_results(ref: dict, got: dict) -> None:
+    """Two ground truths' results: the same keys, every value bitwise equal (NaN equal to NaN)."""
+    assert got.keys() == ref.keys()
+    for k, v in ref.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, got[k]) or (v.isnan() == got[k].isnan()).all(), k
+        else:
+            assert _same(v, got[k]), k
+
+
+def spy_live_state(monkeypatch, module) -> list[bool]:
+    """Each ``module.take(...)`` call's ``live_state`` (the snapshot refers to the live state), in order."""
+    seen, real = [], module.take
+    monkeypatch.setattr(module, "take", lambda *a, **k: seen.append(k.get("live_state", False)) or real(*a, **k))
+    return seen
+
+
 @pytest.mark.parametrize("case", ["adamw", "adamw_repeated_split", "adamw_clipped_recomputed", "sgd_momentum"])
 def test_the_chunked_ground_truth_gives_the_full_paths_results_bit_for_bit(world, case, monkeypatch):
     """theta_plus, every result (the split's repeated zero-gradient steps included: chunked on the
@@ -234,12 +251,7 @@ def test_the_chunked_ground_truth_gives_the_full_paths_results_bit_for_bit(world
     assert bitwise_equal(state_fingerprint(setup.params, opt), before)
     assert bitwise_equal(theta, theta_full) and not bitwise_equal(theta, before[:len(theta)])
     assert (chunked.pop("gt/chunked_step"), full.pop("gt/chunked_step")) == (1.0, 0.0)
-    assert chunked.keys() == full.keys()
-    for k, v in full.items():
-        if isinstance(v, torch.Tensor):
-            assert torch.equal(v, chunked[k]) or (v.isnan() == chunked[k].isnan()).all(), k
-        else:
-            assert _same(v, chunked[k]), k
+    assert_same_results(full, chunked)
 
 
 def test_a_failure_in_a_later_chunk_of_the_ground_truth_restores_everything(world, monkeypatch):
@@ -274,21 +286,15 @@ def test_preconditioned_sgd_snapshots_the_weights_alone(world, monkeypatch):
     and the state is left as it was. It is not a chunked step (``gt/chunked_step`` 0)."""
     setup, opt, ctx, U, _, E, _ = world
     icfg = dataclasses.replace(ICFG, step_mode=StepMode.preconditioned_sgd, split_step=False)
-    live = []
     take_real = gt.take
-    monkeypatch.setattr(gt, "take", lambda *a, **k: live.append(k.get("live_state", False)) or take_real(*a, **k))
+    live = spy_live_state(monkeypatch, gt)
     before = state_fingerprint(setup.params, opt)
     r = gt.run_ground_truth(ctx, E, U, _inputs(world, opt), icfg)
     assert live == [True] and r["gt/chunked_step"] == 0.0
     assert bitwise_equal(state_fingerprint(setup.params, opt), before)
     monkeypatch.setattr(gt, "take", lambda *a, **k: take_real(*a, **{**k, "live_state": False}))
     full = gt.run_ground_truth(ctx, E, U, _inputs(world, opt), icfg)
-    assert full.keys() == r.keys()
-    for k, v in full.items():
-        if isinstance(v, torch.Tensor):
-            assert torch.equal(v, r[k]) or (v.isnan() == r[k].isnan()).all(), k
-        else:
-            assert _same(v, r[k]), k
+    assert_same_results(full, r)
 
 
 def test_chunks_are_bounded_by_bytes_and_whole_where_a_tensor_is_not_dense():
@@ -330,9 +336,7 @@ def test_the_optimizer_step_model_is_chunked_with_a_weights_only_snapshot(world,
         restore(setup.params, None, snap)
     Ybar = pv.scale_(pv.clone(accY.sum_buf), 1.0 / accY.B)
     assert sm.step_model_kind(opt, "optimizer") == "optimizer_step"
-    live = []
-    take_real = sm.take
-    monkeypatch.setattr(sm, "take", lambda *a, **k: live.append(k.get("live_state", False)) or take_real(*a, **k))
+    live = spy_live_state(monkeypatch, sm)
 
     def update(chunked: bool):
         monkeypatch.setattr(sm, "chunked_step_applies", lambda *a: chunked and cs.chunked_step_applies(*a))

@@ -5,7 +5,6 @@ recordings (tests/data/forecast_runs/) replayed through the filter as it is now,
 filter that moves them fails here until the page is regenerated with its command."""
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -22,10 +21,6 @@ from entprobe.integrations import online_filter as of  # noqa: E402
 EPS64 = sys.float_info.epsilon
 
 
-def _recordings(sub: str) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((RUNS / sub).glob("*.json"))]
-
-
 def replay_tolerance(rec: dict, value: float) -> float:
     """What another machine's fp64 kernels can move a replayed forecast by: each filter call sums at
     most ``len(probes kept) + STORED + M`` terms (the pool's 64 probes, the 32 stored steps, a batch's
@@ -40,7 +35,7 @@ def test_replay_gives_back_the_forecasts_the_run_logged(sub):
     """Every logged ``entprobe/forecast_*`` value of the recorded runs, replayed from the filter's
     recorded inputs alone, within ``replay_tolerance``; the recordings hold forecasts of every
     horizon (the test compares something)."""
-    recs = [r for r in _recordings(sub) if "logged" in r]
+    recs = [r for group in fcb.replay_groups(RUNS / sub).values() for r in group if "logged" in r]
     assert recs
     compared = 0
     for rec in recs:

@@ -78,11 +78,11 @@ def chunked_step_applies(optimizer: torch.optim.Optimizer | None, params: list[t
     return all(p.device == dev for p in everything)
 
 
-def weights_only_snapshot(optimizer: torch.optim.Optimizer | None, params: list[torch.Tensor], snapshot_device,
-                          step_mode: str) -> bool:
-    """Whether the ground truth's snapshot on ``snapshot_device`` holds the weights alone: its step is
-    chunked there, or it takes no optimizer step (``preconditioned_sgd``)."""
-    return step_mode == "preconditioned_sgd" or chunked_step_applies(optimizer, params, snapshot_device, step_mode)
+def weights_only_snapshot(step_mode: str, chunked: bool) -> bool:
+    """Whether the ground truth's snapshot holds the weights alone: its step is chunked
+    (``chunked``, from ``chunked_step_applies`` on the snapshot's device), or it takes no optimizer
+    step at all (``preconditioned_sgd``: the state is never touched)."""
+    return chunked or step_mode == "preconditioned_sgd"
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -324,10 +324,11 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
     inject an exception there, or read theta_plus). The weights, the optimizer state and the
     model's train/eval mode are restored bit-exactly in every case."""
     res: dict[str, float] = {}
-    alone = weights_only_snapshot(inp.optimizer, ctx.params, ctx.device, icfg.step_mode.value)  # on the model's device
+    mode = icfg.step_mode.value
+    alone = weights_only_snapshot(mode, chunked_step_applies(inp.optimizer, ctx.params, ctx.device, mode))  # on the model's device
     snap_dev = resolve_snapshot_device(icfg.snapshot_device, ctx.device, ctx.params, inp.optimizer, weights_only=alone)
     res["snapshot_device"] = str(snap_dev)
-    chunked = chunked_step_applies(inp.optimizer, ctx.params, snap_dev, icfg.step_mode.value)
+    chunked = chunked_step_applies(inp.optimizer, ctx.params, snap_dev, mode)
     res["gt/chunked_step"] = float(chunked)  # 1: the snapshot holds the weights only
     reuse = icfg.reuse_probe_gradient and icfg.training_loss.value == "rl"
     U_lp = inp.U_token_logp
@@ -345,7 +346,7 @@ def run_ground_truth(ctx: ProbeContext, E: RolloutBatch, U: RolloutBatch, inp: S
             U_lp = _recompute_grads(ctx, U, icfg, inp.B_U_global)
 
     with ctx.phase("gt_snapshot"):
-        snap = take(ctx.params, inp.optimizer, snap_dev, live_state=chunked or icfg.step_mode.value == "preconditioned_sgd")
+        snap = take(ctx.params, inp.optimizer, snap_dev, live_state=weights_only_snapshot(mode, chunked))
     try:
         with ctx.phase("gt_step"):  # peak memory around the update is recorded for this phase
             try:
