@@ -188,8 +188,9 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --model smollm2 --steps 50 --lr 3e-4 --B 4 --B-E 4 "
     "--max-new 8 --floor 0.5 --horizon 5 --runs recommended,trl_adaptive --weighting-mode token_mean "
     "--json /tmp/guard_smollm2_recommended.json": ("slow", ""),
-    # docs/forecast.md (its figures: 9 runs of 60 steps, minutes; a short run of the same script is tested)
-    "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py --record tests/data/forecast_runs/builtin": ("slow", ""),
+    # docs/forecast.md (its figures: 18 runs of 60 steps, minutes; a short run of the same script is tested)
+    "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py --seeds 0,1,2,3,4,5 --record tests/data/forecast_runs/builtin":
+        ("slow", ""),
     "python benchmarks/forecast_calibration.py --replay tests/data/forecast_runs/builtin --markdown":
         ("run", "tests/test_forecast_replay.py::test_docs_tables_are_the_recorded_runs_replayed"),
     "python benchmarks/forecast_calibration.py --replay tests/data/forecast_runs/smollm2-B4 --markdown":
