@@ -11,6 +11,7 @@ import pytest
 
 from entprobe.config import ConfigError
 from entprobe.integrations import guard as G
+from entprobe.integrations.guard_callback import EntropyGuardCallback
 from entprobe.integrations import guard_bonus as GB
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,7 +96,7 @@ def test_trl_loss_uses_the_coefficient_the_guard_set_and_the_probe_accepts_the_b
     from the start, in the loss the probe checks against .grad), the coefficient each decision sets is the
     one TRL's loss logs at the next step; every probe predicted (none refused for a gradient mismatch)."""
     trainer = _trainer(tmp_path)
-    cb = G.EntropyGuardCallback(trainer, every_n_steps=1, source="rollouts",
+    cb = EntropyGuardCallback(trainer, every_n_steps=1, source="rollouts",
                                 guard={"floor": 10.0, "entropy_coef_max": 0.5, "entropy_coef": 0.1})
     trainer.add_callback(cb)
     trainer.train()
@@ -135,7 +136,7 @@ def test_trl_probe_alone_carries_a_static_bonus_in_the_objective(tmp_path):
 def test_trl_layouts_the_knob_cannot_model_are_refused_before_training(tmp_path, config, kw, msg):
     trainer = _trainer(tmp_path, **config)
     with pytest.raises(ConfigError, match=msg) as e:
-        G.EntropyGuardCallback(trainer, every_n_steps=1, **{"source": "rollouts", **kw},
+        EntropyGuardCallback(trainer, every_n_steps=1, **{"source": "rollouts", **kw},
                                guard={"floor": 1.0, "entropy_coef_max": 0.5})
     assert "\n" not in str(e.value) and str(e.value).startswith("EntropyGuard: entropy_coef_max=0.5")
 

@@ -14,6 +14,7 @@ import torch
 
 from entprobe.config import ConfigError
 from entprobe.integrations import guard as G
+from entprobe.integrations.guard_callback import EntropyGuardCallback
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +59,7 @@ def test_trl_resume_continues_with_the_saved_factor(tmp_path, step_lrs, monkeypa
     def guarded(steps):
         tr = build_trainer(str(tmp_path), steps, prompts_per_step=4)
         tr.args.save_strategy, tr.args.save_steps = "steps", 2
-        cb = G.EntropyGuardCallback(tr, every_n_steps=2, guard={"max_decay": 0.0}, batch={"B_E": 4})
+        cb = EntropyGuardCallback(tr, every_n_steps=2, guard={"max_decay": 0.0}, batch={"B_E": 4})
         tr.add_callback(cb)
         return tr, cb
 
@@ -200,7 +201,7 @@ def test_trl_callback_takes_a_failed_steps_factor_off_at_the_next_train(monkeypa
     opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
     probe = _StubProbe(opt)
     monkeypatch.setattr(EntropyProbeCallback, "on_train_begin", lambda self, *a, **k: None)  # keeps self.probe
-    cb = object.__new__(G.EntropyGuardCallback)
+    cb = object.__new__(EntropyGuardCallback)
     cb.probe, cb.guard_kwargs = probe, {"max_decay": 0.1}
     cb.guard = G.EntropyGuard(probe, max_decay=0.1)
     cb.guard.before_step(1)  # then optimizer.step() raised out of trainer.train()
