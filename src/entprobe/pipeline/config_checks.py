@@ -10,7 +10,7 @@ from typing import Any
 from entprobe.math.token_functionals import TOKEN_MODES
 from entprobe.pipeline.stages.x_spec import PER_DECISION_IS_MODES as PER_DECISION_ESTIMATORS, resolve_x_estimator
 from entprobe.config import (ConfigError, EntprobeConfig, ModelSource, ProbeMode, WeightingMode, structured,
-                             what_if_errors)
+                             what_if_enabled)
 from entprobe.rollouts.coupled_uniforms import coupling_errors
 from entprobe.rollouts.objectives import config_errors
 from entprobe.tasks.prompt_ids import style_errors
@@ -29,6 +29,56 @@ from omegaconf.errors import OmegaConfBaseException
 WHAT_IF_MAX = 1e6
 JSONL_TASK = "entprobe.tasks.jsonl.JsonlTask"  # task=jsonl's _target_ (conf/task/jsonl.yaml)
 
+
+
+def what_if_errors(cfg) -> list[tuple[str, str]]:
+    """``(key, message)`` for every out-of-range ``probe.what_if`` value of a config (an
+    EntprobeConfig or a DictConfig of one); empty when the what-if settings are valid."""
+    w = cfg.probe.what_if
+    out = []
+
+    def bad_list(key, xs, ok, what):
+        seen = {}  # a repeat (to 6 significant digits) would share one results key: one value lost
+        for x in xs:
+            if not (isinstance(x, (int, float)) and math.isfinite(x) and ok(x)):
+                out.append((f"probe.what_if.{key}", f"has {x}; {what}"))
+                return
+            if f"{x:g}" in seen:
+                return out.append((f"probe.what_if.{key}", f"has {seen[f'{x:g}']} and {x}, the same setting to 6 "
+                                   "significant digits (one results key); give each value once"))
+            seen[f"{x:g}"] = x
+    bad_list("lr_factors", w.lr_factors, lambda x: x > 0, "each factor must be a finite number > 0")
+    bad_list("entropy_coef", w.entropy_coef, lambda x: x >= 0, "each coefficient must be a finite number >= 0")
+    bad_list("clip_cov", w.clip_cov, lambda x: 0 < x <= 1, "each ratio is a fraction of U's tokens in (0, 1]")
+    bad_list("kl_cov", w.kl_cov, lambda x: 0 < x <= 1, "each ratio is a fraction of U's tokens in (0, 1]")
+    bad_list("top_entropy_quantile", w.top_entropy_quantile, lambda x: 0 < x <= 1,
+             "each is the fraction of U's tokens kept (the highest-entropy ones), in (0, 1]")
+    t = w.target_deltaH
+    if t is not None and not (math.isfinite(t) and t != 0):
+        out.append(("probe.what_if.target_deltaH", f"is {t}; give a finite nonzero change in nats (or null)"))
+    if not (math.isfinite(w.clip_cov_lb) and math.isfinite(w.clip_cov_ub) and w.clip_cov_lb < w.clip_cov_ub):
+        out.append(("probe.what_if.clip_cov_lb", f"is {w.clip_cov_lb} with clip_cov_ub {w.clip_cov_ub}; "
+                    "need finite bounds with clip_cov_lb < clip_cov_ub"))
+    if not (math.isfinite(w.ppo_kl_coef) and w.ppo_kl_coef >= 0):
+        out.append(("probe.what_if.ppo_kl_coef", f"is {w.ppo_kl_coef}; must be a finite number >= 0"))
+    if not 0 <= w.seed < 2**63:  # torch.Generator's range: a larger one failed after the passes
+        out.append(("probe.what_if.seed", f"is {w.seed}; seeds must be in [0, 2^63)"))
+    if not what_if_enabled(w):
+        if w.measure:
+            out.append(("probe.what_if.measure", "is true but no what-if setting is given: set lr_factors, "
+                        "entropy_coef, clip_cov, kl_cov or top_entropy_quantile too"))
+        return out
+    mode = getattr(cfg.probe.mode, "value", cfg.probe.mode)
+    if mode != "two_batch":
+        out.append(("probe.what_if", f"is set with probe.mode={mode}: what-if predictions need the two-batch "
+                    "probe (a held-out E to project each setting's step on); use probe.mode=two_batch"))
+    i = cfg.importance
+    if w.measure and not i.enabled:
+        out.append(("probe.what_if.measure", "needs the ground truth: set importance.enabled=true"))
+    if w.measure and not (i.reuse_probe_gradient and getattr(i.training_loss, "value", i.training_loss) == "rl"):
+        out.append(("probe.what_if.measure", "steps on each setting's own gradient: set "
+                    "importance.reuse_probe_gradient=true and importance.training_loss=rl"))
+    return out
 
 def _require(ok: bool, key: str, msg: str) -> None:
     if not ok:
