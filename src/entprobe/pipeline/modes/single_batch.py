@@ -48,7 +48,7 @@ from entprobe.runtime.atomic_io import atomic_open
 from entprobe.pipeline.geometry import Geometry
 from entprobe.reporting.tables import write_per_unit
 from entprobe.rollouts.sampling import RolloutBatch
-from entprobe.pipeline.stages.accumulate import check_grads, prepare_x
+from entprobe.pipeline.stages.accumulate import check_grads, prepare_x, require_grad_path
 from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.pipeline.stages.x_spec import functional_value
 from entprobe.pipeline.stages.ground_truth import StepInputs, run_ground_truth
@@ -106,8 +106,7 @@ def _x_loss(ctx: ProbeContext, fwd, mb: RolloutBatch, c: UnitCoeffs) -> torch.Te
 
 
 def _backward(ctx: ProbeContext, loss: torch.Tensor, mb: RolloutBatch, retain: bool = False) -> None:
-    if not loss.requires_grad:
-        raise RuntimeError("the probe loss has no gradient path (autograd disabled, or all parameters frozen?)")
+    require_grad_path(loss, "single_batch")
     loss.backward(retain_graph=retain)
     ctx.stats.count("backward", mb.B * mb.G)
 

@@ -102,6 +102,14 @@ def _name_non_finite(ctx: ProbeContext, grads: list, what: str) -> None:
         raise FloatingPointError(f"{what}: NaN/Inf gradient in {bad}")
 
 
+def require_grad_path(loss: torch.Tensor, what: str) -> None:
+    """A probe loss without a gradient path (autograd disabled, or every parameter frozen) is an
+    error that says so, before a backward pass that would fail with torch's own message."""
+    if not loss.requires_grad:
+        raise RuntimeError(f"{what}: the probe loss has no gradient path (is autograd disabled, or are all "
+                           "parameters frozen?)")
+
+
 def _vmap_unit_grads(ctx: ProbeContext, mb: RolloutBatch, loss_of, what: str, with_entropy: bool):
     """One forward over the microbatch, then every unit's gradient from one batched backward
     (``autograd.grad(..., is_grads_batched=True)``: vmap over the unit losses). As many ops as one
@@ -111,9 +119,7 @@ def _vmap_unit_grads(ctx: ProbeContext, mb: RolloutBatch, loss_of, what: str, wi
         fwd = ctx.forward_S(mb, what, with_entropy=with_entropy)
         S, lp, ent = fwd
         losses = torch.stack([loss_of(fwd.unit(u), mb.select(u)) for u in range(mb.B)])
-        if not losses.requires_grad:
-            raise RuntimeError(f"{what}: the probe loss has no gradient path (is autograd "
-                               "disabled, or are all parameters frozen?)")
+        require_grad_path(losses, what)
         eye = torch.eye(mb.B, dtype=losses.dtype, device=losses.device)
         gb = torch.autograd.grad(losses, ctx.params, grad_outputs=eye, is_grads_batched=True,
                                  allow_unused=True)
@@ -229,9 +235,7 @@ def accumulate(ctx: ProbeContext, batch: RolloutBatch, loss_of, label: str,
                         fwd = ctx.forward_S(piece, what, with_entropy=with_entropy)
                         S, lp, ent = fwd
                         loss = loss_of(fwd, piece)
-                        if not loss.requires_grad:
-                            raise RuntimeError(f"{what}: the probe loss has no gradient path (is autograd "
-                                               "disabled, or are all parameters frozen?)")
+                        require_grad_path(loss, what)
                         loss.backward()
                     ctx.stats.count("backward", 0 if is_filler(piece) else piece.B * piece.G)
                     if keep_unit_grads:
@@ -280,9 +284,7 @@ def _ghost_unit_grads(ctx: ProbeContext, hooks: GhostHooks, piece: RolloutBatch,
         fwd = ctx.forward_S(piece, what, with_entropy=with_entropy)
         S, lp, ent = fwd
         loss = loss_of(fwd, piece)
-        if not loss.requires_grad:
-            raise RuntimeError(f"{what}: the probe loss has no gradient path (is autograd "
-                               "disabled, or are all parameters frozen?)")
+        require_grad_path(loss, what)
         extra = None
         if hooks.uncovered:
             ps = [ctx.params[i] for i in hooks.uncovered]

@@ -37,7 +37,7 @@ from entprobe.math import unit_dots as ud
 from entprobe.math.adamw import StepModel
 from entprobe.math.rollout_ustat import UnitDots, clip_coefficient
 from entprobe.rollouts.sampling import RolloutBatch
-from entprobe.pipeline.stages.accumulate import accumulate, check_grads, prepare_x, y_loss_of
+from entprobe.pipeline.stages.accumulate import accumulate, check_grads, prepare_x, require_grad_path, y_loss_of
 from entprobe.pipeline.stages.context import ProbeContext
 from entprobe.pipeline.stages.prediction import directions
 from entprobe.pipeline.stages import rollout_bonus as rb
@@ -232,9 +232,7 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
             with torch.enable_grad():
                 fwd = ctx.forward_S(unit, what, with_entropy=with_entropy)
                 x_loss = ctx.x.loss(fwd, unit)
-                if not x_loss.requires_grad:
-                    raise RuntimeError(f"{what}: the probe loss has no gradient path (autograd disabled, or "
-                                       "all parameters frozen?)")
+                require_grad_path(x_loss, what)
                 x_loss.backward(retain_graph=not zero_y[n])
                 check_grads(ctx, f"{what} (X)")
                 X = _take_grads(ctx)
