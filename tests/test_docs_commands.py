@@ -198,7 +198,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
     # docs/memory.md: the job's peak against a TRL process's (SmolLM2, ~20 min on one core)
     "OMP_NUM_THREADS=1 python benchmarks/bench_probe.py --model smollm2 --reps 2 --trl --no-literal -- "
     "batch.B_E=6 batch.B_U=6 sampling.max_new_tokens=32": ("slow", ""),
-    "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py --model smollm2 --lrs 3e-5,1e-5 --seeds 0 --steps 40 "
+    "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py --model smollm2 --lrs 3e-5,1e-5 --seeds 0,1 --steps 40 "
     "--B 4 --max-new 8 --record tests/data/forecast_runs/smollm2-B4": ("slow", ""),
     # docs/planning.md (all four run in order by one test)
     ".venv/bin/python -m entprobe.main batch.B_E=8 batch.B_U=8 hydra.run.dir=outputs/pilot":
