@@ -286,7 +286,7 @@ def _row(cells_: list[str]) -> str:
 def markdown_rows(groups: dict[tuple, list[dict]]) -> list[str]:
     """docs/forecast.md's table rows from recorded runs: per lr (its mean logged entropy at the first
     and last step) and k, the forecasts, the filter's cells and the one-batch forecast's, then the
-    same over every run ("both" lrs, or "all")."""
+    same over every run ("both" lrs, or "all"; not for one lr)."""
     every_label = "both" if len(groups) == 2 else "all"
     rows, every = [], {k: ([], []) for k in HORIZONS}
     for (_, lr), recs in groups.items():
@@ -301,7 +301,8 @@ def markdown_rows(groups: dict[tuple, list[dict]]) -> list[str]:
             rows.append(_row([head, str(k), str(len(new)), *cells(new), *cells(old)]))
     for i, k in enumerate(HORIZONS):
         new, old = every[k]
-        rows.append(_row([every_label if i == 0 else "", str(k), str(len(new)), *cells(new), *cells(old)]))
+        if len(groups) > 1:  # one lr: its rows are the whole
+            rows.append(_row([every_label if i == 0 else "", str(k), str(len(new)), *cells(new), *cells(old)]))
     return rows
 
 

@@ -195,6 +195,10 @@ COVERAGE: dict[str, tuple[str, str]] = {
         ("run", "tests/test_forecast_replay.py::test_docs_tables_are_the_recorded_runs_replayed"),
     "python benchmarks/forecast_calibration.py --replay tests/data/forecast_runs/smollm2-B4 --markdown":
         ("run", "tests/test_forecast_replay.py::test_docs_tables_are_the_recorded_runs_replayed"),
+    "python benchmarks/forecast_calibration.py --replay tests/data/forecast_runs/smollm2-B16 --markdown":
+        ("run", "tests/test_forecast_replay.py::test_docs_tables_are_the_recorded_runs_replayed"),
+    "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py --model smollm2 --lrs 1e-5 --seeds 0 --steps 40 "
+    "--B 16 --max-new 8 --rollouts-prompts 4 --record tests/data/forecast_runs/smollm2-B16": ("slow", ""),
     # docs/memory.md: the job's peak against a TRL process's (SmolLM2, ~20 min on one core)
     "OMP_NUM_THREADS=1 python benchmarks/bench_probe.py --model smollm2 --reps 2 --trl --no-literal -- "
     "batch.B_E=6 batch.B_U=6 sampling.max_new_tokens=32": ("slow", ""),

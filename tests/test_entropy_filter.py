@@ -110,7 +110,7 @@ def test_without_the_run_s_history_it_is_the_one_batch_forecast():
 def test_the_pool():
     """One estimate: itself. Equal variances, no spread: the discounted mean, variance ``sum w^2 v``.
     A spread beyond the variances adds it (tau^2); estimates without variance (a batch whose advantages
-    are all 0) do not take all the weight once others differ from them."""
+    are all 0) do not take all the weight once others differ from them, nor make the pool exact."""
     assert ef.pool([0.3], [0.01], [0], 0.9)[:2] == (0.3, 0.01)
     g, var, w, tau2 = ef.pool([1.0, 1.0, 1.0], [0.04, 0.04, 0.04], [0, 1, 2], 0.9)
     d = [1, 0.9, 0.81]
@@ -122,6 +122,13 @@ def test_the_pool():
     wt = [1 / tau2, 1 / tau2, 1 / (1 + tau2)]
     assert g == pytest.approx(3 * wt[2] / sum(wt), rel=8 * EPS) and 0 < g < 1
     assert ef.pool([0.0, 0.0], [0.0, 0.0], [0, 3], 0.9)[:2] == (0.0, 0.0)
+    # two tied batches (0, variance 0) and one far off with a large variance: s^2 = 1/3 < mean v = 10/3,
+    # so tau^2 = 0 and the inverse-variance weights are undefined. The pool is the mean, -1/3, with the
+    # variance of its spread, sum (1/3)^2 (x - g)^2 x 3/2 = 1/9: not 0, which would forecast the old
+    # batches' mean as exact (a collapse's probes, forecast to fall on forever)
+    g, var, w, tau2 = ef.pool([0.0, 0.0, -1.0], [0.0, 0.0, 10.0], [0, 0, 0], 1.0)
+    assert tau2 == 0 and w == [1 / 3] * 3
+    assert g == pytest.approx(-1 / 3, rel=4 * EPS) and var == pytest.approx(1 / 9, rel=16 * EPS)
 
 
 def test_run_scale_and_the_variogram():

@@ -114,7 +114,7 @@ def test_calibration_script_runs(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    assert "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py --record" in (root / "docs" / "forecast.md").read_text()
+    assert "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py --seeds 0,1,2,3,4,5 --record" in (root / "docs" / "forecast.md").read_text()
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "benchmarks/forecast_calibration.py", "--lrs", "1e-3", "--seeds", "0",

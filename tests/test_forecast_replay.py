@@ -62,7 +62,8 @@ def _doc_rows(heading: str) -> list[str]:
 
 
 @pytest.mark.parametrize("sub,heading", [("builtin", "| lr (logged entropy, step 1 -> 60)"),
-                                         ("smollm2-B4", "| lr (logged entropy, step 1 -> 40)")])
+                                         ("smollm2-B4", "| lr (logged entropy, step 1 -> 40)"),
+                                         ("smollm2-B16", "| lr, 16 prompts a step (logged entropy, step 1 -> 40)")])
 def test_docs_tables_are_the_recorded_runs_replayed(sub, heading):
     """docs/forecast.md's rows, verbatim, from its command ``python benchmarks/forecast_calibration.py
     --replay tests/data/forecast_runs/<sub> --markdown`` (run as the page shows it)."""

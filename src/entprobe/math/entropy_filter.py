@@ -32,7 +32,8 @@ chi-square(1) median: robust to a few jumps, ``robust_square_mean``).
 step drifts) and adds the spread between probes beyond their own variances, ``tau^2 = max(0, s^2 -
 mean v)`` (a random effect: a batch whose advantages are all 0 has ``v = 0``, the next may not):
 ``w_i = lambda^age_i / (v_i + tau^2)``, ``g = sum w g_i / sum w``, ``Var g = sum w_i^2 (v_i + tau^2) /
-(sum w)^2`` (``pool``).
+(sum w)^2`` (``pool``; where some ``v_i + tau^2 = 0`` the discounted mean, its
+variance from the estimates' spread).
 
 **Forecast k steps ahead** (``horizon_moments``): ``L_{n+k} = L_n + beta U_k + e`` with ``U_k`` the
 predicted change over k steps (the one-batch formula, the fresh part pooled: ``pooled_changes``) and
@@ -91,8 +92,11 @@ def pool(x: list[float], v: list[float], age: list[float], lam: float) -> tuple[
     """``(g, Var g, w, tau^2)``: the estimates ``x_i`` (variances ``v_i``, ``age_i`` steps old) pooled
     by inverse variance with a random effect ``tau^2`` and discounted by ``lam^age`` (module
     docstring), ``w`` the normalised weights (``g = sum w_i x_i``, ``Var g = sum w_i^2 (v_i + tau^2)``).
-    One estimate: itself, its own variance. Estimates without variance (all equal: tau^2 = 0, every
-    v_i = 0): their discounted mean, variance 0."""
+    One estimate: itself, its own variance. Some estimates without variance (a batch whose groups all
+    tied: ``v_i = 0``) and no spread beyond the others' own (tau^2 = 0): the inverse-variance weights
+    are undefined, so their discounted mean with the variance of its spread, ``sum a_i^2 (x_i -
+    g)^2 n_eff / (n_eff - 1)`` (``a_i = lam^age_i / sum lam^age``; 0 only when every estimate is the
+    same), not 0: the tied batches are not exact, and the estimates that differ from them say so."""
     if not x:
         raise ValueError("pool: no estimate")
     d = [lam ** a for a in age]
@@ -103,7 +107,9 @@ def pool(x: list[float], v: list[float], age: list[float], lam: float) -> tuple[
     tau2 = max(0.0, s2 - sum(di * vi for di, vi in zip(d, v)) / sd)
     tot = [vi + tau2 for vi in v]
     if any(t <= 0 for t in tot):
-        return mu0, 0.0, [di / sd for di in d], tau2
+        a = [di / sd for di in d]
+        spread = sum(ai * ai * (xi - mu0) ** 2 for ai, xi in zip(a, x)) * (n_eff / (n_eff - 1) if n_eff > 1 else 0.0)
+        return mu0, spread, a, tau2
     w = [di / t for di, t in zip(d, tot)]
     sw = sum(w)
     w = [wi / sw for wi in w]
