@@ -121,6 +121,7 @@ class DType(str, Enum):
     float32 = "float32"
     float16 = "float16"
     bfloat16 = "bfloat16"
+    float64 = "float64"
 
 
 class Autocast(str, Enum):

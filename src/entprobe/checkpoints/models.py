@@ -19,8 +19,10 @@ from entprobe.runtime.input_files import InputFileError
 from entprobe.checkpoints.peft import AdapterError, apply_adapter, is_adapter_dir, resolve_adapter
 from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
 from entprobe.rollouts.logprobs import autocast_dtype
+from entprobe.runtime.wide_forward import widen_forward
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float64": torch.float64}
 
 
 @dataclass
@@ -120,6 +122,7 @@ def load_model(cfg, check_tokenizer: Callable[[object], None] | None = None) -> 
     else:
         raise ValueError(f"model.source={source!r}; use builtin, hf or gguf")
     model.to(device)
+    widen_forward(model)  # float64 weights: norms and softmax in fp64 too (a no-op at fp32 and below)
     model.train()  # the probe differentiates; dropout-free models behave the same in train mode
     _disable_dropout(model)
     if cfg.activation_checkpointing:

@@ -183,14 +183,16 @@ def _lower_precision(r: dict) -> str:
 
 def _rounding_floor(r: dict) -> str:
     """When the paired SE is mostly the rounding bound (``_below_rounding_floor``), the test resolves
-    nothing at this lr: say so, with the dtype when it is coarser than fp32 and the smallest lr at
-    which it would (``lr_floor_true_minus_pred``)."""
+    nothing at this lr: say so, with the dtype when it is coarser than fp32, the smallest lr at
+    which it would (``lr_floor_true_minus_pred``) and, for fp32 passes, that fp64 ones
+    (``model.dtype=float64``, runtime/wide_forward.py) have a far lower floor."""
     if not _below_rounding_floor(r):
         return ""
     floor = r.get("lr_floor_true_minus_pred")
     at = f"; it resolves from lr ~{floor:.1g}" if _finite(floor) else ""
     dt = _lower_precision(r)
-    return f", below the {dt + ' ' if dt else ''}rounding floor: not resolved at this lr{at}"
+    wider = "; model.dtype=float64 lowers the floor" if r.get("forward_dtype") == "float32" else ""
+    return f", below the {dt + ' ' if dt else ''}rounding floor: not resolved at this lr{at}{wider}"
 
 
 def precision_breaks_pairing(r: dict) -> str:

@@ -25,6 +25,7 @@ from entprobe.math import paramvec as pv
 from entprobe.runtime import sharding
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.runtime.sharding import like_param, local
+from entprobe.runtime.wide_forward import wide_forward_dtype
 from entprobe.pipeline.stages.chunked_step import chunked_step, chunked_step_applies, weights_only_snapshot
 from entprobe.pipeline.stages.context import ProbeContext, is_filler
 from entprobe.pipeline.stages.snapshot import resolve_snapshot_device, restore, take
@@ -143,10 +144,13 @@ EPS32 = torch.finfo(torch.float32).eps
 
 
 def forward_dtype(ctx: ProbeContext) -> torch.dtype:
-    """The dtype that sets the model's forward passes' working precision: the coarsest of fp32 (HF
-    models run their norms and softmax in at least fp32: an fp64 model's log-probs still carry fp32
-    rounding), the parameters' dtype and the autocast dtype (``model.autocast``)."""
-    dts = {p.dtype for p in ctx.params if p.is_floating_point()} | {torch.float32}
+    """The dtype that sets the model's forward passes' working precision: the coarsest of the
+    parameters' dtype, the autocast dtype (``model.autocast``) and fp32 (HF models run their norms
+    and softmax in at least fp32: an fp64 model's log-probs carry fp32 rounding), the last left out
+    where ``runtime.wide_forward.widen_forward`` made the forward compute in the weights' dtype
+    throughout (``model.dtype=float64`` in the job)."""
+    wide = wide_forward_dtype(ctx.model) if ctx.model is not None else None
+    dts = {p.dtype for p in ctx.params if p.is_floating_point()} | {wide or torch.float32}
     if getattr(ctx, "autocast_dtype", None) is not None:
         dts.add(ctx.autocast_dtype)
     return max(dts, key=lambda d: torch.finfo(d).eps)
