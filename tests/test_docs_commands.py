@@ -65,6 +65,13 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "'probe.what_if.entropy_coef=[0.001]' 'probe.what_if.clip_cov=[0.0002]' 'probe.what_if.kl_cov=[0.0002]' "
     "probe.what_if.measure=true":
         ("run", "tests/test_what_if_config.py::test_readme_what_if_command_measures_each_setting_paired_with_its_prediction"),
+    # docs/uncertainty.md (the paired test in fp64)
+    "python -m entprobe.main model=hf model.path=tests/data/default_model batch.load=tests/data/batches/readme "
+    "optimizer.lr=1e-7 model.dtype=float64":
+        ("run", "tests/test_wide_forward.py::DOCUMENTED"),
+    "python -m entprobe.main model=hf model.path=tests/data/default_model batch.load=tests/data/batches/readme "
+    "optimizer.lr=1e-7 model.dtype=float32":
+        ("run", "tests/test_wide_forward.py::DOCUMENTED"),
     # docs/probing.md and docs/objectives.md
     "python -m entprobe.main objective=trl objective.loss_type=dr_grpo":
         ("run", "tests/test_objectives.py::test_documented_trl_command_runs_verbatim"),

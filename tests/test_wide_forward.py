@@ -4,18 +4,22 @@ The exact model's coverage with and without is in tests/test_paired_rounding.py.
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import committed_batches, compose_cfg
 from entprobe.checkpoints.builtin import build_tiny_llama
-from entprobe.cli.probe_job import run
 from entprobe.pipeline.stages.ground_truth import forward_dtype
 from entprobe.reporting.verdict import paired_test
 from entprobe.runtime.wide_forward import WIDE_SOFTMAX_ATTR, wide_forward_dtype, widen_forward
 
+ROOT = Path(__file__).resolve().parents[1]
 EPS_RATIO = torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps  # 2^-29
 IDS = torch.tensor([[1, 3, 4, 5, 3, 4, 2], [1, 5, 5, 3, 4, 2, 0]])
 
@@ -84,14 +88,25 @@ def test_the_working_precision_is_read_through_wrappers():
     assert forward_dtype(ctx(m, torch.bfloat16)) is torch.bfloat16
 
 
+DOCUMENTED = ("python -m entprobe.main model=hf model.path=tests/data/default_model "
+              "batch.load=tests/data/batches/readme optimizer.lr=1e-7 model.dtype={}")
+
+
 @pytest.fixture(scope="module")
 def tiny_lr_runs(tmp_path_factory) -> dict:
-    """The job at lr 1e-7 on the committed model and batches, in fp32 and with model.dtype=float64."""
+    """docs/uncertainty.md's two commands, verbatim (their relative paths resolve through a link to
+    tests/): the job at lr 1e-7 on the committed model and batches, in fp64 and in fp32."""
     out = {}
-    for dt in ("float32", "float64"):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    for dt in ("float64", "float32"):
         d = tmp_path_factory.mktemp(f"wide_{dt}")
-        out[dt] = run(compose_cfg(d, *committed_batches("readme"), "batch.B_E=8", "batch.B_U=8", "optimizer.lr=1e-7",
-                                  f"model.dtype={dt}"))
+        (d / "tests").symlink_to(ROOT / "tests")
+        cmd = DOCUMENTED.format(dt)
+        proc = subprocess.run([sys.executable, *cmd.split()[1:]], cwd=d, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (run_dir,) = d.glob("outputs/*/*")
+        out[dt] = json.loads((run_dir / "results.json").read_text())
     return out
 
 
