@@ -192,11 +192,13 @@ def main() -> None:
     ap.add_argument("--record", default=None, help="write each run's filter inputs to DIR/<run>.json")
     ap.add_argument("--replay", default=None, help="recompute the tables from DIR/*.json (--record's), no training")
     ap.add_argument("--markdown", action="store_true", help="with --replay: print docs/forecast.md's table rows")
+    ap.add_argument("--best-scale", action="store_true",
+                    help="with --replay: per row the narrowest rescaled interval covering 90%% / 95%% (best_scale)")
     ap.add_argument("--rollouts-prompts", type=int, default=None,
                     help="TRL models: probe.rollouts_prompts (X and Y on this many of the step's prompts; default all)")
     a = ap.parse_args()
     if a.replay:
-        return replay_tables(Path(a.replay), a.markdown)
+        return replay_tables(Path(a.replay), a.markdown, a.best_scale)
     lrs = [float(x) for x in a.lrs.split(",")]
     seeds = [int(x) for x in a.seeds.split(",")]
     every_run: dict[int, tuple[list, list]] = {k: ([], []) for k in HORIZONS}
@@ -306,10 +308,51 @@ def markdown_rows(groups: dict[tuple, list[dict]]) -> list[str]:
     return rows
 
 
-def replay_tables(where: Path, markdown: bool = False) -> None:
+def scale_needed(ps: list[tuple[float, float, float, float]]) -> list[float]:
+    """Per (forecast, low, high, realised): the factor c by which the interval's distance from the
+    forecast on the realised value's side must be scaled to reach it (<= 1: covered as it is)."""
+    out = []
+    for f, lo, hi, r in ps:
+        side = f - lo if r < f else hi - f
+        out.append(abs(r - f) / side if side > 0 else (0.0 if r == f else math.inf))
+    return out
+
+
+def best_scale(ps: list[tuple[float, float, float, float]], level: float) -> tuple[float, float]:
+    """The narrowest interval of the filter's shape that covers ``level`` of ``ps``: the smallest
+    factor c on both sides' distances from the forecast (the ``level`` quantile of
+    ``scale_needed``) and that interval's median width over the median |error| (lower end clipped
+    at 0, as the filter clips). No factor of one row does better at that coverage: a row whose ratio
+    exceeds 8 here cannot meet the goal by recalibrating the SE's scale, only by an SE whose shape
+    foresees which forecasts will miss, or a sharper forecast."""
+    c = sorted(scale_needed(ps))[min(len(ps) - 1, math.ceil(level * len(ps)) - 1)]
+    width = statistics.median(f + c * (hi - f) - max(f - c * (f - lo), 0.0) for f, lo, hi, _ in ps)
+    err = statistics.median(abs(f - r) for f, _, _, r in ps)
+    return c, (width / err if err > 0 else math.inf)
+
+
+def best_scale_rows(groups: dict[tuple, list[dict]]) -> list[str]:
+    """docs/forecast.md's rescaling rows: per run (model, lr) and k, the forecasts, then
+    ``best_scale`` at 90% and 95% coverage (the factor, and the width / error it gives)."""
+    rows = []
+    for (model, lr), recs in groups.items():
+        per = replayed_pairs(recs)
+        for i, k in enumerate(HORIZONS):
+            new = per[k][0]
+            c90, r90 = best_scale(new, 0.90)
+            c95, r95 = best_scale(new, 0.95)
+            head = f"{model}, " + f"{lr:.0e}".replace("e-0", "e-") if i == 0 else ""
+            rows.append(_row([head, str(k), str(len(new)), f"{c90:.2f}", f"{r90:.1f}", f"{c95:.2f}", f"{r95:.1f}"]))
+    return rows
+
+
+def replay_tables(where: Path, markdown: bool = False, best: bool = False) -> None:
     """The tables of ``main`` from recorded runs (``--record``), grouped by model and lr; ``markdown``:
     as docs/forecast.md's table rows."""
     groups = replay_groups(where)
+    if best:
+        print("\n".join(best_scale_rows(groups)))
+        return
     if markdown:
         print("\n".join(markdown_rows(groups)))
         return

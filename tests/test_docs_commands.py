@@ -204,6 +204,12 @@ COVERAGE: dict[str, tuple[str, str]] = {
         ("run", "tests/test_forecast_replay.py::test_docs_tables_are_the_recorded_runs_replayed"),
     "python benchmarks/forecast_calibration.py --replay tests/data/forecast_runs/smollm2-B16 --markdown":
         ("run", "tests/test_forecast_replay.py::test_docs_tables_are_the_recorded_runs_replayed"),
+    "python benchmarks/forecast_calibration.py --replay tests/data/forecast_runs/builtin --best-scale":
+        ("run", "tests/test_forecast_replay.py::test_docs_rescaling_rows_are_the_recorded_runs_replayed"),
+    "python benchmarks/forecast_calibration.py --replay tests/data/forecast_runs/smollm2-B4 --best-scale":
+        ("run", "tests/test_forecast_replay.py::test_docs_rescaling_rows_are_the_recorded_runs_replayed"),
+    "python benchmarks/forecast_calibration.py --replay tests/data/forecast_runs/smollm2-B16 --best-scale":
+        ("run", "tests/test_forecast_replay.py::test_docs_rescaling_rows_are_the_recorded_runs_replayed"),
     "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py --model smollm2 --lrs 1e-5 --seeds 0 --steps 40 "
     "--B 16 --max-new 8 --rollouts-prompts 4 --record tests/data/forecast_runs/smollm2-B16": ("slow", ""),
     # docs/memory.md: the job's peak against a TRL process's (SmolLM2, ~20 min on one core)

@@ -78,3 +78,36 @@ def test_docs_tables_are_the_recorded_runs_replayed(sub, heading):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _doc_rows(heading) == proc.stdout.strip().splitlines()
     assert _doc_rows(heading) == fcb.markdown_rows(fcb.replay_groups(RUNS / sub))
+
+
+def test_docs_rescaling_rows_are_the_recorded_runs_replayed():
+    """docs/forecast.md's rescaling table, verbatim: the three ``--replay ... --best-scale`` commands,
+    run as the page shows them, in order."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    printed = []
+    for sub in ("builtin", "smollm2-B4", "smollm2-B16"):
+        cmd = f"python benchmarks/forecast_calibration.py --replay tests/data/forecast_runs/{sub} --best-scale"
+        assert cmd in (ROOT / "docs" / "forecast.md").read_text()
+        proc = subprocess.run([sys.executable, *cmd.split()[1:]], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        printed += proc.stdout.strip().splitlines()
+    assert _doc_rows("| lr, recorded runs | k | forecasts | c for 90%") == printed
+
+
+def test_best_scale_is_the_narrowest_factor_that_covers():
+    """Four forecasts at 0 with intervals [-1, 1] and realised values 0.2, -0.5, 0.9, 3: the factors
+    needed are 0.2, 0.5, 0.9, 3, so 75% coverage takes c = 0.9 and 50% c = 0.5 (the width then 2c,
+    the lower end clipped at 0 only where it falls below: the forecasts here sit at 1 with [0, 2]);
+    an interval's sides scale apart (the upper side 2 for a realised value above)."""
+    ps = [(1.0, 0.0, 2.0, r) for r in (1.2, 0.5, 1.9, 4.0)]
+    assert fcb.scale_needed(ps) == pytest.approx([0.2, 0.5, 0.9, 3.0])
+    c, ratio = fcb.best_scale(ps, 0.75)
+    err = sorted(abs(1.0 - r) for r in (1.2, 0.5, 1.9, 4.0))
+    assert c == pytest.approx(0.9) and ratio == pytest.approx(2 * 0.9 / ((err[1] + err[2]) / 2))
+    assert fcb.best_scale(ps, 0.5)[0] == pytest.approx(0.5)
+    lopsided = [(1.0, 0.5, 3.0, 2.0), (1.0, 0.5, 3.0, 0.0)]  # upper side 2, lower side 0.5
+    assert fcb.scale_needed(lopsided) == pytest.approx([0.5, 2.0])
