@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from entprobe.checkpoints.builtin import build_tiny_llama
-from entprobe.pipeline.stages.ground_truth import forward_dtype
+from entprobe.pipeline.stages.forward_precision import forward_dtype
 from entprobe.reporting.verdict import paired_test
 from entprobe.runtime.wide_forward import WIDE_SOFTMAX_ATTR, wide_forward_dtype, widen_forward
 

@@ -66,7 +66,8 @@ from entprobe.rollouts.sampling import RolloutBatch, draw_prompt_indices, sample
 from entprobe.rollouts.logprobs import autocast_dtype
 from entprobe.integrations.online_config import SOURCES, one_lr as _one_lr, online_config
 from entprobe.integrations.online_checks import check_every, check_rollouts, step_check, still_check, theta_sum
-from entprobe.pipeline.stages.ground_truth import (eval_at_current, forward_dtype, forward_eps, importance_estimates,
+from entprobe.pipeline.stages.forward_precision import forward_dtype, forward_eps
+from entprobe.pipeline.stages.ground_truth import (eval_at_current, importance_estimates,
                                                    token_side, token_side_needed, true_change)
 from entprobe.pipeline.stages.x_spec import functional_value
 from entprobe.pipeline.stages.prediction import (HeldOutPrediction, build_step_model, predict_on_held_out,

@@ -25,9 +25,9 @@ from entprobe.math import paramvec as pv
 from entprobe.runtime import sharding
 from entprobe.rollouts.sampling import RolloutBatch
 from entprobe.runtime.sharding import like_param, local
-from entprobe.runtime.wide_forward import wide_forward_dtype
 from entprobe.pipeline.stages.chunked_step import chunked_step, chunked_step_applies, weights_only_snapshot
 from entprobe.pipeline.stages.context import ProbeContext, is_filler
+from entprobe.pipeline.stages.forward_precision import forward_dtype, forward_eps  # noqa: F401
 from entprobe.pipeline.stages.snapshot import resolve_snapshot_device, restore, take
 from entprobe.pipeline.stages.step_split import split_step, step_rounding_bound, xbar_dot_step  # noqa: F401
 from entprobe.pipeline.stages.token_measure import TokenSide, resampled_token_change, token_importance_estimates
@@ -141,24 +141,6 @@ def _step(ctx: ProbeContext, inp: StepInputs, icfg, grads_from: Callable[[], Non
 
 IS_MODES = im.IS_ESTIMATORS
 EPS32 = torch.finfo(torch.float32).eps
-
-
-def forward_dtype(ctx: ProbeContext) -> torch.dtype:
-    """The dtype that sets the model's forward passes' working precision: the coarsest of the
-    parameters' dtype, the autocast dtype (``model.autocast``) and fp32 (HF models run their norms
-    and softmax in at least fp32: an fp64 model's log-probs carry fp32 rounding), the last left out
-    where ``runtime.wide_forward.widen_forward`` made the forward compute in the weights' dtype
-    throughout (``model.dtype=float64`` in the job)."""
-    wide = wide_forward_dtype(ctx.model) if ctx.model is not None else None
-    dts = {p.dtype for p in ctx.params if p.is_floating_point()} | {wide or torch.float32}
-    if getattr(ctx, "autocast_dtype", None) is not None:
-        dts.add(ctx.autocast_dtype)
-    return max(dts, key=lambda d: torch.finfo(d).eps)
-
-
-def forward_eps(ctx: ProbeContext) -> float:
-    """``finfo(forward_dtype).eps``: 2^-23 in fp32, 2^-7 under bf16 (``forward_dtype``)."""
-    return torch.finfo(forward_dtype(ctx)).eps
 
 
 def token_side_needed(x: XSpec) -> bool:
