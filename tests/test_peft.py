@@ -2,7 +2,7 @@
 tests/trl_lora_checkpoint.py) probed end to end through ``entprobe.main.run``, and the bad inputs
 a PEFT checkpoint brings: an optimizer state that is not the adapter's, a base folder that is gone,
 a base recorded as a hub id. (The exact-enumeration checks of deltaH1 and of the ground truth on a
-LoRA adapter are the ``lora`` variants in test_stage1_exact.py and test_ground_truth.py.)"""
+LoRA adapter are the ``lora`` variants in test_stage1_exact.py, test_ground_truth.py and test_ground_truth_restore.py.)"""
 from __future__ import annotations
 
 import csv
