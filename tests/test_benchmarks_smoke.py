@@ -35,3 +35,20 @@ def test_benchmark_runs_on_the_builtin_model(args, lines):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for line in lines:
         assert line in proc.stdout, (line, proc.stdout[-2000:])
+
+
+def test_the_benchmark_tasks_score_the_number_they_say(tmp_path):
+    """``trainer_parts(scoring=...)`` (``entropy_guard.py --scoring``): ``first`` / ``last`` reward a
+    completion whose first / last number is the sum, ``any`` one that states it anywhere; another
+    value is refused."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from online_probe import trainer_parts
+
+    completions, answers = ["7 is 3 + 4", "3 + 4 = 7", "3, then 7, then 9", "no number", "17"], ["7"] * 5
+    for scoring, want in (("first", [1, 0, 0, 0, 0]), ("last", [0, 1, 0, 0, 0]), ("any", [1, 1, 1, 0, 0])):
+        fn = trainer_parts(str(tmp_path), 1, scoring=scoring)["reward_fn"]
+        assert fn(None, completions, answers) == want, scoring
+    chat = [[{"role": "assistant", "content": c}] for c in completions]  # a chat model's completions
+    assert trainer_parts(str(tmp_path), 1, question=True)["reward_fn"](None, chat, answers) == [0, 1, 0, 0, 0]
+    with pytest.raises(ValueError, match="scoring='middle'"):
+        trainer_parts(str(tmp_path), 1, scoring="middle")
