@@ -60,6 +60,25 @@ def run(out: str, a, guard: dict | None, name: str = "") -> dict:
             "probe_s": cb.guard.time_s if guard is not None else sum(r["time_s"] for r in cb.history)}
 
 
+def load_runs(paths: list[str]) -> dict:
+    """The runs of ``--json`` files (each a dict of runs by name), as ``run`` returns them, so that runs
+    made as separate processes (one per core) are reported and plotted together."""
+    import json
+
+    from entprobe.integrations.guard import Decision
+
+    runs = {}
+    for path in paths:
+        for name, r in json.loads(Path(path).read_text()).items():
+            prev, decisions = 1.0, []
+            for step, action, factor, reason in r["decisions"]:
+                decisions.append(Decision(step=step, factor=factor, action=action, reason=reason, prev=prev))
+                prev = factor
+            runs[name] = {"logs": r["logs"], "history": r["probes"], "decisions": decisions, "lrs": r["lrs"],
+                          "coefs": r["entropy_coef"], "wall": r["wall_s"], "probe_s": r["probe_s"]}
+    return runs
+
+
 def resolved(lo: float, hi: float) -> bool:
     """A 95% interval that excludes 0."""
     return lo > 0 or hi < 0
@@ -192,11 +211,15 @@ def main() -> None:
     ap.add_argument("--show", type=int, default=0, help="print the guard's first N decisions")
     ap.add_argument("--out", default=None, help="the figure (png); none: not plotted")
     ap.add_argument("--json", default=None, help="write each run's per-step entropy, reward, lr and decisions here")
+    ap.add_argument("--from-json", default=None, help="comma-separated --json files of earlier runs (e.g. one "
+                    "process per run): report and plot those runs (the other options as they ran), train nothing")
     a = ap.parse_args()
     guard = {"floor": a.floor, "max_decay": a.max_decay, "z": a.z, "min_factor": a.min_factor}
-    runs = {}
+    runs = load_runs(a.from_json.split(",")) if a.from_json else {}
+    for r in runs.values():
+        r["floor"] = a.floor
     with tempfile.TemporaryDirectory() as out:
-        for name in a.runs.split(","):
+        for name in a.runs.split(",") if not a.from_json else ():
             runs[name] = run(out, a, None if name in ("unguarded", "lower_lr", "trl_adaptive") else guard, name)
             runs[name]["floor"] = a.floor
             r = runs[name]  # as each run ends: a long run's figures are not lost to a later one's failure
@@ -228,7 +251,7 @@ def main() -> None:
     for name in ("guarded", "forecast", "recommended"):
         for d in runs.get(name, {"decisions": []})["decisions"][:a.show]:
             print(f"  {name} step {d.step}: {d.action} x{d.factor:.3g}: {d.reason}")
-    if a.json:
+    if a.json and not a.from_json:
         import json
 
         keep = ("step", "entropy", "reward")

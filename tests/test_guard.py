@@ -307,14 +307,26 @@ def test_recommended_settings_benchmark_runs_verbatim(tmp_path):
     assert cmd in (ROOT / "docs" / "guard.md").read_text()
     (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd.replace("python ", f"{sys.executable} ", 1) + " --steps 6", shell=True, cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd.replace("python ", f"{sys.executable} ", 1) + " --steps 6 --json runs.json", shell=True,
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("unguarded", "guarded", "recommended", "trl_adaptive", "lower_lr"):
         assert f"{name}: entropy final" in proc.stdout, name
     assert "mean |H - floor| from step 21 nan" in proc.stdout  # 6 steps: no step 21
     assert "online probe, recommended run: 6 probes" in proc.stdout
     assert (tmp_path / "docs" / "img" / "entropy_guard_recommended.png").stat().st_size > 10_000
+    # --from-json: the same runs read back (as when each ran in its own process) report the same figures
+    again = subprocess.run(cmd.replace("python ", f"{sys.executable} ", 1).replace(".png", "_again.png")
+                           + " --steps 6 --from-json runs.json", shell=True, cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+
+    def report(out: str) -> list[str]:
+        lines = out.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("6 steps at lr"))
+        return [line for line in lines[start:] if not line.startswith(("runs:", "figure:"))]
+    assert report(again.stdout) == report(proc.stdout) and len(report(proc.stdout)) > 10
+    assert (tmp_path / "docs" / "img" / "entropy_guard_recommended_again.png").stat().st_size > 10_000
 
 
 def test_builtin_trainer_guard_option(tmp_path):
