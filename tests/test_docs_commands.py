@@ -195,6 +195,14 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --model smollm2 --steps 50 --lr 3e-4 --B 4 --B-E 4 "
     "--max-new 8 --floor 0.5 --horizon 5 --runs recommended,trl_adaptive --weighting-mode token_mean "
     "--json /tmp/guard_smollm2_recommended.json": ("slow", ""),
+    # docs/guard.md: the second task (the sum anywhere, 16 tokens), four runs, then the same runs reported together
+    "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --model smollm2 --steps 50 --lr 1e-4 --B 4 --B-E 4 "
+    "--max-new 16 --scoring any --floor 0.5 --horizon 5 --probe-every 25 --lower-lr 2e-5 --weighting-mode token_mean "
+    "--runs unguarded,recommended,trl_adaptive,lower_lr --json /tmp/guard_smollm2_any.json": ("slow", ""),
+    "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --model smollm2 --steps 50 --lr 1e-4 --B 4 --B-E 4 "
+    "--max-new 16 --scoring any --floor 0.5 --horizon 5 --probe-every 25 --lower-lr 2e-5 --weighting-mode token_mean "
+    "--runs unguarded,recommended,trl_adaptive,lower_lr --from-json /tmp/guard_smollm2_any.json "
+    "--out docs/img/entropy_guard_smollm2_any.png": ("slow", ""),
     # docs/forecast.md (its figures: 18 runs of 60 steps, minutes; a short run of the same script is tested)
     "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py --seeds 0,1,2,3,4,5 --record tests/data/forecast_runs/builtin":
         ("slow", ""),
