@@ -32,7 +32,7 @@ peaks (a job samples, then probes), printed beside a training step's (the ``trai
 the weights and AdamW state held; the ``step`` block's also holds this script's snapshot) and, with
 ``--trl``, beside a TRL ``GRPOTrainer`` process's whole-process peak on the same
 model and batch sizes (B_U prompts x G a step, the same new tokens and lr, TRL's defaults: gradient
-checkpointing on; a fresh interpreter, 2 steps; online_probe.py's ``build_trainer``), against the
+checkpointing on; a fresh interpreter, 2 steps; grpo_setup.py's ``build_trainer``), against the
 goal of at most 1.5 times TRL's. Model loading is outside every block (the process's high-water
 mark, which includes it, is printed too: ``/usr/bin/time -v`` reads only the last block's, since
 the resets lower the kernel's record); no fresh-sample fallback runs (resample=None).
@@ -165,7 +165,7 @@ def trl_model(model: str, overrides: list[str]) -> str:
 def trl_child(spec: dict, out: str) -> None:
     """``trl_process``'s child: build the trainer, train, write the peak and CPU seconds to ``out``."""
     from _common import proc_kb
-    from online_probe import build_trainer
+    from grpo_setup import build_trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         tr = build_trainer(tmp, spec["steps"], model=spec["model"], prompts_per_step=spec["prompts_per_step"],

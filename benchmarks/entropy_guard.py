@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from online_probe import build_trainer  # noqa: E402
+from grpo_setup import build_trainer  # noqa: E402
 
 
 def run(out: str, a, guard: dict | None, name: str = "") -> dict:

@@ -135,7 +135,7 @@ def run_trl(out: str, lr: float, seed: int, steps: int, every: int, model: str, 
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from online_probe import build_trainer
+    from grpo_setup import build_trainer
     from entprobe.integrations import EntropyProbeCallback
 
     tr = build_trainer(out, steps, lr=lr, prompts_per_step=B, seed=seed, model=model, max_new=max_new,

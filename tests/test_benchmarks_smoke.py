@@ -42,7 +42,7 @@ def test_the_benchmark_tasks_score_the_number_they_say(tmp_path):
     completion whose first / last number is the sum, ``any`` one that states it anywhere; another
     value is refused."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from online_probe import trainer_parts
+    from grpo_setup import trainer_parts
 
     completions, answers = ["7 is 3 + 4", "3 + 4 = 7", "3, then 7, then 9", "no number", "17"], ["7"] * 5
     for scoring, want in (("first", [1, 0, 0, 0, 0]), ("last", [0, 1, 0, 0, 0]), ("any", [1, 1, 1, 0, 0])):

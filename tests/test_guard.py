@@ -241,7 +241,7 @@ def test_trl_callback_applies_the_factor_on_top_of_the_scheduler_and_logs_its_de
     trainer logs the schedule's lr and the guard's factor, action and decisions."""
     pytest.importorskip("trl")
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from online_probe import trainer_parts
+    from grpo_setup import trainer_parts
 
     real = G.decide
     monkeypatch.setattr(G, "decide", lambda *a: dataclasses.replace(real(*a), factor=0.25) if a[1] == 2 else real(*a))

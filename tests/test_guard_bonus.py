@@ -81,7 +81,7 @@ def test_the_decision_line_says_the_coefficient():
 def _trainer(tmp_path, steps=3, **config):
     pytest.importorskip("trl")
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from online_probe import trainer_parts
+    from grpo_setup import trainer_parts
     from trl import GRPOTrainer
 
     ns = trainer_parts(str(tmp_path), steps, prompts_per_step=4)

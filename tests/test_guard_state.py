@@ -51,7 +51,7 @@ def test_trl_resume_continues_with_the_saved_factor(tmp_path, step_lrs, monkeypa
     import json
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from online_probe import build_trainer
+    from grpo_setup import build_trainer
 
     real = G.decide
     monkeypatch.setattr(G, "decide", lambda *a: dataclasses.replace(real(*a), factor=0.25) if a[1] == 2 else real(*a))

@@ -19,7 +19,7 @@ pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from online_probe import build_trainer  # noqa: E402
+from grpo_setup import build_trainer  # noqa: E402
 
 from conftest import U32, dot_set_spy, fp_tol, se_tol  # noqa: E402
 from entprobe.config import ConfigError  # noqa: E402
@@ -149,7 +149,7 @@ def test_callback_logs_every_n_steps_and_leaves_the_trajectory_alone(tmp_path, m
 def test_a_step_at_lr_0_is_not_probed_and_training_goes_on(tmp_path):
     """A schedule at its end (lr 0 from step 3 on): step 4 is due but a step at lr 0 changes
     nothing, so it is skipped with the command line's reason as a warning; step 2 is probed."""
-    from online_probe import trainer_parts
+    from grpo_setup import trainer_parts
     from trl import GRPOTrainer
 
     p = trainer_parts(str(tmp_path), STEPS, prompts_per_step=4)
@@ -212,7 +212,7 @@ def test_readme_snippets_run(tmp_path):
     """The section's three snippets, verbatim, with the names they use bound to the built-in default:
     its model and AdamW (loaded as the command line loads them), tokenizer, arithmetic task, a
     DR-GRPO ``compute_loss`` and, for TRL, ``trainer_parts``."""
-    from online_probe import trainer_parts
+    from grpo_setup import trainer_parts
 
     from conftest import compose_cfg
     from entprobe.config import SamplingConfig
@@ -285,7 +285,7 @@ def test_online_probe_paths_give_the_same_numbers(tmp_path, monkeypatch):
     projections are taken (``probe.projection=ghost``: layer hooks in one backward; the default
     batched backward; a backward per prompt), and projecting onto the whole update alone (the
     online default) gives the SE of projecting onto each part and summing; the parts' values stay."""
-    from online_probe import trainer_parts
+    from grpo_setup import trainer_parts
 
     import entprobe.integrations.online as online
     from entprobe.tasks.arithmetic import ArithmeticTask

@@ -84,7 +84,7 @@ def test_trl_callback_reads_the_step_s_batch_and_its_entropy_is_trl_s(tmp_path):
     max_grad_norm 1.0), and the trajectory is the unprobed one. After the first probe token_mean's
     constant is TRL's logged entropy (``KAPPA_AGREES``), with no forward of the probe's own for it."""
     pytest.importorskip("trl")
-    from online_probe import build_trainer
+    from grpo_setup import build_trainer
 
     from entprobe.integrations import EntropyProbeCallback
 
@@ -136,7 +136,7 @@ def test_docs_snippets_run(tmp_path):
     assert [r["step"] for r in ns["probe"].history] == [1, 2, 3]
     assert all(math.isfinite(r["forecast_H_k10"]) for r in ns["probe"].history)
     pytest.importorskip("trl")
-    from online_probe import trainer_parts
+    from grpo_setup import trainer_parts
 
     p = trainer_parts(str(tmp_path), 4, prompts_per_step=4)
     ns = {"model": p["model"], "reward_fn": p["reward_fn"], "grpo_config": p["grpo_config"],
@@ -152,7 +152,7 @@ def test_trl_losses_that_couple_the_prompts_are_split_as_the_trainer_computes_th
     gradient the probe rebuilds from the batch, its rewards and the objective's weights is the
     trainer's to fp32 rounding (2e-7 measured), so the coupled objectives' per-prompt split holds."""
     pytest.importorskip("trl")
-    from online_probe import trainer_parts
+    from grpo_setup import trainer_parts
     from trl import GRPOTrainer
 
     from entprobe.integrations import EntropyProbeCallback
