@@ -43,7 +43,8 @@ def run(out: str, a, guard: dict | None, name: str = "") -> dict:
         guard = {**guard, "horizon": a.horizon, "max_decay": None}
     if name == "recommended":  # docs/guard.md's settings for a new run: rate limit, floor, horizon, the bonus knob
         probe = {"source": "rollouts", "measure": a.measure}  # the online default functional, token_mean
-        guard = {**guard, "horizon": a.horizon, "entropy_coef_max": a.entropy_coef_max}
+        guard = {**guard, "horizon": a.horizon, "entropy_coef_max": a.entropy_coef_max,
+                 **({"ceiling": a.ceiling} if a.ceiling is not None else {})}
     if guard is None:
         cb = EntropyProbeCallback(tr, every_n_steps=a.probe_every, batch={"B_E": a.B_E}, **probe)
     else:
@@ -203,6 +204,8 @@ def main() -> None:
                     "use_adaptive_entropy with entropy_target = --floor)")
     ap.add_argument("--horizon", type=int, default=5, help="the forecast run's horizon (steps)")
     ap.add_argument("--measure", action="store_true", help="the forecast run also measures on a fresh E of --B-E")
+    ap.add_argument("--ceiling", type=float, default=None, help="the recommended run's ceiling (nats: the band's "
+                    "upper edge, EntropyGuard's ceiling; default none)")
     ap.add_argument("--lower-lr", type=float, default=1e-3, help="the lower_lr run's constant lr")
     ap.add_argument("--entropy-coef-max", type=float, default=0.05, help="the recommended run's largest entropy "
                     "bonus coefficient (EntropyGuard's entropy_coef_max)")

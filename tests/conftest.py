@@ -307,3 +307,22 @@ def cwd(tmp_path, monkeypatch) -> Path:
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     return tmp_path
+
+
+def run_documented_benchmark(tmp_path: Path, doc: str, cmd: str, more: str = ""):
+    """A benchmark command that ``doc`` (docs/<doc>) shows, run verbatim plus ``more`` (a shorter run)
+    from ``tmp_path``, whose ``benchmarks`` links the repository's (so a figure the command writes
+    under docs/ lands in the scratch folder, not over the committed one); it must exit 0."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    assert cmd in (root / "docs" / doc).read_text(), f"not in docs/{doc}: {cmd}"
+    if not (tmp_path / "benchmarks").exists():
+        (tmp_path / "benchmarks").symlink_to(root / "benchmarks")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd.replace("python ", f"{sys.executable} ", 1) + more, shell=True, cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc

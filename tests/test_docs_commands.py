@@ -195,6 +195,8 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --model smollm2 --steps 50 --lr 3e-4 --B 4 --B-E 4 "
     "--max-new 8 --floor 0.5 --horizon 5 --runs recommended,trl_adaptive --weighting-mode token_mean "
     "--json /tmp/guard_smollm2_recommended.json": ("slow", ""),
+    "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --runs recommended,trl_adaptive --ceiling 0.5":
+        ("run", "tests/test_guard_ceiling.py::test_the_documented_ceiling_command_runs"),
     # docs/guard.md: the second task (the sum anywhere, 16 tokens), four runs, then the same runs reported together
     "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --model smollm2 --steps 50 --lr 1e-4 --B 4 --B-E 4 "
     "--max-new 16 --scoring any --floor 0.5 --horizon 5 --probe-every 25 --lower-lr 2e-5 --weighting-mode token_mean "

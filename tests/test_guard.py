@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import run_documented_benchmark
 from entprobe.config import ConfigError
 from entprobe.integrations import guard as G
 
@@ -87,7 +88,7 @@ def test_target_deltaH_steers_when_resolved_and_reachable():
 
 
 def test_rule_parameters_are_checked():
-    with pytest.raises(ConfigError, match="give floor, max_decay or target_deltaH"):
+    with pytest.raises(ConfigError, match="give floor, max_decay, ceiling or target_deltaH"):
         G.GuardRule()
     with pytest.raises(ConfigError, match="max_decay=-0.1"):
         G.GuardRule(max_decay=-0.1)
@@ -279,17 +280,9 @@ def test_trl_callback_applies_the_factor_on_top_of_the_scheduler_and_logs_its_de
 def test_benchmark_command_runs_verbatim(tmp_path):
     """docs/guard.md's command, verbatim (its paths under a scratch folder that links benchmarks/,
     so the committed figure is not overwritten): it exits 0, prints the figures and writes the plot."""
-    import os
-    import subprocess
-
     cmd = "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --out docs/img/entropy_guard.png"
-    assert cmd in (ROOT / "docs" / "guard.md").read_text()
-    (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     # the command as documented, shortened to 8 steps (the test's time; the figures are docs/guard.md's)
-    proc = subprocess.run(cmd.replace("python ", f"{sys.executable} ", 1) + " --steps 8", shell=True, cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_documented_benchmark(tmp_path, "guard.md", cmd, " --steps 8")
     for line in ("unguarded: entropy final", "guarded: entropy final", "sign agreement", "coverage: paired 95%"):
         assert line in proc.stdout, line
     assert (tmp_path / "docs" / "img" / "entropy_guard.png").stat().st_size > 10_000
@@ -299,34 +292,22 @@ def test_recommended_settings_benchmark_runs_verbatim(tmp_path):
     """docs/guard.md's comparison of the settings for a new run (the bonus knob on) with TRL's adaptive
     entropy and a lower lr, verbatim but shortened to 6 steps: each run prints its figures, the
     recommended run's guard probes from the step's own batch, and TRL's rule logs its coefficient."""
-    import os
-    import subprocess
-
     cmd = ("OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --runs unguarded,guarded,recommended,trl_adaptive,"
            "lower_lr --out docs/img/entropy_guard_recommended.png")
-    assert cmd in (ROOT / "docs" / "guard.md").read_text()
-    (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd.replace("python ", f"{sys.executable} ", 1) + " --steps 6 --json runs.json", shell=True,
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_documented_benchmark(tmp_path, "guard.md", cmd, " --steps 6 --json runs.json")
     for name in ("unguarded", "guarded", "recommended", "trl_adaptive", "lower_lr"):
         assert f"{name}: entropy final" in proc.stdout, name
     assert "mean |H - floor| from step 21 nan" in proc.stdout  # 6 steps: no step 21
     assert "online probe, recommended run: 6 probes" in proc.stdout
     assert (tmp_path / "docs" / "img" / "entropy_guard_recommended.png").stat().st_size > 10_000
     # --from-json: the same runs read back (as when each ran in its own process) report the same figures
-    again = subprocess.run(cmd.replace("python ", f"{sys.executable} ", 1).replace(".png", "_again.png")
-                           + " --steps 6 --from-json runs.json", shell=True, cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stderr[-3000:]
+    again = run_documented_benchmark(tmp_path, "guard.md", cmd, " --steps 6 --from-json runs.json")
 
     def report(out: str) -> list[str]:
         lines = out.splitlines()
         start = next(i for i, line in enumerate(lines) if line.startswith("6 steps at lr"))
         return [line for line in lines[start:] if not line.startswith(("runs:", "figure:"))]
     assert report(again.stdout) == report(proc.stdout) and len(report(proc.stdout)) > 10
-    assert (tmp_path / "docs" / "img" / "entropy_guard_recommended_again.png").stat().st_size > 10_000
 
 
 def test_builtin_trainer_guard_option(tmp_path):

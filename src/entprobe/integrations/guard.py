@@ -25,6 +25,11 @@ step at the scheduler's lr (factor 1) and the entropy ``H`` at theta (E's, in th
 - with ``target_deltaH``, when not cut: steer when ``d`` is resolved away from the target
   (``|d - target| > z se``) and the lr can reach it (``target / d > 0``): factor ``target / d``
   clamped, no higher than the band's point-estimate limit ``edge / d`` when ``d < 0``;
+- with ``ceiling``, the upper edge ``hi = ceiling - H``: cut when the step is resolved to raise
+  entropy past it, ``d - z se > max(hi, 0)``: factor ``hi / d`` clamped (``min_factor`` above the
+  ceiling, where no lr > 0 puts a rise on a negative edge); above the ceiling ``max_decay`` does not
+  apply (a fall back toward the band is what is wanted), the factor is held while the sign of ``d``
+  is unresolved, and a recovery never raises the factor past ``hi / d`` on a predicted rise;
 - below the floor (``edge > 0``) with the sign of ``d`` unresolved (``d - z se < 0``): the factor
   is held (neither cut on noise nor raised);
 - otherwise (the prediction inside the band; its interval holding the edge: no action on noise;
@@ -89,6 +94,7 @@ class GuardRule:
     horizon: int | None = None  # steps ahead the forecast must stay above the floor (guard_forecast.py)
     entropy_coef_max: float | None = None  # the entropy bonus knob's largest coefficient (None: off; guard_bonus.py)
     entropy_coef: float | None = None  # its starting coefficient (None: 0, or TRL's GRPOConfig.entropy_coef)
+    ceiling: float | None = None  # highest entropy H (nats): a resolved rise past it is cut (the band's upper edge)
 
     def __post_init__(self):
         for name, value in dataclasses.asdict(self).items():
@@ -97,13 +103,22 @@ class GuardRule:
                 raise ConfigError(f"{name}={value!r}: {error}")
             if value is not None:  # a numpy or integer value, as a float (the horizon as an int)
                 object.__setattr__(self, name, int(value) if name in INTEGER_PARAMS else float(value))
-        if self.floor is None and self.max_decay is None and self.target_deltaH is None:
-            raise ConfigError("EntropyGuard: give floor, max_decay or target_deltaH (what to hold entropy to)")
+        if self.floor is None and self.max_decay is None and self.target_deltaH is None and self.ceiling is None:
+            raise ConfigError("EntropyGuard: give floor, max_decay, ceiling or target_deltaH (what to hold entropy to)")
+        if self.ceiling is not None and self.floor is not None and not self.ceiling > self.floor:
+            raise ConfigError(f"EntropyGuard: ceiling={self.ceiling:g} must be above floor={self.floor:g} (the band "
+                              "between them is where entropy is held)")
         if self.horizon is not None and self.floor is None:
             raise ConfigError(f"EntropyGuard: horizon={self.horizon} keeps the forecast above the floor: give floor")
         error = coef_error(self.entropy_coef_max, self.entropy_coef, self.floor, self.max_decay)
         if error:
             raise ConfigError(f"EntropyGuard: {error}")
+
+    def limits(self) -> str:
+        """``, floor 0.2, ceiling 2, max_decay 0.05``: the band's limits that are set, as printed lines show them."""
+        return "".join(f", {k} {v:g}" for k, v in (("floor", self.floor), ("ceiling", self.ceiling),
+                                                   ("max_decay", self.max_decay),
+                                                   ("target_deltaH", self.target_deltaH)) if v is not None)
 
 
 @dataclass
@@ -130,17 +145,18 @@ class Decision:
         """The decision in one printed line: ``entprobe guard: step 16: lr x0.02, cut (predicted
         -3 +- 2 nats at the scheduler's lr, H 0.25, floor 0.2)``, with the rule's
         floor / max_decay / target_deltaH (those set)."""
-        limits = "".join(f", {k} {v:g}" for k, v in (("floor", rule.floor), ("max_decay", rule.max_decay),
-                                                     ("target_deltaH", rule.target_deltaH)) if v is not None)
+        limits = rule.limits()
         fc = f"; {self.forecast.text(rule.floor)}" if self.forecast is not None else ""
         fc += f"; {coef_text(self.coef)}" if self.coef is not None else ""
         return (f"entprobe guard: step {self.step}: lr x{self.factor:.3g}, {self.action} (predicted "
                 f"{self.deltaH_pred:+.3g} +- {self.SE:.2g} nats at the scheduler's lr, H {self.H:.3g}{limits}{fc})")
 
 
-def band_edge(H: float, floor: float | None, max_decay: float | None) -> float | None:
-    """The lowest change allowed this step: ``max(-max_decay, floor - H)`` of those given."""
-    edges = ([-max_decay] if max_decay is not None else []) + ([floor - H] if floor is not None else [])
+def band_edge(H: float, floor: float | None, max_decay: float | None, ceiling: float | None = None) -> float | None:
+    """The lowest change allowed this step: ``max(-max_decay, floor - H)`` of those given (``max_decay``
+    not above the ``ceiling``: there a fall back toward the band is what is wanted)."""
+    decay = max_decay is not None and not (ceiling is not None and H > ceiling)
+    edges = ([-max_decay] if decay else []) + ([floor - H] if floor is not None else [])
     return max(edges) if edges else None
 
 
@@ -194,7 +210,7 @@ def decide_with_forecast(rule: GuardRule, step: int, p, prev: float) -> Decision
 def decide(rule: GuardRule, step: int, d: float, se: float, H: float, prev: float) -> Decision:
     """The factor for the step predicted ``d`` +- ``se`` at factor 1, at entropy ``H``; ``prev``:
     the factor in force (module docstring's rule)."""
-    edge = band_edge(H, rule.floor, rule.max_decay)
+    edge = band_edge(H, rule.floor, rule.max_decay, rule.ceiling)
     base = {"step": step, "deltaH_pred": d, "SE": se, "H": H, "edge": edge, "prev": prev}
     pm = f"deltaH_pred {d:+.3e} +- {se:.1e} at the scheduler's lr"
     if edge is not None and resolved_below(d, se, min(edge, 0.0), rule.z):
@@ -203,6 +219,13 @@ def decide(rule: GuardRule, step: int, d: float, se: float, H: float, prev: floa
         return Decision(factor=f, action="cut", reason=(
             f"{pm}: its upper bound {d + rule.z * se:+.3e} (z={rule.z}) is below the {which} edge {edge:+.3e}; "
             f"lr x {f:.3g} puts the prediction {'on the edge' if f == ratio_factor(d, edge) else 'as near it as allowed'}"),
+            **base)
+    hi = rule.ceiling - H if rule.ceiling is not None else None  # the upper edge: the highest change allowed
+    if hi is not None and d - rule.z * se > max(hi, 0.0):
+        f = clamp(ratio_factor(d, hi) if hi > 0 else rule.min_factor, rule.min_factor, rule.max_factor)
+        return Decision(factor=f, action="cut", reason=(
+            f"{pm}: its lower bound {d - rule.z * se:+.3e} (z={rule.z}) is above the ceiling edge {hi:+.3e}; "
+            f"lr x {f:.3g} puts the prediction {'on the edge' if hi > 0 and f == ratio_factor(d, hi) else 'as near it as allowed'}"),
             **base)
     if rule.target_deltaH is not None:
         t = rule.target_deltaH
@@ -213,7 +236,11 @@ def decide(rule: GuardRule, step: int, d: float, se: float, H: float, prev: floa
             return Decision(factor=f, action="steer", reason=(
                 f"{pm}: resolved away from target_deltaH {t:+.3e} (|d - target| > {rule.z} SE); lr x {f:.3g}"), **base)
     f = recovered(prev, rule.recovery)
-    if edge is None or d - rule.z * se >= edge:
+    if hi is not None and hi < 0 and d + rule.z * se > 0:
+        why, f = f"above the ceiling (edge {hi:+.3e}) and the sign of the change unresolved: factor held", prev
+    elif hi is not None and hi < 0:
+        why = f"above the ceiling (edge {hi:+.3e}) but the step lowers entropy (a smaller lr would not help)"
+    elif edge is None or d - rule.z * se >= edge:
         why = "inside the band"
     elif edge > 0 and d - rule.z * se < 0:
         why, f = f"below the floor (edge {edge:+.3e}) and the sign of the change unresolved: factor held", prev
@@ -221,6 +248,9 @@ def decide(rule: GuardRule, step: int, d: float, se: float, H: float, prev: floa
         why = f"below the floor (edge {edge:+.3e}) but the step raises entropy (a smaller lr would not help)"
     else:
         why = f"its interval holds the edge {edge:+.3e} (unresolved: no action on noise)"
+    if hi is not None and hi > 0 and d > 0 and f > prev and f * d > hi:  # no recovery into a rise past the ceiling
+        f = max(prev, hi / d)
+        why += f", no higher than the ceiling edge allows ({hi:+.3e})"
     return Decision(factor=f, action="recover" if f != prev else "hold",
                     reason=f"{pm}: {why}; factor {prev:.3g} -> {f:.3g}", **base)
 
@@ -234,10 +264,11 @@ class EntropyGuard:
     def __init__(self, probe: OnlineProbe, floor: float | None = None, max_decay: float | None = None,
                  target_deltaH: float | None = None, z: float = 1.96, min_factor: float = 0.05,
                  max_factor: float = 1.0, recovery: float = 1.5, horizon: int | None = None,
-                 entropy_coef_max: float | None = None, entropy_coef: float | None = None):
+                 entropy_coef_max: float | None = None, entropy_coef: float | None = None,
+                 ceiling: float | None = None):
         self.probe = probe
         self.rule = GuardRule(floor, max_decay, target_deltaH, z, min_factor, max_factor, recovery, horizon,
-                              entropy_coef_max, entropy_coef)
+                              entropy_coef_max, entropy_coef, ceiling)
         if entropy_coef_max is not None and getattr(probe, "source", "held_out") != "rollouts":
             raise ConfigError(f"EntropyGuard: entropy_coef_max={entropy_coef_max} sets the entropy bonus from its "
                               "effect on the step's own batch: use OnlineProbe(..., source='rollouts')")
@@ -300,7 +331,8 @@ class EntropyGuard:
             p = probe.pending
             dec = decide_with_forecast(self.rule, step, p, self.factor)
             if knob:  # the coefficient for the next steps, from the same prediction (at the scheduler's lr)
-                dec.coef = coef_call(self.rule, p, self.entropy_coef, band_edge(p.H, self.rule.floor, self.rule.max_decay))
+                edge = band_edge(p.H, self.rule.floor, self.rule.max_decay, self.rule.ceiling)
+                dec.coef = coef_call(self.rule, p, self.entropy_coef, edge)
                 self.entropy_coef = dec.coef.coef
             self.factor, self._decision = dec.factor, dec
             self.decisions.append(dec)

@@ -13,6 +13,8 @@ scheduler's lr. With ``d`` the prediction at ``c_now`` and ``edge`` the band's e
   resolved > 0 (``b - z SE_b > 0``): ``c = c_now + (edge - d) / b`` (the first-order prediction is linear
   in c: this puts the step on the edge), with ``horizon`` at least the c that keeps every point forecast
   ``H_k + k (c - c_now) b`` on or above the floor; clamped to ``[0, entropy_coef_max]``;
+- to 0 with the guard's ``ceiling``: entropy above it, or the step resolved to rise past it (unless a
+  raise is due: the floor's edge comes first);
 - decay: the prediction is inside the band with margin (``d - z se >= edge``, and with ``horizon`` no
   point forecast below the floor): ``c / recovery``, 0 once below ``OFF_FRACTION`` of the max;
 - hold: otherwise (an interval that holds the edge, or an unresolved ``b``: no action on noise).
@@ -48,12 +50,17 @@ def horizon_increment(H_ahead: Sequence[tuple[int, float]], floor: float, b: flo
 
 def decide_coef(c_now: float, c_max: float, d: float, se: float, edge: float | None, b: float, b_se: float,
                 z: float, recovery: float, crossing: bool = False, floor: float | None = None,
-                H_ahead: Sequence[tuple[int, float]] = ()) -> CoefCall:
+                H_ahead: Sequence[tuple[int, float]] = (), past_ceiling: bool = False) -> CoefCall:
     """The coefficient for the next steps (module docstring). ``d`` +- ``se``: the step's prediction at
     ``c_now`` and the scheduler's lr; ``b`` +- ``b_se``: the change per unit c; ``crossing``: a resolved
-    forecast fall below ``floor`` within the horizon, ``H_ahead`` the point forecasts ``(k, H_k)``."""
+    forecast fall below ``floor`` within the horizon, ``H_ahead`` the point forecasts ``(k, H_k)``;
+    ``past_ceiling``: entropy above the guard's ceiling, or resolved to rise past it (the coefficient goes to 0)."""
     base = {"prev": c_now, "effect": b, "SE": b_se}
     below = edge is not None and d + z * se < edge
+    if past_ceiling and not (below or crossing):  # a bonus only raises entropy: none at all past the ceiling
+        return CoefCall(0.0, action="decay" if c_now > 0 else "hold", reason=(
+            f"deltaH_pred {d:+.3e} +- {se:.1e}: entropy above the ceiling or resolved to rise past it: "
+            f"coefficient {c_now:.3g} -> 0"), **base)
     if below or crossing:
         why = (f"deltaH_pred {d:+.3e} +- {se:.1e} below the edge {edge:+.3e}" if below else
                "a resolved forecast fall below the floor")
@@ -86,8 +93,10 @@ def coef_call(rule, p, c_now: float, edge: float | None) -> CoefCall:
         fcs = [(k, p.forecast(k, 1.0)) for k in range(1, rule.horizon + 1)]
         crossing = any(f["pop_high"] < rule.floor and f["dH_high"] < 0 for _, f in fcs)
         H_ahead = [(k, f["H"]) for k, f in fcs]
+    ceiling = getattr(rule, "ceiling", None)
+    past = ceiling is not None and (p.H > ceiling or p.deltaH_pred - rule.z * p.SE > ceiling - p.H)
     return decide_coef(c_now, rule.entropy_coef_max, p.deltaH_pred, p.SE, edge, p.bonus_effect, p.SE_bonus_effect,
-                       rule.z, rule.recovery, crossing, rule.floor, H_ahead)
+                       rule.z, rule.recovery, crossing, rule.floor, H_ahead, past)
 
 
 def coef_text(call) -> str:

@@ -29,6 +29,7 @@ PARAM_RANGES = {
                 "ahead, and each decision computes every step up to it)"),
     "entropy_coef_max": (True, lambda v: v > 0, "the entropy bonus's largest coefficient: a finite number > 0"),
     "entropy_coef": (True, lambda v: v >= 0, "the entropy bonus's starting coefficient: a finite number >= 0"),
+    "ceiling": (True, lambda v: v > 0, "the highest entropy to hold, in nats: a finite number > 0 (above the floor)"),
 }
 
 

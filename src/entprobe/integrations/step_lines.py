@@ -86,9 +86,6 @@ def probe_line(step: int, m: Mapping, source: str = "held_out", H_rollouts: floa
 def guard_text(decision, rule, lr: float) -> str:
     """``guard cut: lr x0.05 = 5.00e-05 (was x1; floor 0.2, max_decay 0.05)``: the decision's action, the
     factor it set and the lr the step used (``lr``: the probe's, already the factor's), the rule's limits."""
-    limits = "".join(f", {k} {v:g}" for k, v in (("floor", getattr(rule, "floor", None)),
-                                                 ("max_decay", getattr(rule, "max_decay", None)),
-                                                 ("target_deltaH", getattr(rule, "target_deltaH", None)))
-                     if v is not None)
+    limits = rule.limits() if rule is not None else ""  # guard.GuardRule's
     used = f" = {lr:.3g}" if math.isfinite(lr) else ""
     return f"guard {decision.action}: lr x{decision.factor:.3g}{used} (was x{decision.prev:.3g}{limits})"
