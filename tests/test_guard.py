@@ -327,7 +327,7 @@ def test_builtin_trainer_guard_option(tmp_path):
     for e in entries:
         assert e["entprobe/guard_lr"] == pytest.approx(e["learning_rate"] * e["entprobe/guard_lr_factor"], rel=1e-12)
     assert sum(": guard " in line for line in lines) == 3  # one line per decision, step 1's too
-    with pytest.raises(ConfigError, match="--guard-floor / --guard-max-decay .* give --probe-every"):
+    with pytest.raises(ConfigError, match="--guard-floor / --guard-max-decay / --guard-ceiling .* give --probe-every"):
         check_args(parse_train_args(["--out", str(tmp_path / "x"), "--guard-floor", "0.2"]))
     with pytest.raises(ConfigError, match="--guard-max-decay=-1.0"):
         check_args(parse_train_args(["--out", str(tmp_path / "x"), "--probe-every", "1", "--guard-max-decay", "-1"]))

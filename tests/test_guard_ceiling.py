@@ -10,6 +10,7 @@ import pytest
 from conftest import run_documented_benchmark
 from entprobe.config import ConfigError
 from entprobe.integrations import guard as G
+from entprobe.integrations.grpo_trainer import TrainArgs, check_args, train
 from entprobe.integrations.guard_bonus import decide_coef
 
 
@@ -76,3 +77,29 @@ def test_the_documented_ceiling_command_runs(tmp_path):
     proc = run_documented_benchmark(tmp_path, "guard.md", cmd, " --steps 20 --show 20")
     assert "recommended: entropy final" in proc.stdout and "trl_adaptive: entropy final" in proc.stdout
     assert "ceiling 0.5" in proc.stdout + proc.stderr  # the guard's printed lines name its limits
+
+
+def test_entprobe_train_takes_the_ceiling(tmp_path):
+    """``python -m entprobe.train --guard-ceiling``: checked before anything loads (a probe to act on,
+    above the floor, in the guard's range), and a run guarded by a ceiling alone below the built-in
+    model's entropy (~0.35 nats, token_mean) logs a decision per probed step that names it, never
+    raising the factor past 1 and cutting exactly on a resolved rise (its lower bound above the edge)."""
+    out = str(tmp_path / "run")
+    for kw, match in (({"guard_ceiling": 0.5}, "--guard-ceiling set the lr .* give --probe-every"),
+                      ({"guard_ceiling": 0.2, "guard_floor": 0.3, "probe_every": 1}, "--guard-ceiling=0.2 --guard-floor=0.3: "
+                       "the ceiling is the band's upper edge and must be above the floor"),
+                      ({"guard_ceiling": -1.0, "probe_every": 1}, "--guard-ceiling=-1.0: must be the highest entropy")):
+        with pytest.raises(ConfigError, match=match):
+            check_args(TrainArgs(out=out, **kw))
+    lines, hist = [], []
+    train(TrainArgs(out=out, steps=4, save_every=4, probe_every=1, probe_source="rollouts", probe_B_E=0,
+                    guard_ceiling=0.1), log=lines.append, on_step=hist.append)
+    decided = [h for h in hist if "entprobe/guard_action" in h]
+    assert decided and sum(": guard " in line and "ceiling 0.1" in line for line in lines) == len(decided)
+    prev = 1.0
+    for h in decided:  # while the factor in force is 1, the logged prediction is the one decided on
+        assert 0 < h["entprobe/guard_lr_factor"] <= 1
+        if prev == 1.0:
+            d, se, H = h["entprobe/deltaH_pred"], h["entprobe/SE_deltaH_pred"], h["entprobe/H_orig"]
+            assert (h["entprobe/guard_action"] < 0) == (d - 1.96 * se > max(0.1 - H, 0.0)), h  # a resolved rise
+        prev = h["entprobe/guard_lr_factor"]

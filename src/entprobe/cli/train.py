@@ -76,6 +76,9 @@ def parse_train_args(argv: list[str] | None = None):
     ap.add_argument("--guard-horizon", type=int, default=None, help="EntropyGuard: cut the lr when the entropy "
                     f"forecast is resolved below --guard-floor within this many steps, 1 to {MAX_HORIZON} (needs --probe-source "
                     "rollouts; docs/guard.md)")
+    ap.add_argument("--guard-ceiling", type=float, default=None, help="EntropyGuard: highest entropy (nats, the "
+                    "band's upper edge, above --guard-floor): the lr is cut on a resolved rise past it (needs --probe-every; "
+                    "docs/guard.md)")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--device", default=d.device, help="cpu, cuda, cuda:1, ...")
     ap.add_argument("--resume", default=None, help="continue from a checkpoint-<step> folder of this run, or "

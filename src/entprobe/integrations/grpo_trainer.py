@@ -71,12 +71,18 @@ class TrainArgs:
     guard_floor: float | None = None  # EntropyGuard (integrations/guard.py) on the probe: None, off
     guard_max_decay: float | None = None
     guard_horizon: int | None = None  # the guard acts on the forecast this many steps ahead (--probe-source rollouts)
+    guard_ceiling: float | None = None  # the band's upper edge: a resolved rise past it is cut
 
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 # --probe-source rollouts: the fewest prompts a step its prediction takes (rollout_passes refuses fewer: the
 # jackknife of the cross-prompt U-statistic over B prompts leaves one out and needs a pair of the rest)
 ROLLOUTS_MIN_B = 3
+
+
+def guarded(a: TrainArgs) -> bool:
+    """Whether the run's lr is set by EntropyGuard (a floor, a rate limit or a ceiling given)."""
+    return a.guard_floor is not None or a.guard_max_decay is not None or a.guard_ceiling is not None
 
 
 def check_args(a: TrainArgs) -> None:
@@ -104,17 +110,20 @@ def check_args(a: TrainArgs) -> None:
         raise ConfigError(f"--B={a.B}: --probe-source rollouts needs --B >= {ROLLOUTS_MIN_B} prompts a step (its "
                           "cross-prompt U-statistic's jackknife SE leaves one prompt out and needs a pair of others); "
                           f"give --B {ROLLOUTS_MIN_B} or more, or --probe-source held_out")
-    if (a.guard_floor is not None or a.guard_max_decay is not None) and not a.probe_every:
-        raise ConfigError("--guard-floor / --guard-max-decay set the lr from the online probe's prediction: "
-                          "give --probe-every N too (1: every step)")
+    if guarded(a) and not a.probe_every:
+        raise ConfigError("--guard-floor / --guard-max-decay / --guard-ceiling set the lr from the online probe's "
+                          "prediction: give --probe-every N too (1: every step)")
     if a.guard_horizon is not None and (a.guard_floor is None or a.probe_source != "rollouts"):
         raise ConfigError(f"--guard-horizon={a.guard_horizon}: keeps the entropy forecast above --guard-floor, which the "
                           "probe makes from the step's own batch: give --guard-floor and --probe-source rollouts")
     for opt, name, v in (("--guard-floor", "floor", a.guard_floor), ("--guard-max-decay", "max_decay", a.guard_max_decay),
-                         ("--guard-horizon", "horizon", a.guard_horizon)):
+                         ("--guard-horizon", "horizon", a.guard_horizon), ("--guard-ceiling", "ceiling", a.guard_ceiling)):
         error = param_error(name, v, "leave the option out")  # the guard's own ranges (EntropyGuard would refuse it after the model loads)
         if error:
             raise ConfigError(f"{opt}={v}: {error}")
+    if a.guard_ceiling is not None and a.guard_floor is not None and not a.guard_ceiling > a.guard_floor:
+        raise ConfigError(f"--guard-ceiling={a.guard_ceiling} --guard-floor={a.guard_floor}: the ceiling is the band's "
+                          "upper edge and must be above the floor")
     if a.loss not in LOSSES:
         raise ConfigError(f"--loss={a.loss!r}: one of {', '.join(LOSSES)}")
     if a.model is not None and not (Path(a.model).expanduser() / "config.json").is_file():
@@ -240,9 +249,8 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
     probe = (OnlineProbe(model, opt, tok, task if a.probe_B_E else None, every=a.probe_every, seed=a.seed,
                          sampling={"max_new_tokens": a.max_new_tokens}, batch={"B_E": max(a.probe_B_E, 2), "G": a.G},
                          **rollout_source(a)) if a.probe_every else None)
-    guarded = a.guard_floor is not None or a.guard_max_decay is not None
-    stepper = EntropyGuard(probe, floor=a.guard_floor, max_decay=a.guard_max_decay,
-                           horizon=a.guard_horizon) if guarded else probe
+    stepper = EntropyGuard(probe, floor=a.guard_floor, max_decay=a.guard_max_decay, horizon=a.guard_horizon,
+                           ceiling=a.guard_ceiling) if guarded(a) else probe
     history, written, start = [], [], 0
     if a.resume:
         folder = resume_folder(a)
@@ -251,7 +259,7 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
         saved = saved_probe_state(folder) if probe is not None and a.probe_source == "rollouts" else None
         if saved is not None:  # the forecast's filter goes on from the history it had
             probe.load_state_dict(saved)
-        if guarded and history and "entprobe/guard_lr_factor" in history[-1]:  # every step logs the factor in force
+        if guarded(a) and history and "entprobe/guard_lr_factor" in history[-1]:  # every step logs the factor in force
             stepper.load_state_dict({"factor": history[-1]["entprobe/guard_lr_factor"]})
             log(f"[entprobe] guard resumed with lr factor {stepper.factor:.4g}")
         changed, recorded = changed_run_args(folder, vars(a))
@@ -288,7 +296,7 @@ def train(a: TrainArgs, log=print, on_step=None) -> list[Path]:
         if metrics:
             entry.update(metrics)
         if metrics and "entprobe/deltaH_pred" in metrics:  # one line a probed step, at the lr it used
-            decided = guarded and stepper.decisions and stepper.decisions[-1].step == step
+            decided = guarded(a) and stepper.decisions and stepper.decisions[-1].step == step
             log("[entprobe] " + probe_line(step, metrics, a.probe_source, metrics.get("entprobe/H_rollouts"),
                                            *((stepper.decisions[-1], stepper.rule) if decided else ())))
         history.append(entry)
