@@ -1,8 +1,8 @@
 """EntropyGuard's ``ceiling`` (integrations/guard.py, guard_bonus.py): the band's upper edge, on
 hand-computed cases. A resolved rise past ``ceiling - H`` is cut to the edge (to ``min_factor`` above
-the ceiling), above the ceiling ``max_decay`` does not hold back a fall toward the band and an
-unresolved sign holds the factor, a recovery stops at the factor that keeps a predicted rise on the
-edge, and the entropy bonus goes to 0 past it."""
+the ceiling), above the ceiling ``max_decay`` does not hold back a fall toward the band, a rise of
+unresolved sign holds the factor and a fall of unresolved sign lets it recover, a recovery stops at
+the factor that keeps a predicted rise on the edge, and the entropy bonus goes to 0 past it."""
 from __future__ import annotations
 
 import pytest
@@ -38,8 +38,11 @@ def test_above_the_ceiling_a_fall_is_not_held_back_and_an_unsure_sign_holds():
     fall = G.decide(r, 9, -1.9, 0.3, 3.9, 0.25)  # resolved fall from above: recovers (max_decay would cut)
     assert fall.action == "recover" and fall.factor == 0.5 and "lowers entropy" in fall.reason
     assert G.decide(rule(floor=0.5, max_decay=0.05), 9, -1.9, 0.3, 3.9, 1.0).action == "cut"  # without a ceiling
-    unsure = G.decide(r, 9, 0.1, 0.3, 3.9, 0.25)
-    assert unsure.action == "hold" and unsure.factor == 0.25 and "sign of the change unresolved" in unsure.reason
+    unsure = G.decide(r, 9, 0.1, 0.3, 3.9, 0.25)  # a rise of unresolved sign: held, not raised
+    assert unsure.action == "hold" and unsure.factor == 0.25 and "a rise of unresolved sign" in unsure.reason
+    down = G.decide(r, 9, -0.1, 0.3, 3.9, 0.25)  # a fall of unresolved sign: recovers (x recovery 2)
+    assert down.action == "recover" and down.factor == 0.5 and "a fall of unresolved sign" in down.reason
+    assert G.decide(r, 9, -0.1, 0.3, 3.9, 1.0).action == "hold"  # at factor 1 already
 
 
 def test_a_recovery_stops_where_a_predicted_rise_meets_the_ceiling():

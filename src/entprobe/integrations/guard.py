@@ -28,8 +28,11 @@ step at the scheduler's lr (factor 1) and the entropy ``H`` at theta (E's, in th
 - with ``ceiling``, the upper edge ``hi = ceiling - H``: cut when the step is resolved to raise
   entropy past it, ``d - z se > max(hi, 0)``: factor ``hi / d`` clamped (``min_factor`` above the
   ceiling, where no lr > 0 puts a rise on a negative edge); above the ceiling ``max_decay`` does not
-  apply (a fall back toward the band is what is wanted), the factor is held while the sign of ``d``
-  is unresolved, and a recovery never raises the factor past ``hi / d`` on a predicted rise;
+  apply (a fall back toward the band is what is wanted), the factor is held while ``d`` is a rise of
+  unresolved sign and recovers while it is a fall (``d < 0``) of unresolved sign (the bonus is 0 there,
+  so nothing but the step's own gradient brings entropy down: a factor held at ``min_factor`` would
+  freeze the run above the band), and a recovery never raises the factor past ``hi / d`` on a
+  predicted rise;
 - below the floor (``edge > 0``) with the sign of ``d`` unresolved (``d - z se < 0``): the factor
   is held (neither cut on noise nor raised);
 - otherwise (the prediction inside the band; its interval holding the edge: no action on noise;
@@ -236,8 +239,10 @@ def decide(rule: GuardRule, step: int, d: float, se: float, H: float, prev: floa
             return Decision(factor=f, action="steer", reason=(
                 f"{pm}: resolved away from target_deltaH {t:+.3e} (|d - target| > {rule.z} SE); lr x {f:.3g}"), **base)
     f = recovered(prev, rule.recovery)
-    if hi is not None and hi < 0 and d + rule.z * se > 0:
-        why, f = f"above the ceiling (edge {hi:+.3e}) and the sign of the change unresolved: factor held", prev
+    if hi is not None and hi < 0 and d + rule.z * se > 0 and d >= 0:
+        why, f = f"above the ceiling (edge {hi:+.3e}), a rise of unresolved sign: factor held", prev
+    elif hi is not None and hi < 0 and d + rule.z * se > 0:  # no knob but the step's own gradient lowers entropy
+        why = f"above the ceiling (edge {hi:+.3e}), a fall of unresolved sign: the factor recovers (only the step lowers entropy)"
     elif hi is not None and hi < 0:
         why = f"above the ceiling (edge {hi:+.3e}) but the step lowers entropy (a smaller lr would not help)"
     elif edge is None or d - rule.z * se >= edge:
