@@ -130,7 +130,7 @@ def plot(runs: dict, a, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(3, 1, figsize=(8, 8.5), sharex=True)
+    fig, ax = plt.subplots(3, 1, figsize=(11, 8.5), sharex=True)
     colors = {"unguarded": "tab:red", "guarded": "tab:blue", "forecast": "tab:green", "lower_lr": "tab:gray",
               "recommended": "tab:purple", "trl_adaptive": "tab:orange"}
     for name, r in runs.items():
@@ -159,8 +159,10 @@ def plot(runs: dict, a, path: str) -> None:
                    transform=ax[1].transAxes, ha="right", va="top", fontsize=8)
     if a.floor is not None:
         ax[0].axhline(a.floor, color="k", ls="--", lw=0.8, label=f"guard floor {a.floor}")
+    if a.ceiling is not None:
+        ax[0].axhline(a.ceiling, color="k", ls="-.", lw=0.8, label=f"recommended run's ceiling {a.ceiling}")
     ax[0].set_ylabel("entropy (nats/token)")
-    ax[0].legend(fontsize=7, loc="upper right")
+    ax[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the panel: no curve hidden
     ax[1].set_ylabel("reward, exact answers\n(running mean of 5 steps)")
     ax[1].set_ylim(-0.02, 1.05)
     ax[1].legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0.88))
@@ -168,7 +170,8 @@ def plot(runs: dict, a, path: str) -> None:
     ax[2].set_ylabel("lr of the step taken")
     ax[2].set_xlabel("optimizer step")
     ax[2].legend(fontsize=8, loc="center left", bbox_to_anchor=(0.08, 0.5))
-    g = f"floor {a.floor}, max_decay {a.max_decay}, z {a.z}, every {a.guard_every}"
+    g = (f"floor {a.floor}, max_decay {a.max_decay}, z {a.z}, every {a.guard_every}"
+         + (f"; the recommended run's ceiling {a.ceiling}" if a.ceiling is not None else ""))
     what = "built-in model, arithmetic" if a.model == "default" else "SmolLM2-135M-Instruct, 'What is a + b?'"
     fig.suptitle(f"EntropyGuard on TRL GRPOTrainer, {what}, lr {a.lr} constant\n(guard: {g})",
                  fontsize=10)

@@ -205,6 +205,14 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "--max-new 16 --scoring any --floor 0.5 --horizon 5 --probe-every 25 --lower-lr 2e-5 --weighting-mode token_mean "
     "--runs unguarded,recommended,trl_adaptive,lower_lr --from-json /tmp/guard_smollm2_any.json "
     "--out docs/img/entropy_guard_smollm2_any.png": ("slow", ""),
+    # docs/guard.md: the second task with the recommended run's ceiling, four runs, then reported together
+    "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --model smollm2 --steps 50 --lr 1e-4 --B 4 --B-E 4 "
+    "--max-new 16 --scoring any --floor 0.5 --horizon 5 --probe-every 25 --lower-lr 2e-5 --weighting-mode token_mean "
+    "--ceiling 2.3 --runs unguarded,recommended,trl_adaptive,lower_lr --json /tmp/guard_smollm2_any_ceiling.json": ("slow", ""),
+    "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --model smollm2 --steps 50 --lr 1e-4 --B 4 --B-E 4 "
+    "--max-new 16 --scoring any --floor 0.5 --horizon 5 --probe-every 25 --lower-lr 2e-5 --weighting-mode token_mean "
+    "--ceiling 2.3 --runs unguarded,recommended,trl_adaptive,lower_lr --from-json /tmp/guard_smollm2_any_ceiling.json "
+    "--out docs/img/entropy_guard_smollm2_any_ceiling.png": ("slow", ""),
     # docs/forecast.md (its figures: 18 runs of 60 steps, minutes; a short run of the same script is tested)
     "OMP_NUM_THREADS=1 python benchmarks/forecast_calibration.py --seeds 0,1,2,3,4,5 --record tests/data/forecast_runs/builtin":
         ("slow", ""),
