@@ -239,12 +239,13 @@ def decide(rule: GuardRule, step: int, d: float, se: float, H: float, prev: floa
             return Decision(factor=f, action="steer", reason=(
                 f"{pm}: resolved away from target_deltaH {t:+.3e} (|d - target| > {rule.z} SE); lr x {f:.3g}"), **base)
     f = recovered(prev, rule.recovery)
-    if hi is not None and hi < 0 and d + rule.z * se > 0 and d >= 0:
-        why, f = f"above the ceiling (edge {hi:+.3e}), a rise of unresolved sign: factor held", prev
-    elif hi is not None and hi < 0 and d + rule.z * se > 0:  # no knob but the step's own gradient lowers entropy
-        why = f"above the ceiling (edge {hi:+.3e}), a fall of unresolved sign: the factor recovers (only the step lowers entropy)"
-    elif hi is not None and hi < 0:
-        why = f"above the ceiling (edge {hi:+.3e}) but the step lowers entropy (a smaller lr would not help)"
+    if hi is not None and hi < 0:  # above the ceiling: no knob but the step's own gradient lowers entropy
+        if d + rule.z * se <= 0:
+            why = f"above the ceiling (edge {hi:+.3e}) but the step lowers entropy (a smaller lr would not help)"
+        elif d >= 0:
+            why, f = f"above the ceiling (edge {hi:+.3e}), a rise of unresolved sign: factor held", prev
+        else:
+            why = f"above the ceiling (edge {hi:+.3e}), a fall of unresolved sign: the factor recovers (only the step lowers entropy)"
     elif edge is None or d - rule.z * se >= edge:
         why = "inside the band"
     elif edge > 0 and d - rule.z * se < 0:
