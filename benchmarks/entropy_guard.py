@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import guard_seeds  # noqa: E402
 from grpo_setup import build_trainer  # noqa: E402
 
 
@@ -61,23 +62,37 @@ def run(out: str, a, guard: dict | None, name: str = "") -> dict:
             "probe_s": cb.guard.time_s if guard is not None else sum(r["time_s"] for r in cb.history)}
 
 
-def load_runs(paths: list[str]) -> dict:
-    """The runs of ``--json`` files (each a dict of runs by name), as ``run`` returns them, so that runs
-    made as separate processes (one per core) are reported and plotted together."""
-    import json
-
+def load_runs_of(data: dict) -> dict:
+    """The runs of one ``--json`` dict (runs by name), as ``run`` returns them, so that runs made as
+    separate processes (one per core) are reported and plotted together."""
     from entprobe.integrations.guard import Decision
 
     runs = {}
-    for path in paths:
-        for name, r in json.loads(Path(path).read_text()).items():
-            prev, decisions = 1.0, []
-            for step, action, factor, reason in r["decisions"]:
-                decisions.append(Decision(step=step, factor=factor, action=action, reason=reason, prev=prev))
-                prev = factor
-            runs[name] = {"logs": r["logs"], "history": r["probes"], "decisions": decisions, "lrs": r["lrs"],
-                          "coefs": r["entropy_coef"], "wall": r["wall_s"], "probe_s": r["probe_s"]}
+    for name, r in data.items():
+        prev, decisions = 1.0, []
+        for step, action, factor, reason in r["decisions"]:
+            decisions.append(Decision(step=step, factor=factor, action=action, reason=reason, prev=prev))
+            prev = factor
+        runs[name] = {"logs": r["logs"], "history": r["probes"], "decisions": decisions, "lrs": r["lrs"],
+                      "coefs": r["entropy_coef"], "wall": r["wall_s"], "probe_s": r["probe_s"]}
     return runs
+
+
+def load_seeds(paths: list[str]) -> dict[int, dict]:
+    """``--from-json`` files as ``{seed: runs}``: a file of one seed (its runs by name; the seed is not
+    recorded there, so such files count as seed 0 and their runs are merged) or of several (``seed <n>``
+    keys, as ``--seeds`` writes them)."""
+    import json
+
+    out: dict[int, dict] = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if data and all(k.startswith("seed ") for k in data):
+            for key, runs in data.items():
+                out.setdefault(int(key.split()[1]), {}).update(load_runs_of(runs))
+        else:
+            out.setdefault(0, {}).update(load_runs_of(data))
+    return out
 
 
 def resolved(lo: float, hi: float) -> bool:
@@ -187,6 +202,8 @@ def main() -> None:
     ap.add_argument("--B", type=int, default=16, help="prompts per step (G = 4)")
     ap.add_argument("--B-E", type=int, default=32, help="held-out prompts per probe")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default=None, help="comma-separated seeds: the runs of each in turn, then a table over "
+                    "seeds (benchmarks/guard_seeds.py); --out plots the first seed's")
     ap.add_argument("--floor", type=float, default=0.2, help="the guard's floor (nats, the probe's H)")
     ap.add_argument("--max-decay", type=float, default=0.05, help="the largest decrease per step (nats)")
     ap.add_argument("--z", type=float, default=1.96)
@@ -220,17 +237,49 @@ def main() -> None:
     ap.add_argument("--from-json", default=None, help="comma-separated --json files of earlier runs (e.g. one "
                     "process per run): report and plot those runs (the other options as they ran), train nothing")
     a = ap.parse_args()
+    seeds = [int(v) for v in a.seeds.split(",")] if a.seeds else [a.seed]
     guard = {"floor": a.floor, "max_decay": a.max_decay, "z": a.z, "min_factor": a.min_factor}
-    runs = load_runs(a.from_json.split(",")) if a.from_json else {}
-    for r in runs.values():
-        r["floor"] = a.floor
+    by_seed = load_seeds(a.from_json.split(",")) if a.from_json else {}
     with tempfile.TemporaryDirectory() as out:
-        for name in a.runs.split(",") if not a.from_json else ():
-            runs[name] = run(out, a, None if name in ("unguarded", "lower_lr", "trl_adaptive") else guard, name)
-            runs[name]["floor"] = a.floor
-            r = runs[name]  # as each run ends: a long run's figures are not lost to a later one's failure
-            print(f"[{name}] done in {r['wall']:.0f} s: entropy by step "
-                  + " ".join(f"{h['entropy']:.2f}" for h in r["logs"]), flush=True)
+        for seed in seeds if not a.from_json else ():
+            a.seed, runs = seed, by_seed.setdefault(seed, {})
+            for name in a.runs.split(","):
+                runs[name] = run(out, a, None if name in ("unguarded", "lower_lr", "trl_adaptive") else guard, name)
+                r = runs[name]  # as each run ends: a long run's figures are not lost to a later one's failure
+                print(f"[{name}{f', seed {seed}' if len(seeds) > 1 else ''}] done in {r['wall']:.0f} s: entropy by step "
+                      + " ".join(f"{h['entropy']:.2f}" for h in r["logs"]), flush=True)
+    for runs in by_seed.values():
+        for r in runs.values():
+            r["floor"] = a.floor
+    for seed, runs in by_seed.items():
+        if len(by_seed) > 1:
+            print(f"seed {seed}:")
+        report(runs, a, guard)
+    if len(by_seed) > 1:
+        print(f"over {len(by_seed)} seeds ({', '.join(map(str, by_seed))}):")
+        print("\n".join(guard_seeds.markdown({s: {n: figures(r) for n, r in runs.items()} for s, runs in by_seed.items()})))
+    if a.json and not a.from_json:
+        import json
+
+        keep = ("step", "entropy", "reward")
+        dump = {seed: {name: {
+            "logs": [{k: h[k] for k in keep if k in h} for h in r["logs"]], "lrs": r["lrs"], "entropy_coef": r["coefs"],
+            "wall_s": r["wall"],
+            "probe_s": r["probe_s"], "decisions": [[d.step, d.action, d.factor, d.reason] for d in r["decisions"]],
+            "probes": [{k: v for k, v in h.items() if isinstance(v, (int, float, str, bool))} for h in r["history"]]}
+            for name, r in runs.items()} for seed, runs in by_seed.items()}
+        # one seed: its runs by name (the format of the earlier files); several: by "seed <n>", then by name
+        Path(a.json).write_text(json.dumps(dump[seeds[0]] if len(dump) == 1 else {f"seed {s}": v for s, v in dump.items()},
+                                           default=str))
+        print(f"runs: {a.json}")
+    if a.out:
+        plot(next(iter(by_seed.values())), a, a.out)
+        print(f"figure: {a.out}{f' (seed {next(iter(by_seed))})' if len(by_seed) > 1 else ''}")
+
+
+def report(runs: dict, a, guard: dict) -> None:
+    """The figures of one seed's runs (``figures``), the online probe's agreement and the guard's first
+    ``--show`` decisions."""
     print(f"{a.steps} steps at lr {a.lr} (constant), B = {a.B} prompts x G = 4, B_E = {a.B_E}; guard {guard}, "
           f"every {a.guard_every}")
     for name, r in runs.items():
@@ -257,20 +306,6 @@ def main() -> None:
     for name in ("guarded", "forecast", "recommended"):
         for d in runs.get(name, {"decisions": []})["decisions"][:a.show]:
             print(f"  {name} step {d.step}: {d.action} x{d.factor:.3g}: {d.reason}")
-    if a.json and not a.from_json:
-        import json
-
-        keep = ("step", "entropy", "reward")
-        Path(a.json).write_text(json.dumps({name: {
-            "logs": [{k: h[k] for k in keep if k in h} for h in r["logs"]], "lrs": r["lrs"], "entropy_coef": r["coefs"],
-            "wall_s": r["wall"],
-            "probe_s": r["probe_s"], "decisions": [[d.step, d.action, d.factor, d.reason] for d in r["decisions"]],
-            "probes": [{k: v for k, v in h.items() if isinstance(v, (int, float, str, bool))} for h in r["history"]]}
-            for name, r in runs.items()}, default=str))
-        print(f"runs: {a.json}")
-    if a.out:
-        plot(runs, a, a.out)
-        print(f"figure: {a.out}")
 
 
 if __name__ == "__main__":

@@ -197,6 +197,9 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "--json /tmp/guard_smollm2_recommended.json": ("slow", ""),
     "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --runs recommended,trl_adaptive --ceiling 0.5":
         ("run", "tests/test_guard_ceiling.py::test_the_documented_ceiling_command_runs"),
+    "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --runs unguarded,recommended,trl_adaptive,lower_lr "
+    "--ceiling 0.5 --seeds 0,1,2,3,4 --json /tmp/guard_builtin_seeds.json":
+        ("run", "tests/test_guard_seeds.py::test_the_documented_seeds_command_runs_and_reads_back"),
     # docs/guard.md: the second task (the sum anywhere, 16 tokens), four runs, then the same runs reported together
     "OMP_NUM_THREADS=1 python benchmarks/entropy_guard.py --model smollm2 --steps 50 --lr 1e-4 --B 4 --B-E 4 "
     "--max-new 16 --scoring any --floor 0.5 --horizon 5 --probe-every 25 --lower-lr 2e-5 --weighting-mode token_mean "
