@@ -183,10 +183,17 @@ def _closed_form(ctx: ProbeContext, optimizer: torch.optim.Optimizer, Ybar: pv.B
             torch.mul(ins["theta"], -h.lr * h.weight_decay, out=out["weight_decay"])
 
     def jacobian(ch, h, ins, out, scratch):
-        if adam:
-            adamw_jacobian_times_into(ins["y"], ins["m"], ins["v"], h, ins["x"], out["jx"], *scratch)
-        else:
+        if not adam:
             torch.mul(ins["x"], h.lr, out=out["jx"])
+            return
+        # block by block (ud.BLOCK elements): the 13 elementwise passes stay in cache, and only the first
+        # block of the scratch tensors is touched (a fresh parameter-sized scratch is page-faulted in full:
+        # 0.6 s for 28 M elements on a 2-core VM, against 0.08 s for the blocked passes over them)
+        n = ins["y"].numel()
+        for a in range(0, n, ud.BLOCK):
+            b = min(a + ud.BLOCK, n)
+            adamw_jacobian_times_into(ins["y"][a:b], ins["m"][a:b], ins["v"][a:b], h, ins["x"][a:b], out["jx"][a:b],
+                                      scratch[0][:b - a], scratch[1][:b - a])
 
     def jacobian_times_into(xs: pv.Buffer, out: pv.Buffer) -> None:
         """``J^T x = s J_0 x + kappa (Ybar . J_0 x) Ybar`` (math/adamw.py; ``J_0 x`` without clipping):
