@@ -45,7 +45,6 @@ and their paired difference); None measures nothing (``deltaH1_step`` is still r
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -65,7 +64,8 @@ from entprobe.tasks.prompt_ids import prompt_kwargs
 from entprobe.rollouts.sampling import RolloutBatch, draw_prompt_indices, sample_batch
 from entprobe.rollouts.logprobs import autocast_dtype
 from entprobe.integrations.online_config import SOURCES, one_lr as _one_lr, online_config
-from entprobe.integrations.online_checks import check_every, check_rollouts, step_check, still_check, theta_sum
+from entprobe.integrations.online_checks import (check_bonus_args, check_every, check_rollouts, step_check,
+                                                 still_check, theta_sum)
 from entprobe.pipeline.stages.forward_precision import forward_dtype, forward_eps
 from entprobe.pipeline.stages.ground_truth import (eval_at_current, importance_estimates,
                                                    token_side, token_side_needed, true_change)
@@ -191,14 +191,15 @@ class OnlineProbe:
                             "dr_grpo", b.adv_eps, **prompt_kwargs(self.cfg, "memory"))
 
     def before_step(self, step: int, rollouts: RolloutBatch | None = None, grad_norm: float | None = None,
-                    entropy_coef: float = 0.0, bonus_effect: bool = False) -> bool:
+                    entropy_coef: float = 0.0, bonus_effect: bool = False, given=None) -> bool:
         """Call with the step's gradient in ``.grad``, before ``optimizer.step()``; with
         ``source="rollouts"``, ``rollouts`` is the batch that gradient was computed on (its
         advantages as the loss used them) and ``grad_norm`` the gradient's norm before clipping (what
         ``clip_grad_norm_`` returned; needed when ``max_grad_norm`` clipped it). ``entropy_coef``: the
         coefficient c of TRL's entropy bonus in the loss that gradient came from (``L_policy - c H``; 0:
         none); ``bonus_effect``: also predict the change per unit of c (source="rollouts";
-        stages/rollout_bonus.py). Returns whether it predicted (``due``)."""
+        stages/rollout_bonus.py); ``given``: the batch's per-prompt passes made already (a
+        ``trl_fused.FusedPasses``: the gradient in ``.grad`` is their Y sum). Returns whether it predicted (``due``)."""
         check_bonus_args(entropy_coef, bonus_effect, self.source)
         self._pending = None
         if not self.due(step):
@@ -235,7 +236,8 @@ class OnlineProbe:
                 ro = rollouts_prediction(ctx, cfg, rollouts, update, lambda y: build_step_model(
                     ctx, geo.optimizer, geo.lr, y, geo.P, "optimizer", None), Ybar, self.max_grad_norm, grad_norm,
                     float(entropy_coef), bonus_effect, probe_subset(cfg.probe.rollouts_prompts, rollouts.B,
-                                                                    cfg.batch.seed_E, step, self._checked))
+                                                                    cfg.batch.seed_E, step, self._checked),
+                    given.units if given is not None else None)
                 self._checked = self._checked or (ro.res.get("rollouts/grad_residual") is not None
                                                   and not ro.res.get("gradient_zero"))
                 res, Xbar, H = dict(ro.res), ro.Xbar, ro.res["H_orig"]
@@ -273,6 +275,9 @@ class OnlineProbe:
             torch.promote_types(ctx.buffers_dtype, torch.float32)})
         self._pending = _Pending(step, E, pred, x_theta, res, H, Xbar, ro, step_dot, step_mag, x_theta_abs, u)
         self._ctx, self._t, self._cpu = ctx, _now() - t0, time.process_time() - c0
+        if given is not None:  # the passes made in the trainer's compute_loss are the probe's too
+            self._t, self._cpu = self._t + given.wall_s, self._cpu + given.cpu_s
+            ctx.stats.seconds["rollouts_fused"], ctx.stats.cpu_seconds["rollouts_fused"] = given.wall_s, given.cpu_s
         return True
 
     def after_step(self) -> dict | None:
@@ -385,15 +390,6 @@ class OnlineProbe:
             pend.res.update(self.filter.rescale(factor))
         if pend.pred is not None:
             pend.pred.e = pend.pred.e * factor
-
-
-def check_bonus_args(entropy_coef, bonus_effect: bool, source: str) -> None:
-    """``before_step``'s entropy-bonus arguments: a finite coefficient >= 0; its effect only from the step's batch."""
-    if isinstance(entropy_coef, bool) or not isinstance(entropy_coef, numbers.Real) or not 0 <= entropy_coef < float("inf"):
-        raise ConfigError(f"entropy_coef={entropy_coef!r}: the entropy bonus's coefficient in your loss, a finite number >= 0")
-    if bonus_effect and source != "rollouts":
-        raise ConfigError("bonus_effect=True: the bonus's effect is read from the step's own batch; use "
-                          "OnlineProbe(..., source='rollouts')")
 
 
 def _now() -> float:

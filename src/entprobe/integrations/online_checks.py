@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -71,3 +72,12 @@ def still_check(before: float, after: float) -> dict:
             f"the step taken is not the one predicted: the update was exactly 0 (every group tied, nothing "
             f"carried), but the parameters' sum moved by {diff:.6g}")})
     return out
+
+
+def check_bonus_args(entropy_coef, bonus_effect: bool, source: str) -> None:
+    """``before_step``'s entropy-bonus arguments: a finite coefficient >= 0; its effect only from the step's batch."""
+    if isinstance(entropy_coef, bool) or not isinstance(entropy_coef, numbers.Real) or not 0 <= entropy_coef < float("inf"):
+        raise ConfigError(f"entropy_coef={entropy_coef!r}: the entropy bonus's coefficient in your loss, a finite number >= 0")
+    if bonus_effect and source != "rollouts":
+        raise ConfigError("bonus_effect=True: the bonus's effect is read from the step's own batch; use "
+                          "OnlineProbe(..., source='rollouts')")

@@ -91,6 +91,45 @@ def _take_grads(ctx: ProbeContext) -> pv.Buffer:
     return out
 
 
+@dataclass
+class PromptGrads:
+    """One prompt's passes: its sequence log-probs S [G] and token entropies [G, T] at theta (CPU; None
+    without them), X_n and Y_n (parameter-sized, on the model's device; Y_n None: its Y weights are all 0)."""
+    S: torch.Tensor
+    ent: torch.Tensor | None
+    X: pv.Buffer
+    Y: pv.Buffer | None
+
+
+def prompt_grads(ctx: ProbeContext, batch: RolloutBatch, n: int, zero_y: bool, with_entropy,
+                 bonus: ob.EntropyBonus | None = None) -> PromptGrads:
+    """Prompt n's forward (token entropies too with ``with_entropy``), the X backward (its graph kept
+    for Y) and, unless ``zero_y`` (every Y weight 0), the Y backward of the objective (plus the bonus's
+    share with ``bonus``), the gradients taken from ``.grad`` without a copy."""
+    unit = batch.select(n)
+    what = f"source=rollouts, prompt {n}"
+    fwd = ctx.forward_S(unit, what, with_entropy=with_entropy)
+    x_loss = ctx.x.loss(fwd, unit)
+    require_grad_path(x_loss, what)
+    x_loss.backward(retain_graph=not zero_y)
+    check_grads(ctx, f"{what} (X)")
+    X = _take_grads(ctx)
+    Y = None
+    if not zero_y:
+        y_loss = ctx.y_loss(fwd.S, unit)
+        (y_loss if bonus is None else y_loss + bonus.y_loss(fwd.ent)).backward()
+        check_grads(ctx, f"{what} (Y)")
+        Y = _take_grads(ctx)
+    ctx.stats.count("backward", (1 if zero_y else 2) * unit.G)
+    return PromptGrads(fwd.S.detach().cpu(), fwd.ent.detach().cpu() if fwd.ent is not None else None, X, Y)
+
+
+def zero_y_prompts(ctx: ProbeContext, batch: RolloutBatch, bonus: ob.EntropyBonus | None) -> list[bool]:
+    """Per prompt, whether its Y weights are all 0 (every advantage 0: a group of equal rewards), so that
+    Y_n = 0 takes no backward (never with the entropy bonus, whose gradient every prompt carries)."""
+    return [bonus is None and not bool(ctx.y_weights(unit, "cpu").any()) for _, unit in batch.microbatches(1)]
+
+
 def keeps_y(ctx: ProbeContext, B: int, budget_mb: float) -> bool:
     """Whether the B prompts' Y_n (parameter-sized, the gradients' dtype) fit ``budget_mb``."""
     per = sum(p.numel() * p.element_size() for p in ctx.params)
@@ -162,7 +201,7 @@ def _unit_dots(rows: list, loo: list, yy: list, yjx: torch.Tensor, xjyn: list, s
 def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step_at: Callable[[pv.Buffer], StepModel],
                    y: pv.Buffer, c: float, max_grad_norm: float | None, budget_mb: float,
                    bonus: ob.EntropyBonus | None = None, bonus_effect: bool = False,
-                   subset: list[int] | None = None) -> RolloutPasses:
+                   subset: list[int] | None = None, given: dict[int, PromptGrads] | None = None) -> RolloutPasses:
     """The per-prompt dots of the batch the optimizer is about to step on (module docstring).
     ``y``: the step's gradient input (minus ``.grad``, on the model's device), ``c`` its clip
     coefficient (``y = c Ybar``, 1 unclipped), ``max_grad_norm`` the trainer's clipping;
@@ -171,7 +210,9 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
     per-prompt effect of the bonus per unit coefficient (module docstring); ``subset``: the prompts
     whose X_n and Y_n are formed (math/rollout_subset.py; None: all), each against the update without
     it of all B; the dots and S, entropies are then the subset's, in its order, Xbar its mean, and
-    ``residual`` nan (Ybar over all B is not formed: the objective is not checked)."""
+    ``residual`` nan (Ybar over all B is not formed: the objective is not checked); ``given``: every
+    prompt's passes made already (``PromptGrads`` by prompt, consumed: the trainer's step took their Y
+    sum as its gradient, integrations/trl_fused.py), so that none is run here."""
     if step.jacobian_times_into is None:
         raise ValueError(f"source=rollouts needs the update's Jacobian in closed form (AdamW or SGD without "
                          f"clipping inside the optimizer); the step model here is {step.kind}")
@@ -212,7 +253,7 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
     bonus_units = torch.zeros(B, dtype=torch.float64) if bonus_effect else None
     # a prompt whose Y weights are all 0 (every advantage 0: a group of equal rewards) has Y_n = 0: no
     # Y backward, and (uncoupled objectives) the same update without it as every other such prompt
-    zero_y = [bonus is None and not bool(ctx.y_weights(unit, "cpu").any()) for _, unit in batch.microbatches(1)]
+    zero_y = zero_y_prompts(ctx, batch, bonus)
     n_y = sum(not zero_y[n] for n in units)
     keep = keeps_y(ctx, n_y, budget_mb)
     pair_dtype = pair_copies(ctx, n_y, k_units, budget_mb) if keep else None
@@ -227,24 +268,15 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
     ctx.zero_grad()
     with ctx.phase("rollouts_units"):
         for n in order:
-            unit = batch.select(n)
-            what = f"source=rollouts, prompt {n}"
-            with torch.enable_grad():
-                fwd = ctx.forward_S(unit, what, with_entropy=with_entropy)
-                x_loss = ctx.x.loss(fwd, unit)
-                require_grad_path(x_loss, what)
-                x_loss.backward(retain_graph=not zero_y[n])
-                check_grads(ctx, f"{what} (X)")
-                X = _take_grads(ctx)
-                Y = None
-                if not zero_y[n]:
-                    y_loss = ctx.y_loss(fwd.S, unit)
-                    (y_loss if bonus is None else y_loss + bonus.y_loss(fwd.ent)).backward()
-                    check_grads(ctx, f"{what} (Y)")
-                    Y = _take_grads(ctx)
-                    if fold:
-                        rb.fold_bonus_(Y, gH, bonus.coef, k_tok[n])
-            ctx.stats.count("backward", (1 if zero_y[n] else 2) * unit.G)
+            if given is not None:  # the passes ran already (the trainer's step took their Y sum)
+                g = given.pop(n)
+            else:
+                with torch.enable_grad():
+                    g = prompt_grads(ctx, batch, n, zero_y[n], with_entropy, bonus)
+                if fold and g.Y is not None:
+                    rb.fold_bonus_(g.Y, gH, bonus.coef, k_tok[n])
+            S_n, ent_n, X, Y = g.S, g.ent, g.X, g.Y
+            del g
             yy[n] = zero if Y is None else _dot(Y, y)
             if jgh is not None:
                 bonus_units[n] = -float(_dot(X, jgh))
@@ -284,10 +316,9 @@ def rollout_passes(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step
                 kept[n] = Y
             if pair_dtype is not None:
                 pairs[n, n] = float(xjyn[n])
-            S_all[n] = fwd.S.detach().cpu()
-            if fwd.ent is not None:
-                ent_all[n] = fwd.ent.detach().cpu()
-            del X, Y, fwd, x_loss
+            S_all[n] = S_n
+            ent_all[n] = ent_n
+            del X, Y
     del loo_set, y_loo, kept_jx, jgh
     Xbar = pv.scale_(Xsum, 1.0 / k_units)
     if fused:  # Xbar . each part, before J's buffer takes J Xbar

@@ -100,7 +100,7 @@ def clip_of(y_norm: float, max_grad_norm: float | None, grad_norm: float | None)
 def predict_on_rollouts(ctx: ProbeContext, batch: RolloutBatch, step: StepModel, step_at, y: pv.Buffer,
                         max_grad_norm: float | None, grad_norm: float | None, budget_mb: float,
                         bonus: ob.EntropyBonus | None = None, bonus_effect: bool = False,
-                        subset: list[int] | None = None) -> RolloutPrediction:
+                        subset: list[int] | None = None, given: dict | None = None) -> RolloutPrediction:
     """The cross-prompt prediction of the step about to be taken on ``batch`` (module docstring):
     ``y`` is minus the gradient in ``.grad`` (after any clipping: ``max_grad_norm``, the trainer's,
     and ``grad_norm``, the norm before it), ``ctx.objective`` the trainer's loss bound to the batch
@@ -108,7 +108,7 @@ def predict_on_rollouts(ctx: ProbeContext, batch: RolloutBatch, step: StepModel,
     bonus in that loss, ``bonus_effect``: also its effect per unit coefficient (``bonus_effect`` +-
     ``SE_bonus_effect``, stages/rollout_bonus.py); ``subset``: probe only these of the batch's prompts
     (math/rollout_subset.py; their X_n and Y_n, the update from all), the objective then not checked
-    against ``.grad``."""
+    against ``.grad``; ``given``: the per-prompt passes made already (``rollout_passes``'s)."""
     y_norm = pv.norm(y)
     c = clip_of(y_norm, max_grad_norm, grad_norm)
     # every group tied (y exactly 0), nothing carried (momentum part 0) and no decay: nothing moves
@@ -117,7 +117,7 @@ def predict_on_rollouts(ctx: ProbeContext, batch: RolloutBatch, step: StepModel,
         return still_prediction(ctx, batch, step)
     if subset is not None and len(subset) >= batch.B:
         subset = None
-    rp = rollout_passes(ctx, batch, step, step_at, y, c, max_grad_norm, budget_mb, bonus, bonus_effect, subset)
+    rp = rollout_passes(ctx, batch, step, step_at, y, c, max_grad_norm, budget_mb, bonus, bonus_effect, subset, given)
     residual = rp.residual / rp.y_norm if rp.y_norm > 0 else (0.0 if rp.ybar_norm == 0 else math.inf)
     if subset is None and not residual <= GRADIENT_MISMATCH:
         scale = rp.ybar_dot_y / rp.ybar_norm ** 2 if rp.ybar_norm > 0 else math.nan
@@ -201,11 +201,12 @@ def still_prediction(ctx: ProbeContext, batch: RolloutBatch, step: StepModel) ->
 def rollouts_prediction(ctx: ProbeContext, cfg: EntprobeConfig, batch: RolloutBatch, step: StepModel, step_at,
                         y: pv.Buffer, max_grad_norm: float | None, grad_norm: float | None,
                         entropy_coef: float = 0.0, bonus_effect: bool = False,
-                        subset: list[int] | None = None) -> RolloutPrediction:
+                        subset: list[int] | None = None, given: dict | None = None) -> RolloutPrediction:
     """``predict_on_rollouts`` with the objective of ``cfg.objective`` bound to ``batch`` (its
     advantages as given: the trainer's), checked to be a batch the probe can read; ``entropy_coef``:
     the coefficient of TRL's entropy bonus in the loss the gradient came from (0: none); ``subset``: the
-    prompts probed (``probe_subset``; None: all)."""
+    prompts probed (``probe_subset``; None: all); ``given``: the per-prompt passes made already, by prompt
+    (integrations/trl_fused.py: the trainer's gradient is their Y sum)."""
     if batch.temperature != cfg.sampling.temperature:
         raise ConfigError(f"source=rollouts: the batch was sampled at temperature {batch.temperature}, the probe's "
                           f"log-probs use sampling.temperature={cfg.sampling.temperature}: make them agree")
@@ -218,7 +219,9 @@ def rollouts_prediction(ctx: ProbeContext, cfg: EntprobeConfig, batch: RolloutBa
             ob.scale_rewards_choice(cfg.objective.scale_rewards) == "batch"
         rb.check_bonus(ctx.objective, batch_std)
     ro = predict_on_rollouts(ctx, batch, step, step_at, y, max_grad_norm, grad_norm, cfg.probe.unit_grads_budget_mb,
-                             bonus, bonus_effect, subset)
+                             bonus, bonus_effect, subset, given)
+    if given is not None:
+        ro.res["rollouts/fused_backward"] = True
     if bonus is not None:
         ro.res["entropy_coef"] = bonus.coef
     if ctx.x.mode == "token_mean" and ctx.x.kappa is not None:
