@@ -36,6 +36,7 @@ from entprobe.config import ConfigError
 from entprobe.math.importance import psis_backend
 from entprobe.integrations.online import SOURCES, OnlineProbe, online_config
 from entprobe.integrations.online_checks import check_every
+from entprobe.integrations.trl_fused import FUSE_RESIDUAL, FusedBackward, fits
 from entprobe.integrations.trl_rollouts import (StepBatch, kappa_agrees, trl_entropy_coef, trl_objective,
                                                 trl_rollout_batch, trl_token_entropy)
 from entprobe.reporting.over_steps import merged_history, write_history
@@ -96,10 +97,12 @@ class EntropyProbeCallback(TrainerCallback):
     ``source="rollouts"``: predict from the step's own generation batch (``OnlineProbe``'s
     ``source``; the loss is the trainer's, ``trl_rollouts.trl_objective``), no generation for the
     prediction; ``measure=True`` also samples a fresh E of ``batch.B_E`` prompts to measure the step
-    on (the held-out source always does)."""
+    on (the held-out source always does). ``fused_backward=True`` (source="rollouts"): on a probed step
+    the trainer's gradient is the sum of the probe's per-prompt passes and its own backward is skipped
+    (trl_fused.py: when that gradient has been checked to be the trainer's; the last bits can differ)."""
 
     def __init__(self, trainer, every_n_steps: int = 10, source: str = "held_out", measure: bool | None = None,
-                 **overrides):
+                 fused_backward: bool = False, **overrides):
         args = trainer.args
         check_every(every_n_steps, "every_n_steps")
         if source not in SOURCES:
@@ -122,6 +125,11 @@ class EntropyProbeCallback(TrainerCallback):
                  "sampling.top_k": int(args.top_k or 0), "sampling.top_p": float(args.top_p)}
         if source == "rollouts":
             fixed.update(trl_objective(trainer))
+        if fused_backward and source != "rollouts":
+            raise ConfigError("fused_backward=True: the trainer's gradient comes from the probe's per-prompt passes "
+                              "of the step's own batch; use source='rollouts'")
+        self.fused = FusedBackward(self) if fused_backward else None
+        self._fuse_ok = False  # an earlier probe checked the objective's gradient against the trainer's (FUSE_RESIDUAL)
         self.source, self.measure = source, source == "held_out" or bool(measure)
         self.cfg = online_config(overrides, fixed, source)  # bad keys fail here, before training (not composed again)
         self.step_batch = StepBatch()
@@ -163,19 +171,41 @@ class EntropyProbeCallback(TrainerCallback):
                                  max_grad_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None)
         if self.source == "rollouts":
             self.step_batch.install(tr)
+        if self.fused is not None:
+            self.fused.install(tr)
         cbs = tr.callback_handler.callbacks  # first: the reporting callbacks see what on_log adds
         cbs.insert(0, cbs.pop(cbs.index(self)))
 
-    def step_rollouts(self, step: int) -> dict:
-        """``before_step``'s keywords for ``source="rollouts"``: the step's batch and pre-clip norm."""
-        if self.source != "rollouts" or not self.probe.due(step):
-            return {}
-        sb = self.step_batch
-        batch = sb.batch(self.trainer.num_generations, self.cfg.sampling.temperature)
+    def step_batch_now(self) -> RolloutBatch:
+        """The step's batch as the probe reads it, with TRL's logged entropy as token_mean's constant once
+        a probe's own agreed with it (then no forward of the probe's own for it)."""
+        batch = self.step_batch.batch(self.trainer.num_generations, self.cfg.sampling.temperature)
         self._trl_kappa = trl_token_entropy(self.trainer) if self.cfg.probe.weighting_mode.value == "token_mean" else None
         if self._trl_kappa is not None and self._kappa_agrees:
-            batch.entropy_mean = self._trl_kappa  # token_mean's constant: no forward of the probe's own
-        return {"rollouts": batch, "grad_norm": sb.grad_norm, "entropy_coef": trl_entropy_coef(self.trainer)}
+            batch.entropy_mean = self._trl_kappa
+        return batch
+
+    def step_rollouts(self, step: int) -> dict:
+        """``before_step``'s keywords for ``source="rollouts"``: the step's batch and pre-clip norm (and the
+        per-prompt passes when the step was fused: trl_fused.py)."""
+        if self.source != "rollouts" or not self.probe.due(step):
+            return {}
+        given = self.fused.take(step) if self.fused is not None else None
+        batch = given.batch if given is not None else self.step_batch_now()
+        out = {"rollouts": batch, "grad_norm": self.step_batch.grad_norm, "entropy_coef": trl_entropy_coef(self.trainer)}
+        return {**out, "given": given} if given is not None else out
+
+    def fusable(self, step: int) -> bool:
+        """Whether ``step``'s gradient is to come from the probe's passes (trl_fused.py's conditions), asked
+        in its ``compute_loss``, the step's batch generated."""
+        tr, cfg, out = self.trainer, self.cfg, self.step_batch.output
+        if out is None or not (self._fuse_ok and self.probe.due(step) and tr.args.gradient_accumulation_steps == 1
+                               and not getattr(tr, "_entropy_bonus_enabled", False)):  # no bonus, adaptive or not
+            return False
+        B = out["completion_ids"].shape[0] // tr.num_generations
+        if cfg.probe.rollouts_prompts is not None and cfg.probe.rollouts_prompts < B:
+            return False
+        return fits([p for p in tr.model.parameters() if p.requires_grad], B, cfg.probe.unit_grads_budget_mb)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         step = state.global_step + 1  # the step about to be taken
@@ -187,6 +217,16 @@ class EntropyProbeCallback(TrainerCallback):
             self._kappa_agrees = kappa_agrees(self.history[-1].get("rollouts/kappa"), self._trl_kappa)
         if metrics:
             self._to_log.update(metrics)
+            self.check_fusable(self.history[-1])
+
+    def check_fusable(self, res: dict) -> None:
+        """After a probe that compared the objective's gradient with the trainer's own on a whole batch
+        (not fused, not a subset, the gradient not 0): whether later probed steps may take their gradient
+        from the probe's passes (``fused_backward``; its residual at most ``FUSE_RESIDUAL``)."""
+        r = res.get("rollouts/grad_residual")
+        if self.fused is not None and r is not None and not res.get("rollouts/fused_backward") \
+                and not res.get("gradient_zero"):
+            self._fuse_ok = r <= FUSE_RESIDUAL
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is not None and "entropy" in logs and self.feeds_entropy(args):  # joins the run's forecast
@@ -212,6 +252,8 @@ class EntropyProbeCallback(TrainerCallback):
         trainer's own methods are put back (``source="rollouts"``)."""
         if getattr(self, "step_batch", None) is not None:
             self.step_batch.uninstall()
+        if getattr(self, "fused", None) is not None:
+            self.fused.uninstall()
         if state.is_world_process_zero:
             if self.history and getattr(self, "_t_begin", None) is not None:
                 print(cost_line(self.history, time.perf_counter() - self._t_begin, self.every), flush=True)
