@@ -92,7 +92,7 @@ def timed_run(out: str, a, probe: bool) -> dict:
               if v is not None}
         extra = {"probe": pk} if pk else {}
         if a.source == "rollouts":
-            extra.update(source="rollouts", measure=a.measure)
+            extra.update(source="rollouts", measure=a.measure, fused_backward=a.fused_backward)
         cb = EntropyProbeCallback(tr, every_n_steps=a.every, batch={"B_E": a.B_E}, **extra)
         tr.add_callback(cb)
     tr.add_callback(clock)
@@ -105,6 +105,7 @@ def timed_run(out: str, a, probe: bool) -> dict:
 # the probe's phases (ProbeContext.phase names), in the order they run
 PHASES = {"sample_E": "sample E (the trainer's generation)", "geometry": "geometry + update model",
           "step_parts": "update's parts (closed form)", "x_constants": "token_mean's constants (a forward)",
+          "rollouts_fused": "rollouts: passes in the trainer's step (fused)",
           "rollouts_units": "rollouts: per prompt X, Y and dots",
           "rollouts_y": "rollouts: Y . J Xbar (second pass)",
           "accumulate_X_E": "X pass over E, per-prompt projections",
@@ -172,6 +173,7 @@ def call_times():
     import torch
     import trl
 
+    from entprobe.integrations import trl_fused
     from entprobe.integrations.online import OnlineProbe
     from entprobe.pipeline.stages.context import ProbeContext
 
@@ -197,6 +199,8 @@ def call_times():
     patches = [(torch.Tensor, "backward", lambda: "probe: backward" if inside[0] else "trainer: backward", False),
                (ProbeContext, "forward_S", lambda: "probe: forward" if inside[0] else None, False),
                (OnlineProbe, "before_step", lambda: "probe: whole", True),
+               # fused_backward: the probe's passes made in the trainer's compute_loss, in place of its backward
+               (trl_fused, "per_prompt_passes", lambda: "probe: passes in the trainer's step (fused)", True),
                (trl.GRPOTrainer, "_generate_and_score_completions", lambda: "trainer: generation + scoring", False),
                (trl.GRPOTrainer, "compute_loss", lambda: None if inside[0] else "trainer: loss forward", False)]
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _, _ in patches]
@@ -209,22 +213,32 @@ def call_times():
             setattr(owner, attr, fn)
 
 
-def units(hist: list[dict], calls: dict, steps: int, step_s: float, gen_shares: list[float], clock: str) -> dict:
+def units(hist: list[dict], calls: dict, steps: int, step_s: float, gen_shares: list[float], clock: str,
+          probed_s: list[float] | None = None) -> dict:
     """The probe in the trainer's units: its median time (``cpu_time_s``, or ``time_s`` for the wall
     clock) over the median unprobed step's (``step_s``), and over the trainer's forward + backward a
     step (``call_times``: the loss's forward and the backward, generation and the optimizer left out;
     CPU time). On a GPU, where generation takes a share g of the step and the forward + backward about
     the rest, the probe would be about ``(1 - g) x`` its forward + backward units of a step (no
-    generation in the probe). With ``probe.rollouts_prompts`` the probes of the subset only (the first
-    probe takes every prompt)."""
-    sub = [r for r in hist if r.get("rollouts/probed", r.get("rollouts/B")) != r.get("rollouts/B")]
+    generation in the probe). With ``probe.rollouts_prompts`` the probes of the subset only, with
+    ``fused_backward`` the fused ones (the first probe takes every prompt, unfused). ``probed_s``: the probed steps' own times (the same clock, in ``hist``'s
+    order), whose median less ``step_s`` is what a probe adds to its step: with ``fused_backward`` the
+    probe's passes replace the trainer's backward, so the probe's own time is not its cost; this is, and
+    the forward + backward units and the GPU projection are then taken from it."""
+    sub = [r for r in hist if r.get("rollouts/probed", r.get("rollouts/B")) != r.get("rollouts/B")
+           or r.get("rollouts/fused_backward")]  # the first probe checks the objective on the whole batch, unfused
     key = "cpu_time_s" if clock == "cpu" else "time_s"
     probe = statistics.median(r[key] for r in (sub or hist))  # a subset's: the first probe takes all
     fb = (calls.get("trainer: loss forward", [0.0])[0] + calls.get("trainer: backward", [0.0])[0]) / steps
     out = {"clock": clock, "probe_s": probe, "step_s": step_s, "probe_steps": probe / step_s,
-           "probes": len(sub or hist), "subset": bool(sub)}
+           "probes": len(sub or hist), "subset": any(r.get("rollouts/probed", r.get("rollouts/B")) != r.get("rollouts/B")
+                                                      for r in sub)}
+    later = [t for r, t in zip(hist, probed_s or []) if r in (sub or hist)]
+    if later:
+        out.update(added_s=statistics.median(later) - step_s, added_steps=statistics.median(later) / step_s - 1)
     if fb > 0 and clock == "cpu":
-        out.update(fb_s=fb, probe_fb=probe / fb, gpu_share={str(g): (1 - g) * probe / fb for g in gen_shares})
+        cost = out.get("added_s", probe)
+        out.update(fb_s=fb, probe_fb=cost / fb, gpu_share={str(g): (1 - g) * cost / fb for g in gen_shares})
     return out
 
 
@@ -233,8 +247,12 @@ def units_lines(u: dict) -> list[str]:
     out = [f"the probe in training-step units ({u['clock']} clock, median of {u['probes']}"
            f"{' subset' if u['subset'] else ''} probe(s)): {u['probe_s']:.2f} s a probe = {u['probe_steps']:.2f} "
            f"steps ({u['step_s']:.2f} s each, generation included)"]
+    if "added_s" in u:
+        out.append(f"a probed step over an unprobed one: {u['added_s']:.2f} s = {u['added_steps']:.2f} steps (what a "
+                   "probe adds to its step; with --fused-backward less than its own time: its passes are the step's "
+                   "backward)")
     if "fb_s" in u:
-        out[0] += f" = {u['probe_fb']:.2f} x the trainer's forward + backward ({u['fb_s']:.2f} s a step)"
+        out[-1] += f" = {u['probe_fb']:.2f} x the trainer's forward + backward ({u['fb_s']:.2f} s a step)"
         out += [f"  projected on a GPU step whose generation is {float(g):.0%}: {v:.2f} steps a probe"
                 for g, v in u["gpu_share"].items()]
     return out
@@ -266,6 +284,8 @@ def main() -> None:
     ap.add_argument("--clock", choices=["cpu", "wall"], default=None,
                     help="the units' clock (default: process CPU time on CPU, wall clock on cuda)")
     ap.add_argument("--json", default=None, help="also write the units as one JSON object to this file")
+    ap.add_argument("--fused-backward", action="store_true", help="--source rollouts: the callback's fused_backward "
+                    "(a probed step's gradient from the probe's per-prompt passes, the trainer's backward skipped)")
     ap.add_argument("--question", action="store_true", help="the arithmetic questions of task=arithmetic_question, "
                     "scored on the last number (SmolLM2 answers some)")
     ap.add_argument("--calls", action="store_true", help="also print the CPU time of the probe's backward passes and "
@@ -313,8 +333,9 @@ def main() -> None:
                 print(f"  {name:<34} {sec:8.2f} s over {n:3d} calls: {per:7.3f} s a {unit}")
         if unprobed:
             walls = [w for st, w, _ in first["steps"] if st not in probed]
+            at = {st: (c if a.clock == "cpu" else w) for st, w, c in first["steps"]}
             u = units(hist, calls or {}, a.steps, step_cpu if a.clock == "cpu" else statistics.median(walls),
-                      a.gpu_generation_share, a.clock)
+                      a.gpu_generation_share, a.clock, [at[r["step"]] for r in hist if r["step"] in at])
             print("\n".join(units_lines(u)))
             if a.json:
                 Path(a.json).write_text(json.dumps({"model": a.model, "prompts_per_step": a.prompts_per_step,
