@@ -80,3 +80,19 @@ def test_fused_backward_needs_the_rollouts_source(tmp_path):
     tr = build_trainer(str(tmp_path), 2, prompts_per_step=4)
     with pytest.raises(ConfigError, match="fused_backward=True: .* use source='rollouts'"):
         EntropyProbeCallback(tr, every_n_steps=2, fused_backward=True)
+
+
+def test_the_guard_fuses_too(tmp_path):
+    """``EntropyGuardCallback(..., fused_backward=True)`` (the guard's rate limit, no bonus knob): its
+    second probe is fused, and the guard decides on it as on any other."""
+    pytest.importorskip("trl")
+    from grpo_setup import build_trainer
+
+    from entprobe.integrations import EntropyGuardCallback
+
+    tr = build_trainer(str(tmp_path), 4, prompts_per_step=8)
+    cb = EntropyGuardCallback(tr, every_n_steps=2, source="rollouts", fused_backward=True, guard={"max_decay": 0.05})
+    tr.add_callback(cb)
+    tr.train()
+    assert [r.get("rollouts/fused_backward", False) for r in cb.history] == [False, True]
+    assert [d.step for d in cb.decisions] == [2, 4]

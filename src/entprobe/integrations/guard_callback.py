@@ -66,8 +66,7 @@ class EntropyGuardCallback(EntropyProbeCallback):
         dec = self.guard._decision  # the step's, before after_step measures it
         metrics = self.guard.after_step()
         self._to_log.update(metrics)
-        if metrics:
-            self.check_fusable(self.history[-1])
+        self.check_fusable()
         if dec is not None and state.is_world_process_zero:  # one line a guarded step, at the lr it used
             coef = f"; {coef_text(dec.coef)}" if dec.coef is not None else ""
             print("entprobe: " + probe_line(dec.step, metrics, self.source, metrics.get("entprobe/H_rollouts"), dec,

@@ -19,7 +19,9 @@ callbacks, so wandb / TensorBoard / ... see them) and that entry of ``trainer.st
 
 The trajectory is unchanged: gradients, RNG, modes and the optimizer are restored by the online
 probe; the trainer's own bookkeeping that its generation updates (``_metrics``, ``_logs``,
-``state.num_input_tokens_seen``) is put back after E is sampled. Needs ``num_iterations == 1`` and
+``state.num_input_tokens_seen``) is put back after E is sampled. With ``fused_backward=True`` a probed
+step's gradient is the probe's per-prompt sum instead (trl_fused.py), equal to the trainer's to fp32
+rounding, so the run is no longer bit-identical to an unprobed one. Needs ``num_iterations == 1`` and
 ``steps_per_generation == gradient_accumulation_steps`` (one generation batch per optimizer step);
 one process.
 """
@@ -217,15 +219,18 @@ class EntropyProbeCallback(TrainerCallback):
             self._kappa_agrees = kappa_agrees(self.history[-1].get("rollouts/kappa"), self._trl_kappa)
         if metrics:
             self._to_log.update(metrics)
-            self.check_fusable(self.history[-1])
+        self.check_fusable()
 
-    def check_fusable(self, res: dict) -> None:
+    def check_fusable(self) -> None:
         """After a probe that compared the objective's gradient with the trainer's own on a whole batch
-        (not fused, not a subset, the gradient not 0): whether later probed steps may take their gradient
-        from the probe's passes (``fused_backward``; its residual at most ``FUSE_RESIDUAL``)."""
+        (the last in ``history``: not fused, not a subset, the gradient not 0): whether later probed steps
+        may take their gradient from the probe's passes (``fused_backward``; its residual at most
+        ``FUSE_RESIDUAL``). Nothing without ``fused_backward`` or before the first probe."""
+        if self.fused is None or not self.history:
+            return
+        res = self.history[-1]
         r = res.get("rollouts/grad_residual")
-        if self.fused is not None and r is not None and not res.get("rollouts/fused_backward") \
-                and not res.get("gradient_zero"):
+        if r is not None and not res.get("rollouts/fused_backward") and not res.get("gradient_zero"):
             self._fuse_ok = r <= FUSE_RESIDUAL
 
     def on_log(self, args, state, control, logs=None, **kwargs):
