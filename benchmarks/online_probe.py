@@ -214,17 +214,18 @@ def call_times():
 
 
 def units(hist: list[dict], calls: dict, steps: int, step_s: float, gen_shares: list[float], clock: str,
-          probed_s: list[float] | None = None) -> dict:
+          step_times: dict[int, float] | None = None) -> dict:
     """The probe in the trainer's units: its median time (``cpu_time_s``, or ``time_s`` for the wall
     clock) over the median unprobed step's (``step_s``), and over the trainer's forward + backward a
     step (``call_times``: the loss's forward and the backward, generation and the optimizer left out;
     CPU time). On a GPU, where generation takes a share g of the step and the forward + backward about
     the rest, the probe would be about ``(1 - g) x`` its forward + backward units of a step (no
     generation in the probe). With ``probe.rollouts_prompts`` the probes of the subset only, with
-    ``fused_backward`` the fused ones (the first probe takes every prompt, unfused). ``probed_s``: the probed steps' own times (the same clock, in ``hist``'s
-    order), whose median less ``step_s`` is what a probe adds to its step: with ``fused_backward`` the
-    probe's passes replace the trainer's backward, so the probe's own time is not its cost; this is, and
-    the forward + backward units and the GPU projection are then taken from it."""
+    ``fused_backward`` the fused ones (the first probe takes every prompt, unfused). ``step_times``:
+    each step's own time by step (the same clock); the probed steps' median less ``step_s`` is what a
+    probe adds to its step: with ``fused_backward`` the probe's passes replace the trainer's backward,
+    so the probe's own time is not its cost; this is, and the forward + backward units and the GPU
+    projection are then taken from it."""
     sub = [r for r in hist if r.get("rollouts/probed", r.get("rollouts/B")) != r.get("rollouts/B")
            or r.get("rollouts/fused_backward")]  # the first probe checks the objective on the whole batch, unfused
     key = "cpu_time_s" if clock == "cpu" else "time_s"
@@ -233,7 +234,7 @@ def units(hist: list[dict], calls: dict, steps: int, step_s: float, gen_shares: 
     out = {"clock": clock, "probe_s": probe, "step_s": step_s, "probe_steps": probe / step_s,
            "probes": len(sub or hist), "subset": any(r.get("rollouts/probed", r.get("rollouts/B")) != r.get("rollouts/B")
                                                       for r in sub)}
-    later = [t for r, t in zip(hist, probed_s or []) if r in (sub or hist)]
+    later = [step_times[r["step"]] for r in (sub or hist) if r["step"] in (step_times or {})]
     if later:
         out.update(added_s=statistics.median(later) - step_s, added_steps=statistics.median(later) / step_s - 1)
     if fb > 0 and clock == "cpu":
@@ -335,7 +336,7 @@ def main() -> None:
             walls = [w for st, w, _ in first["steps"] if st not in probed]
             at = {st: (c if a.clock == "cpu" else w) for st, w, c in first["steps"]}
             u = units(hist, calls or {}, a.steps, step_cpu if a.clock == "cpu" else statistics.median(walls),
-                      a.gpu_generation_share, a.clock, [at[r["step"]] for r in hist if r["step"] in at])
+                      a.gpu_generation_share, a.clock, at)
             print("\n".join(units_lines(u)))
             if a.json:
                 Path(a.json).write_text(json.dumps({"model": a.model, "prompts_per_step": a.prompts_per_step,

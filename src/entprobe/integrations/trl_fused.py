@@ -21,8 +21,9 @@ A step is fused only when all of these hold (else the trainer and the probe run 
   as the probe keeps at its peak without fusing).
 
 What changes for the run: the gradient of a fused step is the per-prompt sum, not TRL's batched
-backward's, so it differs from TRL's in the last bits (fp32 rounding of the sum's order), and the
-trajectory after it can differ in its last bits too. Each fused probe logs ``rollouts/fused_backward``
+backward's, so it differs from TRL's in the last bits (fp32 rounding of the sum's order). AdamW can
+carry that further for entries whose gradient is at the rounding level (their update is about
+``lr sign(m)`` early on), so the run after it is not bit-identical to an unprobed one. Each fused probe logs ``rollouts/fused_backward``
 (1) beside its ``rollouts/grad_residual`` (the check of the sum against the gradient the optimizer
 stepped on, rounding only).
 """
@@ -36,7 +37,7 @@ import torch
 from entprobe.pipeline.api import left_as_it_was
 from entprobe.pipeline.in_memory import probe_context
 from entprobe.pipeline.stages.accumulate import prepare_x
-from entprobe.pipeline.stages.rollout_passes import PromptGrads, prompt_grads, zero_y_prompts
+from entprobe.pipeline.stages.rollout_passes import PromptGrads, copies_fit, prompt_grads, zero_y_prompts
 from entprobe.rollouts import objectives as ob
 from entprobe.rollouts.logprobs import autocast_dtype
 from entprobe.rollouts.sampling import RolloutBatch
@@ -59,7 +60,7 @@ class FusedPasses:
 
 def fits(params: list[torch.nn.Parameter], B: int, budget_mb: float) -> bool:
     """Whether B prompts' X_n and Y_n (2 B parameter-sized buffers in the parameters' dtypes) fit ``budget_mb``."""
-    return 2 * B * sum(p.numel() * p.element_size() for p in params) <= budget_mb * 2**20
+    return copies_fit(params, 2 * B, budget_mb)
 
 
 def per_prompt_passes(probe, batch: RolloutBatch) -> dict[int, PromptGrads]:

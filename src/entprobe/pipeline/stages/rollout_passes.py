@@ -130,10 +130,14 @@ def zero_y_prompts(ctx: ProbeContext, batch: RolloutBatch, bonus: ob.EntropyBonu
     return [bonus is None and not bool(ctx.y_weights(unit, "cpu").any()) for _, unit in batch.microbatches(1)]
 
 
+def copies_fit(params, n: int, budget_mb: float) -> bool:
+    """Whether n parameter-sized buffers (the parameters' dtypes) fit ``budget_mb``."""
+    return n * sum(p.numel() * p.element_size() for p in params) <= budget_mb * 2**20
+
+
 def keeps_y(ctx: ProbeContext, B: int, budget_mb: float) -> bool:
     """Whether the B prompts' Y_n (parameter-sized, the gradients' dtype) fit ``budget_mb``."""
-    per = sum(p.numel() * p.element_size() for p in ctx.params)
-    return B * per <= budget_mb * 2**20
+    return copies_fit(ctx.params, B, budget_mb)
 
 
 def pair_copies(ctx: ProbeContext, n_y: int, B: int, budget_mb: float) -> torch.dtype | None:
