@@ -26,6 +26,19 @@ def totals(figs: dict[int, dict[str, dict]], name: str) -> dict:
             "reward_all": mean("reward_all"), "seeds": len(rows)}
 
 
+def standard_errors(figs: dict[int, dict[str, dict]], name: str) -> dict:
+    """The standard errors of ``totals``'s means over seeds (the seeds' spread over sqrt(seeds); nan with
+    fewer than 2 seeds, or when a seed's figure is nan, as the mean is: a run too short for step 21)."""
+    rows = [runs[name] for runs in figs.values() if name in runs]
+
+    def se(key: str) -> float:
+        vals = [r[key] for r in rows]
+        if len(vals) < 2 or not all(math.isfinite(v) for v in vals):
+            return math.nan
+        return statistics.stdev(vals) / math.sqrt(len(vals))
+    return {"track": se("track"), "reward_all": se("reward_all")}
+
+
 def comparisons(figs: dict[int, dict[str, dict]], guard: str = "recommended", peer: str = "trl_adaptive",
                 lower: str = "lower_lr") -> list[str]:
     """The guarded run against its peer, seed by seed: no more steps below the floor, a mean |H - floor|
@@ -64,4 +77,6 @@ def markdown(figs: dict[int, dict[str, dict]]) -> list[str]:
     lines.append("| all | " + " | ".join(cell(totals(figs, n)) for n in names) + " |")
     lines.append("(each cell: steps below the floor / mean |H - floor| from step 21 / reward, mean of all steps; "
                  "row 'all': the steps summed, the rest averaged over seeds)")
+    lines.append("standard errors of row 'all''s means over seeds (mean |H - floor| / reward): " + "; ".join(
+        f"{n} {e['track']:.3f} / {e['reward_all']:.3f}" for n, e in ((n, standard_errors(figs, n)) for n in names)))
     return lines + comparisons(figs)

@@ -28,6 +28,17 @@ def test_totals_sum_the_steps_below_and_average_the_rest():
     assert t["track"] == pytest.approx(0.5) and t["reward_all"] == pytest.approx(0.035)
 
 
+def test_standard_errors_are_the_seeds_spread_over_their_root():
+    se = guard_seeds.standard_errors(FIGS, "recommended")  # tracks 0.4, 0.6: stdev 0.1414, over sqrt(2)
+    assert se["track"] == pytest.approx(0.1) and se["reward_all"] == pytest.approx(0.015)
+    assert "recommended 0.100 / 0.015" in guard_seeds.markdown(FIGS)[6]
+    one = guard_seeds.standard_errors({0: FIGS[0]}, "recommended")
+    assert one["track"] != one["track"]  # one seed: no spread to read (nan)
+    short = {s: {"recommended": {**f["recommended"], "track": float("nan")}} for s, f in FIGS.items()}
+    assert guard_seeds.standard_errors(short, "recommended")["track"] != 0.0  # no step 21: nan, as the mean
+    assert guard_seeds.standard_errors(short, "recommended")["reward_all"] == pytest.approx(0.015)
+
+
 def test_comparisons_count_the_seeds_that_meet_each_goal():
     peer, lower = guard_seeds.comparisons(FIGS)
     # seed 0: 0 <= 3 below, 0.4 <= 0.5, 0.05 >= 0.01; seed 1: 2 > 1 below, 0.6 > 0.5, 0.02 < 0.04
